@@ -1,0 +1,72 @@
+"""robustdist: drop-in wrappers that harden PyTorch distributed training and Ray.
+
+Importing robustdist changes no global state and imports neither torch nor ray: the public names below are
+loaded on first use. See the README for the failure modes each part handles.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from robustdist._version import __version__
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from robustdist.config import (
+        CheckpointConfig,
+        DataConfig,
+        DistributedConfig,
+        HardenConfig,
+        HealthConfig,
+        resolve_config,
+    )
+    from robustdist.errors import (
+        CheckpointCorruptError,
+        CheckpointError,
+        ConfigError,
+        HangError,
+        InitError,
+        MissingDependencyError,
+        RankDivergenceError,
+        RanksFailed,
+        RanksTimeout,
+        RobustDistError,
+        RobustDistWarning,
+        StateDictMismatchError,
+        TopologyError,
+    )
+    from robustdist.log import get_logger
+    from robustdist.testing import run_ranks
+    from robustdist.topology import Topology, detect_topology
+
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(
+        ["CheckpointConfig", "DataConfig", "DistributedConfig", "HardenConfig", "HealthConfig", "resolve_config"],
+        "robustdist.config",
+    ),
+    **dict.fromkeys(
+        ["CheckpointCorruptError", "CheckpointError", "ConfigError", "HangError", "InitError",
+         "MissingDependencyError", "RankDivergenceError", "RanksFailed", "RanksTimeout", "RobustDistError",
+         "RobustDistWarning", "StateDictMismatchError", "TopologyError"],
+        "robustdist.errors",
+    ),
+    "get_logger": "robustdist.log",
+    "run_ranks": "robustdist.testing",
+    "Topology": "robustdist.topology",
+    "detect_topology": "robustdist.topology",
+}
+
+__all__ = ["__version__", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'robustdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

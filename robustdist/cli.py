@@ -1,0 +1,111 @@
+"""The ``robustdist`` command line (also ``python -m robustdist``).
+
+``robustdist info [--json]`` prints the installed versions, the CUDA picture and the detected topology of
+this process. It reads only; it initialises nothing. Exit code 0, or 1 when the topology is inconsistent
+(the error and its fix are printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+from robustdist._version import __version__
+
+__all__ = ["main"]
+
+_PACKAGES = ("torch", "numpy", "packaging", "ray", "pyyaml", "pytest", "hypothesis")
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def collect_info() -> dict[str, Any]:
+    """Versions, CUDA and topology, as plain JSON types. Topology errors are reported, not raised."""
+    import torch
+    import torch.distributed as dist
+
+    from robustdist.errors import TopologyError
+    from robustdist.topology import detect_topology
+
+    info: dict[str, Any] = {
+        "versions": {"python": platform.python_version(), "robustdist": __version__,
+                     **{name: _version(name) for name in _PACKAGES}},
+        "platform": {"system": platform.system(), "machine": platform.machine(), "hostname": platform.node()},
+    }
+    cuda_ok = torch.cuda.is_available()
+    info["cuda"] = {
+        "available": cuda_ok,
+        "torch_cuda": torch.version.cuda,
+        "device_count": torch.cuda.device_count() if cuda_ok else 0,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda_ok else [],
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+    info["distributed"] = {
+        "available": dist.is_available(),
+        "backends": [b for b in ("gloo", "nccl", "mpi", "ucc") if dist.is_available()
+                     and getattr(dist, f"is_{b}_available", lambda: False)()],
+    }
+    try:
+        topo = detect_topology()
+    except TopologyError as e:
+        info["topology"] = {"error": str(e)}
+    else:
+        info["topology"] = {
+            "launcher": topo.launcher, "rank": topo.rank, "world_size": topo.world_size,
+            "local_rank": topo.local_rank, "local_world_size": topo.local_world_size,
+            "node_rank": topo.node_rank, "num_nodes": topo.num_nodes, "device": str(topo.device),
+            "master_addr": topo.master_addr, "master_port": topo.master_port,
+            "visible_devices": None if topo.visible_devices is None else list(topo.visible_devices),
+        }
+    return info
+
+
+def _print_table(info: dict[str, Any]) -> None:
+    rows: list[tuple[str, str]] = []
+    for section, values in info.items():
+        for key, value in values.items():
+            shown = "not installed" if value is None and section == "versions" else value
+            if isinstance(shown, list):
+                shown = ", ".join(str(x) for x in shown) or "-"
+            rows.append((f"{section}.{key}", "-" if shown is None else str(shown)))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+    else:
+        _print_table(info)
+    return 1 if "error" in info["topology"] else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="robustdist", description="Hardening for PyTorch distributed and Ray.")
+    parser.add_argument("--version", action="version", version=f"robustdist {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    info = sub.add_parser("info", help="print versions, CUDA and the detected topology")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args.func(args))

@@ -1,0 +1,82 @@
+"""Shared fixtures: every test leaves the process as it found it.
+
+Autouse, per test:
+* the environment is restored exactly (code under test may set env vars);
+* a leftover default process group is destroyed;
+* a test that leaves child processes behind fails, and the children are killed.
+
+Session: ``ray_cluster``, one local Ray cluster (``num_cpus=2``) shared by every test that asks for it,
+skipped when ray is not installed, shut down (and checked for survivors) at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests import _procs
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _destroy_leftover_process_group():
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_children():
+    before = _procs.descendants(os.getpid())
+    yield
+    deadline = time.monotonic() + 5.0
+    leftovers = _procs.new_descendants(os.getpid(), before)
+    while leftovers and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leftovers = _procs.new_descendants(os.getpid(), before)
+    if leftovers:
+        described = [f"pid {pid}{' (zombie: never reaped)' if _procs.is_zombie(pid) else ''}: {_procs.cmdline(pid)}"
+                     for pid in leftovers]
+        for pid in leftovers:
+            _procs.kill_and_reap(pid)
+        pytest.fail("the test left child processes running (now killed):\n" + "\n".join(described), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster for the whole session: ``ray.init(num_cpus=2, include_dashboard=False)``."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    before = _procs.descendants(os.getpid())
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    started = _procs.new_descendants(os.getpid(), before)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        survivors = _procs.wait_gone(started, timeout=15.0)
+        for pid in survivors:
+            _procs.kill_and_reap(pid)
+        if survivors:
+            raise RuntimeError(f"ray.shutdown() left Ray processes running (now killed): {survivors}")
+
+
+@pytest.fixture(autouse=True)
+def _reset_warn_once():
+    """``robustdist.log.warn(once=...)`` remembers keys per process; each test starts fresh."""
+    from robustdist import log
+
+    log._warned.clear()
+    yield
