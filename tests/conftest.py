@@ -15,8 +15,13 @@ import os
 import time
 
 import pytest
+from hypothesis import settings
 
 from tests import _procs
+
+# The machine is shared and noisy: property tests check behaviour, never per-example speed.
+settings.register_profile("robustdist", deadline=None)
+settings.load_profile("robustdist")
 
 
 @pytest.fixture(autouse=True)
