@@ -10,8 +10,9 @@ PYTEST_ARGS ?=
 venv:
 	@VENV=$(VENV) bash scripts/ensure-venv.sh
 
+# Until the resilient-training demo lands: the doctor on 2 local ranks (its checks plus the cross-rank table).
 demo: venv
-	$(PY) -m robustdist info
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m robustdist doctor
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -36,6 +36,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         TopologyError,
     )
     from robustdist.log import get_logger
+    from robustdist.process_group import (
+        InitReport,
+        destroy_process_group_if_owned,
+        distributed,
+        safe_init_process_group,
+    )
     from robustdist.testing import run_ranks
     from robustdist.topology import Topology, detect_topology
 
@@ -51,6 +57,10 @@ _LAZY: dict[str, str] = {
         "robustdist.errors",
     ),
     "get_logger": "robustdist.log",
+    **dict.fromkeys(
+        ["InitReport", "destroy_process_group_if_owned", "distributed", "safe_init_process_group"],
+        "robustdist.process_group",
+    ),
     "run_ranks": "robustdist.testing",
     "Topology": "robustdist.topology",
     "detect_topology": "robustdist.topology",

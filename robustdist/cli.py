@@ -1,8 +1,10 @@
 """The ``robustdist`` command line (also ``python -m robustdist``).
 
-``robustdist info [--json]`` prints the installed versions, the CUDA picture and the detected topology of
-this process. It reads only; it initialises nothing. Exit code 0, or 1 when the topology is inconsistent
-(the error and its fix are printed).
+* ``robustdist info [--json]`` prints the installed versions, the CUDA picture and the detected topology of
+  this process. It reads only; it initialises nothing. Exit code 0, or 1 when the topology is inconsistent
+  (the error and its fix are printed).
+* ``robustdist doctor [--json]`` checks this machine for known failure modes, and under torchrun every
+  rank (see :mod:`robustdist.doctor`). Exit code 0 when no check found an error, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 1 if "error" in info["topology"] else 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from robustdist.doctor import run_doctor
+
+    return run_doctor(as_json=args.json, sysfs=args.sysfs_root, timeout=args.timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="robustdist", description="Hardening for PyTorch distributed and Ray.")
     parser.add_argument("--version", action="version", version=f"robustdist {__version__}")
@@ -99,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print versions, CUDA and the detected topology")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
+    doctor = sub.add_parser("doctor", help="check this machine (and, under torchrun, every rank) for known failure modes")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--timeout", type=float, default=120.0, help="seconds for the cross-rank init (default 120)")
+    doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)  # tests point it at a fake tree
+    doctor.set_defaults(func=_cmd_doctor)
     return parser
 
 

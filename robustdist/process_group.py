@@ -1,0 +1,304 @@
+"""``safe_init_process_group``: make init the place where a misconfigured job is caught and named.
+
+``torch.distributed.init_process_group`` is no longer a barrier (torch PR #103033) and NCCL builds its
+communicators lazily, so a broken job "starts fine" and hangs minutes later. The init sequence, run by
+every rank:
+
+1. **Topology and backend.** Detect the topology. A single process with no launcher gets a report saying it
+   is not distributed, and no group (pass ``init_single=True`` to get a 1-rank group anyway). ``"auto"``
+   picks nccl when CUDA is available, else gloo; nccl without CUDA is an :class:`InitError`.
+2. **Environment, before anything waits.** ``MASTER_ADDR`` resolves (bounded), ``MASTER_PORT`` is a port
+   (checked by the topology), ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` name interfaces that exist. On
+   CUDA, ``torch.cuda.set_device`` runs *before* init, and ``device_id`` is passed where torch supports it.
+3. **Init** with an explicit timeout (``distributed.timeout``, default 1800 s). If a group already exists
+   (Ray Train creates one), it is not re-initialised: it is validated by the steps below, and a warning says
+   that this call's settings did not take effect.
+4. **Named barrier**, bounded by ``distributed.barrier_timeout``: ``monitored_barrier(wait_all_ranks=True)``
+   on gloo, on a gloo side group for NCCL. Each rank first records its arrival in the c10d store, so every
+   rank that arrived, not only rank 0, raises an :class:`InitError` naming the ranks that did not.
+5. **Smoke test.** One all_reduce on the backend's device in which rank ``r`` contributes ``r + 1`` at
+   position ``r`` (so the sum of ranks, ``ws*(ws-1)/2``, is checked and a wrong slot names its rank).
+6. **Agreement.** One ``all_gather_object`` of each rank's fingerprint (see :mod:`robustdist.agreement`);
+   a mismatch raises the same :class:`InitError` on every rank.
+
+If any step fails after this call created the group, the group is destroyed before the error propagates.
+No step waits without a bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+
+from robustdist import netenv
+from robustdist._validate import seconds
+from robustdist.agreement import check_agreement, local_fingerprint
+from robustdist.config import HardenConfig, resolve_config
+from robustdist.errors import InitError
+from robustdist.log import get_logger, warn
+from robustdist.topology import Topology, detect_topology
+
+__all__ = ["InitReport", "destroy_process_group_if_owned", "distributed", "safe_init_process_group"]
+
+log = get_logger(__name__)
+_barrier_generation = 0  # same sequence on every rank, so store keys of repeated calls never collide
+
+
+@dataclass
+class InitReport:
+    """What ``safe_init_process_group`` found and did. ``fingerprints`` holds every rank's, on every rank."""
+
+    distributed: bool
+    created: bool
+    backend: str | None
+    rank: int
+    world_size: int
+    topology: Topology
+    timings: dict[str, float] = field(default_factory=dict)
+    fingerprints: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    side_group: Any = field(default=None, repr=False)
+
+
+def _supports_device_id() -> bool:
+    return Version(torch.__version__).release >= (2, 3)
+
+
+def choose_backend(requested: str, rank: int) -> str:
+    """Resolve ``"auto"``; refuse nccl without CUDA."""
+    cuda = torch.cuda.is_available()
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    if requested == "nccl" and not cuda:
+        raise InitError(
+            "backend 'nccl' was requested but CUDA is not available in this process; expected a GPU for NCCL. "
+            "Fix: use backend 'gloo' (or 'auto') on CPU, or check CUDA_VISIBLE_DEVICES and the driver.",
+            rank=rank,
+        )
+    return requested
+
+
+def _check_env(backend: str, init_method: str, topo: Topology) -> None:
+    problems = []
+    if init_method.startswith("env://"):
+        if not topo.master_addr:
+            problems.append("MASTER_ADDR is not set; expected the master node's address for env://. "
+                            "Fix: launch with torchrun, or export MASTER_ADDR and MASTER_PORT.")
+        elif (reason := netenv.resolve_host(topo.master_addr)) is not None:
+            problems.append(f"MASTER_ADDR={topo.master_addr!r} does not resolve ({reason}); expected a hostname or "
+                            "IP address every rank can reach. Fix: use the master node's IP or a resolvable name.")
+        if topo.master_port is None:
+            problems.append("MASTER_PORT is not set; expected a free TCP port on the master node. "
+                            "Fix: export MASTER_PORT=29500 (torchrun sets it).")
+    ifname_vars = ["GLOO_SOCKET_IFNAME"] + (["NCCL_SOCKET_IFNAME"] if backend == "nccl" else [])
+    for var in ifname_vars:
+        problem = netenv.check_socket_ifname(var, os.environ.get(var))
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise InitError(" | ".join(problems), rank=topo.rank)
+
+
+def _init(backend: str, cfg: HardenConfig, timeout_s: float, topo: Topology, single: bool) -> None:
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+    if topo.device.type == "cuda":
+        torch.cuda.set_device(topo.device)
+        if _supports_device_id() and backend == "nccl":
+            kwargs["device_id"] = topo.device
+    if single:
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        kwargs["init_method"] = cfg.distributed.init_method
+        if not cfg.distributed.init_method.startswith("env://"):
+            kwargs.update(rank=topo.rank, world_size=topo.world_size)
+    try:
+        dist.init_process_group(**kwargs)
+    except Exception as e:
+        raise InitError(
+            f"init_process_group(backend={backend!r}, init_method={kwargs.get('init_method', 'HashStore')!r}) failed "
+            f"after up to {timeout_s:g} s: {e}. Expected all {topo.world_size} ranks to rendezvous at "
+            f"{topo.master_addr}:{topo.master_port}. Fix: check that every rank was started, that MASTER_ADDR/PORT "
+            "are the same everywhere and reachable, and raise distributed.timeout if nodes start slowly.",
+            rank=topo.rank,
+        ) from e
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # private API; only used to name the missing ranks on ranks other than 0
+        return None
+
+
+def named_barrier(name: str, timeout_s: float, *, group: Any = None) -> float:
+    """A bounded barrier that names the ranks that did not arrive, on every rank that did. Returns seconds."""
+    global _barrier_generation
+    _barrier_generation += 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"robustdist/barrier/{name}/{_barrier_generation}"
+    store = _default_store()
+    if store is not None:
+        store.set(f"{prefix}/{rank}", "1")
+    start = time.perf_counter()
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except Exception as e:
+        missing = _missing_ranks(store, prefix, world, str(e))
+        who = (f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))} did not reach"
+               if missing else "not every rank reached")
+        raise InitError(
+            f"{who} the barrier '{name}' within {timeout_s:g} s; expected all {world} ranks. "
+            "Fix: look at the named ranks' logs and stacks (a crash, a slow data load or a collective only some "
+            f"ranks enter), or raise distributed.barrier_timeout if they are just slow. ({e})",
+            rank=rank, ranks=missing,
+        ) from e
+    return time.perf_counter() - start
+
+
+def _missing_ranks(store: Any, prefix: str, world: int, error: str) -> list[int]:
+    if store is not None:
+        with contextlib.suppress(Exception):
+            missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+            if missing:
+                return missing
+    match = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", error)
+    return [int(x) for x in match.group(1).split(",") if x.strip()] if match else []
+
+
+def smoke_test(backend: str) -> float:
+    """All-reduce on the backend's device and check every rank's contribution. Returns seconds."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    start = time.perf_counter()
+    t = torch.zeros(world, dtype=torch.float64, device=device)
+    t[rank] = rank + 1
+    try:
+        dist.all_reduce(t)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:
+        raise InitError(
+            f"the smoke-test all_reduce on {device} failed: {e}. Expected it to complete on all {world} ranks. "
+            "Fix: check the named peers in the message; with NCCL, set NCCL_DEBUG=INFO for the transport chosen.",
+            rank=rank,
+        ) from e
+    got = t.cpu().tolist()
+    bad = [r for r, value in enumerate(got) if value != r + 1]
+    if bad:
+        raise InitError(
+            f"the smoke-test all_reduce returned {got}; expected [1, 2, ..., {world}] (sum of ranks "
+            f"{world * (world - 1) // 2}). Wrong contributions from ranks {bad}. Fix: the collective transport "
+            "is corrupting or dropping data; check those ranks' devices and network (NCCL_DEBUG=INFO).",
+            rank=rank, ranks=bad,
+        )
+    return time.perf_counter() - start
+
+
+def agree(cfg: HardenConfig, backend: str, device: torch.device, *, group: Any = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Gather every rank's fingerprint and check them; raise the same InitError on every rank on a mismatch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = local_fingerprint(rank=rank, backend=backend, device=device, config_fingerprint=cfg.fingerprint())
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    errors, warnings = check_agreement(gathered)
+    if errors:
+        named = sorted(set().union(*(ranks for _, ranks in errors)))
+        raise InitError("ranks disagree: " + " | ".join(msg for msg, _ in errors), rank=rank, ranks=named)
+    return gathered, warnings
+
+
+def safe_init_process_group(cfg: Any = None, *, backend: str | None = None, timeout: float | timedelta | None = None,
+                            topology: Topology | None = None, init_single: bool = False) -> InitReport:
+    """Initialise (or validate) the default process group; see the module docstring for the sequence.
+
+    Args:
+        cfg: anything :func:`~robustdist.config.resolve_config` takes; ``distributed.*`` is used.
+        backend: overrides ``distributed.backend``.
+        timeout: overrides ``distributed.timeout`` (seconds or a timedelta).
+        topology: a pre-computed topology (default: :func:`detect_topology`).
+        init_single: create a 1-rank group even for a single process with no launcher.
+    """
+    config = resolve_config(cfg)
+    dcfg = config.distributed
+    timeout_s = dcfg.timeout if timeout is None else seconds().check("timeout", timeout)
+    topo = topology or detect_topology()
+    existing = dist.is_available() and dist.is_initialized()
+    if not existing and topo.world_size == 1 and topo.launcher == "single" and not init_single:
+        log.debug("single process with no launcher: no process group created")
+        return InitReport(distributed=False, created=False, backend=None, rank=0, world_size=1, topology=topo)
+    if not dist.is_available():
+        raise InitError("torch.distributed is not available in this torch build; expected a build with "
+                        "distributed support. Fix: install a standard torch wheel.", rank=topo.rank)
+    report = InitReport(distributed=True, created=not existing, backend=None, rank=topo.rank,
+                        world_size=topo.world_size, topology=topo)
+    if existing:
+        found = str(dist.get_backend())  # e.g. "gloo", "nccl", or "cpu:gloo,cuda:nccl"
+        report.backend = "nccl" if "nccl" in found else "gloo" if "gloo" in found else found
+        _note(report, f"a process group already exists (backend {report.backend}, world size "
+                      f"{dist.get_world_size()}, launcher {topo.launcher}); robustdist did not re-initialise it, "
+                      "so this call's backend/timeout/init_method settings do not take effect. It validates the "
+                      "existing group instead.", once="existing-group")
+    else:
+        report.backend = choose_backend(backend or dcfg.backend, topo.rank)
+        if topo.world_size > 1:
+            _check_env(report.backend, dcfg.init_method, topo)
+        start = time.perf_counter()
+        _init(report.backend, config, timeout_s, topo, single=topo.world_size == 1 and topo.launcher == "single")
+        report.timings["init"] = time.perf_counter() - start
+    try:
+        _validate(report, config)
+    except BaseException:
+        if report.created:
+            dist.destroy_process_group()
+        raise
+    log.info("process group ready: backend %s, world size %d, timings %s", report.backend, report.world_size,
+             {k: round(v, 3) for k, v in report.timings.items()})
+    return report
+
+
+def _validate(report: InitReport, config: HardenConfig) -> None:
+    report.rank, report.world_size = dist.get_rank(), dist.get_world_size()
+    dcfg = config.distributed
+    if report.backend == "nccl" and report.world_size > 1:
+        report.side_group = dist.new_group(backend="gloo")
+    report.timings["barrier"] = named_barrier("init", dcfg.barrier_timeout, group=report.side_group)
+    report.timings["smoke"] = smoke_test(str(report.backend)) if dcfg.smoke_test else 0.0
+    start = time.perf_counter()
+    device = torch.device("cuda", torch.cuda.current_device()) if report.backend == "nccl" else torch.device("cpu")
+    report.fingerprints, warnings = agree(config, str(report.backend), device, group=report.side_group)
+    report.timings["agreement"] = time.perf_counter() - start
+    for message in warnings:
+        _note(report, message)
+
+
+def _note(report: InitReport, message: str, *, once: Any = None) -> None:
+    report.warnings.append(message)
+    warn(message, once=once, stacklevel=3)
+
+
+def destroy_process_group_if_owned(report: InitReport) -> bool:
+    """Destroy the default group only if ``report`` says this process created it. Returns whether it did."""
+    if report.created and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def distributed(cfg: Any = None, **kwargs: Any) -> Iterator[InitReport]:
+    """``with distributed(cfg) as report:`` init (or validate) on entry; destroy on exit only if created here."""
+    report = safe_init_process_group(cfg, **kwargs)
+    try:
+        yield report
+    finally:
+        destroy_process_group_if_owned(report)

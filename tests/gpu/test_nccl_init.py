@@ -1,0 +1,28 @@
+"""Tier (c), GPU only: the NCCL init path for real. Skipped without CUDA; never part of CI's verdict.
+
+Run on a GPU machine: ``.venv/bin/python -m pytest tests/gpu -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the lent GPU machine)"),
+]
+
+
+def test_nccl_single_rank_group(monkeypatch):
+    from robustdist.process_group import distributed
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    with distributed({"distributed": {"timeout": 120}}, init_single=True) as report:
+        assert report.backend == "nccl" and report.created
+        assert torch.cuda.current_device() == 0
+        assert report.fingerprints[0]["gpu"] is not None  # the physical id came from the real device
+        assert report.timings["smoke"] > 0
+    assert not dist.is_initialized()
