@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 from robustdist._version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from robustdist.consistency import ConsistencyReport, check_consistency
+    from robustdist.ddp import DistributedDataParallel, wrap_ddp
     from robustdist.config import (
         CheckpointConfig,
         DataConfig,
@@ -42,6 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         distributed,
         safe_init_process_group,
     )
+    from robustdist.state_dict import LoadReport, load_model_state_dict, model_state_dict, unwrap_model
+    from robustdist.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
     from robustdist.testing import run_ranks
     from robustdist.topology import Topology, detect_topology
 
@@ -62,6 +66,11 @@ _LAZY: dict[str, str] = {
         "robustdist.process_group",
     ),
     "run_ranks": "robustdist.testing",
+    **dict.fromkeys(["ConsistencyReport", "check_consistency"], "robustdist.consistency"),
+    **dict.fromkeys(["DistributedDataParallel", "wrap_ddp"], "robustdist.ddp"),
+    **dict.fromkeys(["LoadReport", "load_model_state_dict", "model_state_dict", "unwrap_model"],
+                    "robustdist.state_dict"),
+    **dict.fromkeys(["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"], "robustdist.syncbn"),
     "Topology": "robustdist.topology",
     "detect_topology": "robustdist.topology",
 }

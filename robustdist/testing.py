@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -286,6 +287,8 @@ def _rank_main(rank: int, payload: bytes, backend: str, init: bool, timeout: flo
     except BaseException:
         message = ("err", traceback.format_exc())
     finally:
+        # free what fn built (a DDP reducer holds threads on the group) while the group still exists
+        gc.collect()
         if init and dist.is_initialized():
             dist.destroy_process_group()
     try:

@@ -26,3 +26,13 @@ def test_nccl_single_rank_group(monkeypatch):
         assert report.fingerprints[0]["gpu"] is not None  # the physical id came from the real device
         assert report.timings["smoke"] > 0
     assert not dist.is_initialized()
+
+
+def test_native_syncbn_conversion_on_cuda():
+    from torch import nn
+
+    from robustdist.ddp import _convert_bn
+
+    model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2)).cuda()
+    converted = _convert_bn(model, torch.device("cuda", 0))
+    assert isinstance(converted[1], nn.SyncBatchNorm)  # torch's own on CUDA, not robustdist's CPU one

@@ -1,0 +1,186 @@
+"""SyncBatchNorm that works on CPU/gloo, where ``torch.nn.SyncBatchNorm`` raises
+("SyncBatchNorm expected input tensor to be on GPU").
+
+Semantics are those of one ``BatchNorm`` over the concatenation of every rank's batch: outputs, input
+gradients, parameter gradients (after DDP's averaging), ``running_mean``, ``running_var`` (unbiased, from the
+global count) and ``num_batches_tracked``, for ``momentum=None`` too. Ranks may hold different batch sizes,
+even zero.
+
+Collectives, per training forward and backward (all ranks, same order, like torch's CUDA SyncBatchNorm):
+
+* forward: one ``all_gather`` of each rank's ``(count, mean, M2)``, combined with Chan's parallel formula
+  (numerically stable where raw sums of squares cancel);
+* backward: one ``all_reduce`` of ``(sum(dy), sum(dy * (x - mean)))``.
+
+Like torch, it does not synchronise in eval mode (running statistics are used), nor when
+``track_running_stats=False`` in eval mode (each rank normalises with its own batch), nor when no process
+group of more than one rank exists (it is then a plain batch norm).
+
+:func:`convert_sync_batchnorm` converts every ``_BatchNorm`` of a module tree; :func:`revert_sync_batchnorm`
+converts back (to the original BatchNorm1d/2d/3d class) for export.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
+                factor: float, group: Any) -> torch.Tensor:
+        channels = x.size(1)
+        dims = [0, *range(2, x.dim())]
+        count = x.numel() // channels if channels else 0
+        if count:
+            var, mean = torch.var_mean(x, dim=dims, unbiased=False)
+        else:
+            var = mean = torch.zeros(channels, dtype=x.dtype, device=x.device)
+        # statistics travel and combine in float64: counts stay exact and M2 does not lose precision
+        packed = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device),
+                            mean.double(), var.double() * count])
+        world = dist.get_world_size(group)
+        gathered = [torch.empty_like(packed) for _ in range(world)]
+        dist.all_gather(gathered, packed, group=group)
+        stacked = torch.stack(gathered)
+        counts, means, m2s = stacked[:, :1], stacked[:, 1:channels + 1], stacked[:, channels + 1:]
+        total = counts.sum()
+        if total.item() <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training across all ranks, got input "
+                             f"size {list(x.shape)} here and {int(total.item())} value(s) per channel in total")
+        g_mean64 = (counts * means).sum(0) / total
+        g_m2 = (m2s + counts * (means - g_mean64) ** 2).sum(0)
+        invstd = torch.rsqrt(g_m2 / total + eps).to(x.dtype)
+        g_mean = g_mean64.to(x.dtype)
+        if running_mean is not None and running_var is not None:
+            with torch.no_grad():
+                running_mean.mul_(1 - factor).add_(g_mean64.to(running_mean.dtype), alpha=factor)
+                running_var.mul_(1 - factor).add_((g_m2 / (total - 1)).to(running_var.dtype), alpha=factor)
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        out = (x - g_mean.view(shape)) * invstd.view(shape)
+        if weight is not None:
+            out = out * weight.view(shape)
+        if bias is not None:
+            out = out + bias.view(shape)
+        ctx.save_for_backward(x, weight, g_mean, invstd, total.to(x.dtype))
+        ctx.group, ctx.has_bias = group, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, weight, mean, invstd, total = ctx.saved_tensors
+        channels = x.size(1)
+        dims = [0, *range(2, x.dim())]
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        xmu = x - mean.view(shape)
+        sum_dy = grad_out.sum(dims)
+        sum_dy_xmu = (grad_out * xmu).sum(dims)
+        grad_weight = sum_dy_xmu * invstd if weight is not None and ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            packed = torch.cat([sum_dy, sum_dy_xmu])
+            dist.all_reduce(packed, group=ctx.group)
+            g_sum_dy, g_sum_dy_xmu = packed[:channels], packed[channels:]
+            scale = invstd if weight is None else invstd * weight
+            grad_x = (grad_out - (g_sum_dy / total).view(shape)
+                      - xmu * (invstd ** 2 * g_sum_dy_xmu / total).view(shape)) * scale.view(shape)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch norm over the global batch of a process group, on any device (CPU/gloo included).
+
+    Args are those of ``torch.nn.SyncBatchNorm``: ``num_features, eps, momentum, affine,
+    track_running_stats, process_group`` (None: the default group).
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: Any = None, device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+        self._reverts_to: type[_BatchNorm] | None = None
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _needs_sync(self, bn_training: bool) -> bool:
+        if not (bn_training and self.training and dist.is_available() and dist.is_initialized()):
+            return False
+        return dist.get_world_size(self.process_group) > 1
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        use_running = not self.training or self.track_running_stats
+        running_mean = self.running_mean if use_running else None
+        running_var = self.running_var if use_running else None
+        if not self._needs_sync(bn_training):
+            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training, factor, self.eps)
+        return _SyncBatchNormFn.apply(input, self.weight, self.bias, running_mean, running_var, self.eps, factor,
+                                      self.process_group)
+
+
+def _copy_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:
+    if src.affine:
+        with torch.no_grad():
+            dst.weight = src.weight
+            dst.bias = src.bias
+    dst.running_mean = src.running_mean
+    dst.running_var = src.running_var
+    dst.num_batches_tracked = src.num_batches_tracked
+    dst.train(src.training)
+    if hasattr(src, "qconfig"):
+        dst.qconfig = src.qconfig
+    return dst
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
+    """Replace every ``_BatchNorm`` (not already synchronised) with :class:`SyncBatchNorm`, sharing its
+    parameters and buffers. Returns the converted module (a new object only when ``module`` itself is a BN)."""
+    if isinstance(module, _BatchNorm) and not isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm)):
+        new = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group)
+        new._reverts_to = type(module)
+        return _copy_state(module, new)
+    for name, child in module.named_children():
+        converted = convert_sync_batchnorm(child, process_group)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module
+
+
+class _BatchNormXd(_BatchNorm):
+    """A BatchNorm of any dimensionality, for reverting a SyncBatchNorm whose original class is unknown."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Turn robustdist's (and torch's) SyncBatchNorm back into plain BatchNorm, for export or inference."""
+    if isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm)):
+        cls = getattr(module, "_reverts_to", None) or _BatchNormXd
+        new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        return _copy_state(module, new)
+    for name, child in module.named_children():
+        reverted = revert_sync_batchnorm(child)
+        if reverted is not child:
+            setattr(module, name, reverted)
+    return module
