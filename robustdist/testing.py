@@ -111,7 +111,7 @@ def run_ranks(
                 target=_rank_main,
                 args=(rank, payload, backend, init, timeout, child_conn, os.path.join(dump_dir, f"{rank}.txt"), os.getpid()),
                 name=f"robustdist-rank-{rank}",
-                daemon=True,
+                daemon=False,  # ranks may start DataLoader workers; cleanup is ours (finally + PDEATHSIG)
             )
             with _environ(rank_env):
                 proc.start()

@@ -170,3 +170,22 @@ def test_ranks_failed_survives_pickling():
     err = RanksFailed("boom", failures={1: "rank 1 raised"})
     again = pickle.loads(pickle.dumps(err))
     assert (type(again), again.ranks, again.failures, str(again)) == (RanksFailed, (1,), {1: "rank 1 raised"}, "boom")
+
+
+def _child_square(x, queue):
+    queue.put(x * x)
+
+
+def _rank_with_a_child_process(rank):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_square, args=(rank + 2, queue))
+    child.start()  # ranks are not daemonic, so they may have children (DataLoader workers)
+    child.join(30)
+    return queue.get(timeout=30)
+
+
+def test_ranks_may_start_child_processes():
+    assert run_ranks(_rank_with_a_child_process, 2, init=False, timeout=60) == [4, 9]

@@ -36,3 +36,13 @@ def test_native_syncbn_conversion_on_cuda():
     model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2)).cuda()
     converted = _convert_bn(model, torch.device("cuda", 0))
     assert isinstance(converted[1], nn.SyncBatchNorm)  # torch's own on CUDA, not robustdist's CPU one
+
+
+def test_pin_memory_auto_pins_on_cuda(monkeypatch):
+    from robustdist.dataloader import safe_dataloader
+
+    monkeypatch.delenv("RANK", raising=False)
+    data = [torch.full((4,), float(i)) for i in range(8)]
+    loader = safe_dataloader(data, batch_size=4, num_workers=1)
+    assert loader.pin_memory is True  # data.pin_memory="auto" with CUDA available
+    assert all(batch.is_pinned() for batch in loader)
