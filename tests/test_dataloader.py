@@ -255,11 +255,12 @@ def _worker_seeds(rank):
     return [(int(w), int(t)) for b in loader for w, t in zip(b["worker"], b["torch"])]
 
 
-def test_worker_seeds_differ_across_ranks_and_workers():
-    per_rank = run_ranks(_worker_seeds, 2, timeout=90)
+@pytest.mark.parametrize("world", [2, 3])
+def test_worker_seeds_differ_across_ranks_and_workers(world):
+    per_rank = run_ranks(_worker_seeds, world, timeout=90)
     draws = {(rank, w): t for rank, pairs in enumerate(per_rank) for w, t in pairs}
-    assert len(set(draws.values())) == len(draws) == 4  # 2 ranks x 2 workers, all different
-    assert run_ranks(_worker_seeds, 2, timeout=90) == per_rank  # and reproducible
+    assert len(set(draws.values())) == len(draws) == world * 2  # every (rank, worker) draws differently
+    assert run_ranks(_worker_seeds, world, timeout=90) == per_rank  # and reproducibly
 
 
 def _custom_batch_sampler(rank):
@@ -270,10 +271,11 @@ def _custom_batch_sampler(rank):
         return str(e)
 
 
-def test_custom_batch_sampler_raises_when_distributed():
-    for rank, message in enumerate(run_ranks(_custom_batch_sampler, 2, timeout=60)):
+@pytest.mark.parametrize("world", [2, 3])
+def test_custom_batch_sampler_raises_when_distributed(world):
+    for rank, message in enumerate(run_ranks(_custom_batch_sampler, world, timeout=60)):
         assert message.startswith(f"[rank {rank}] the loader has a custom batch_sampler (BatchSampler) and the job has "
-                                  "2 ranks; robustdist cannot shard a custom batch_sampler safely")
+                                  f"{world} ranks; robustdist cannot shard a custom batch_sampler safely")
         assert "Fix: make the sampler yield only this rank's indices" in message
 
 
