@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from robustdist._version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint
     from robustdist.consistency import ConsistencyReport, check_consistency
     from robustdist.dataloader import SafeDataLoader, safe_dataloader
     from robustdist.ddp import DistributedDataParallel, wrap_ddp
@@ -68,6 +69,7 @@ _LAZY: dict[str, str] = {
     ),
     "run_ranks": "robustdist.testing",
     **dict.fromkeys(["ConsistencyReport", "check_consistency"], "robustdist.consistency"),
+    **dict.fromkeys(["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint"], "robustdist.checkpoint"),
     **dict.fromkeys(["DistributedDataParallel", "wrap_ddp"], "robustdist.ddp"),
     **dict.fromkeys(["SafeDataLoader", "safe_dataloader"], "robustdist.dataloader"),
     **dict.fromkeys(["LoadReport", "load_model_state_dict", "model_state_dict", "unwrap_model"],

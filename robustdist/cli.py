@@ -5,6 +5,8 @@
   (the error and its fix are printed).
 * ``robustdist doctor [--json]`` checks this machine for known failure modes, and under torchrun every
   rank (see :mod:`robustdist.doctor`). Exit code 0 when no check found an error, 1 otherwise.
+* ``robustdist verify-checkpoint DIR [--json]`` verifies every committed checkpoint (sizes and SHA-256
+  against each manifest) and prints step, files, bytes, status and reason. Exit code 1 if any is corrupt.
 """
 
 from __future__ import annotations
@@ -100,6 +102,28 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return run_doctor(as_json=args.json, sysfs=args.sysfs_root, timeout=args.timeout)
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from robustdist.checkpoint import verify_all
+
+    if not os.path.isdir(args.directory):
+        print(f"robustdist verify-checkpoint: {args.directory} is not a directory; expected a checkpoint.dir",
+              file=sys.stderr)
+        return 2
+    rows = verify_all(args.directory)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print(f"no checkpoints in {args.directory}")
+    else:
+        table = [["step", "files", "bytes", "status", "reason"]]
+        table += [[str(r["step"]), "-" if r["files"] is None else str(r["files"]),
+                   "-" if r["bytes"] is None else str(r["bytes"]), r["status"], r["reason"]] for r in rows]
+        widths = [max(len(row[i]) for row in table) for i in range(5)]
+        for row in table:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="robustdist", description="Hardening for PyTorch distributed and Ray.")
     parser.add_argument("--version", action="version", version=f"robustdist {__version__}")
@@ -112,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--timeout", type=float, default=120.0, help="seconds for the cross-rank init (default 120)")
     doctor.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)  # tests point it at a fake tree
     doctor.set_defaults(func=_cmd_doctor)
+    verify = sub.add_parser("verify-checkpoint", help="verify every committed checkpoint in a directory")
+    verify.add_argument("directory")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.set_defaults(func=_cmd_verify)
     return parser
 
 

@@ -1,0 +1,188 @@
+"""File primitives for crash-safe checkpoints: hash-while-writing, fsync, directory fsync, the job lock."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+from robustdist.errors import CheckpointError
+
+_CHUNK = 8 << 20
+_OVERLAP_MIN = 1 << 20  # writes this large are hashed on a helper thread while the file write runs
+
+
+class HashingWriter:
+    """A write-only binary file that computes SHA-256 and size while writing, and fsyncs on close.
+
+    A large buffer is hashed on a helper thread *during* its file write (both release the GIL), and
+    ``write`` returns only when both are done, so the buffer (which torch may free afterwards) is never used
+    later and the digest stays in order. Hashing then costs almost nothing beyond the write itself.
+    """
+
+    def __init__(self, path: str, on_write: Callable[[int], None] | None = None):
+        self.path = path
+        self._fh: BinaryIO = open(path, "xb")  # noqa: SIM115 - closed in close()
+        self._sha = hashlib.sha256()
+        self.size = 0
+        self._on_write = on_write
+        self.error: BaseException | None = None  # torch's zip writer can mask it with its own message
+        self._pool: ThreadPoolExecutor | None = None
+        self._flusher: ThreadPoolExecutor | None = None
+        self._flushing: Any = None
+
+    def _write_and_hash(self, view: memoryview) -> None:
+        if len(view) < _OVERLAP_MIN:
+            self._fh.write(view)
+            self._sha.update(view)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="robustdist-sha256")
+            self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="robustdist-fsync")
+        hashing = self._pool.submit(self._sha.update, view)
+        try:
+            self._fh.write(view)
+        finally:
+            hashing.result()
+        # start writing back what is written so far while torch serialises the next record, so the final
+        # fsync has little left to do (one flush in flight at a time)
+        if self._flushing is None or self._flushing.done():
+            self._fh.flush()
+            self._flushing = self._flusher.submit(os.fdatasync, self._fh.fileno())
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            self._write_and_hash(view)
+        except BaseException as e:
+            self.error = e
+            raise
+        self.size += len(view)
+        if self._on_write is not None:
+            try:
+                self._on_write(self.size)
+            except BaseException as e:
+                self.error = e
+                raise
+        return len(view)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> tuple[int, str]:
+        """Flush, fsync and close; return ``(size, sha256 hex)``."""
+        try:
+            if self._flushing is not None:
+                self._flushing.result()  # an early flush's error (EIO, ENOSPC) is this file's error
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        finally:
+            self.abort()
+        return self.size, self._sha.hexdigest()
+
+    def abort(self) -> None:
+        for pool in (self._pool, self._flusher):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._flusher = None
+        if self._flushing is not None and self._flushing.done() and self._flushing.exception() is not None:
+            self.error = self.error or self._flushing.exception()
+        try:
+            self._fh.close()
+        except OSError:
+            pass
+
+
+def sha256_file(path: str) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return size, sha.hexdigest()
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make renames and creations inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Write JSON to ``path`` through a tmp file in the same directory, fsync, rename, fsync the directory."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+_held: dict[str, Any] = {}  # POSIX locks do not conflict within one process: track this process's own
+
+
+class DirLock:
+    """An exclusive ``fcntl`` lock on ``<dir>/.lock``, naming its holder (pid, host) in the file.
+
+    The kernel drops the lock when the holder dies, so a stale lock from a crashed job is recovered simply
+    by taking it again.
+    """
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, ".lock")
+        self._fh: Any = None
+
+    def acquire(self) -> None:
+        key = os.path.realpath(self.path)
+        if key in _held and _held[key] is not self:
+            raise CheckpointError(f"{os.path.dirname(self.path)} is already being written by another "
+                                  f"AtomicCheckpointer in this process (pid {os.getpid()}); expected one writer per "
+                                  "directory. Fix: reuse that checkpointer, or close() it first.")
+        fh = open(self.path, "a+")  # noqa: SIM115 - held until release()
+        try:
+            fcntl.lockf(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown holder"
+            fh.close()
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                raise CheckpointError(
+                    f"{os.path.dirname(self.path)} is locked by another job ({holder}); expected one job writing a "
+                    "checkpoint directory at a time. Fix: give this job its own checkpoint.dir, or stop the other "
+                    "job. (A lock whose holder died is released by the kernel and taken over automatically.)"
+                ) from e
+            raise
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        fh.flush()
+        self._fh = fh
+        _held[key] = self
+
+    def release(self) -> None:
+        if self._fh is not None:
+            _held.pop(os.path.realpath(self.path), None)
+            try:
+                fcntl.lockf(self._fh, fcntl.LOCK_UN)
+            finally:
+                self._fh.close()
+                self._fh = None
