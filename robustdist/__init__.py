@@ -12,6 +12,14 @@ from typing import TYPE_CHECKING, Any
 from robustdist._version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from robustdist.bf16 import (
+        bf16_pickle_patch,
+        install_ray_serializers,
+        patch_bf16_pickle,
+        to_numpy,
+        to_python,
+        unpatch_bf16_pickle,
+    )
     from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint
     from robustdist.consistency import ConsistencyReport, check_consistency
     from robustdist.dataloader import SafeDataLoader, safe_dataloader
@@ -70,6 +78,8 @@ _LAZY: dict[str, str] = {
     "run_ranks": "robustdist.testing",
     **dict.fromkeys(["ConsistencyReport", "check_consistency"], "robustdist.consistency"),
     **dict.fromkeys(["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint"], "robustdist.checkpoint"),
+    **dict.fromkeys(["bf16_pickle_patch", "install_ray_serializers", "patch_bf16_pickle", "to_numpy", "to_python",
+                     "unpatch_bf16_pickle"], "robustdist.bf16"),
     **dict.fromkeys(["DistributedDataParallel", "wrap_ddp"], "robustdist.ddp"),
     **dict.fromkeys(["SafeDataLoader", "safe_dataloader"], "robustdist.dataloader"),
     **dict.fromkeys(["LoadReport", "load_model_state_dict", "model_state_dict", "unwrap_model"],

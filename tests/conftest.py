@@ -61,11 +61,14 @@ def _no_leftover_children():
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster for the whole session: ``ray.init(num_cpus=2, include_dashboard=False)``."""
+    """A local Ray cluster for the whole session: ``ray.init(num_cpus=2, include_dashboard=False)``, with
+    robustdist's bf16 worker setup hook."""
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     before = _procs.descendants(os.getpid())
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # Every worker installs robustdist's bf16 serializers, as the README tells users to (the bf16 tests need it).
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"worker_process_setup_hook": "robustdist.bf16.ray_worker_setup"})
     started = _procs.new_descendants(os.getpid(), before)
     try:
         yield ray
