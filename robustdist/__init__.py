@@ -54,6 +54,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         distributed,
         safe_init_process_group,
     )
+    from robustdist.ray_actor import RobustGPUActor
+    from robustdist.ray_memory import MemoryPlan, estimate_offload_bytes, ray_memory_plan
     from robustdist.state_dict import LoadReport, load_model_state_dict, model_state_dict, unwrap_model
     from robustdist.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
     from robustdist.testing import run_ranks
@@ -76,6 +78,8 @@ _LAZY: dict[str, str] = {
         "robustdist.process_group",
     ),
     "run_ranks": "robustdist.testing",
+    "RobustGPUActor": "robustdist.ray_actor",
+    **dict.fromkeys(["MemoryPlan", "estimate_offload_bytes", "ray_memory_plan"], "robustdist.ray_memory"),
     **dict.fromkeys(["ConsistencyReport", "check_consistency"], "robustdist.consistency"),
     **dict.fromkeys(["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint"], "robustdist.checkpoint"),
     **dict.fromkeys(["bf16_pickle_patch", "install_ray_serializers", "patch_bf16_pickle", "to_numpy", "to_python",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240, method="thread")]  # Ray Train's loop can swallow signals
 
 
 def test_topology_inside_ray_train_workers(ray_cluster, tmp_path):
