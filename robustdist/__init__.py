@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         StateDictMismatchError,
         TopologyError,
     )
+    from robustdist.fsdp import Calibration, fsdp_calibrate
     from robustdist.log import get_logger
     from robustdist.process_group import (
         InitReport,
@@ -73,6 +74,7 @@ _LAZY: dict[str, str] = {
         "robustdist.errors",
     ),
     "get_logger": "robustdist.log",
+    **dict.fromkeys(["Calibration", "fsdp_calibrate"], "robustdist.fsdp"),
     **dict.fromkeys(
         ["InitReport", "destroy_process_group_if_owned", "distributed", "safe_init_process_group"],
         "robustdist.process_group",

@@ -189,7 +189,7 @@ def _collect(procs: list[Any], conns: list[Any], timeout: float, dump_dir: str) 
 
 def _receive(conn: Any) -> tuple[str, Any]:
     try:
-        return conn.recv()
+        return pickle.loads(conn.recv_bytes())
     except EOFError:
         return ("none", None)
     except Exception as e:  # the result pickled in the rank but does not unpickle here
@@ -291,11 +291,12 @@ def _rank_main(rank: int, payload: bytes, backend: str, init: bool, timeout: flo
         gc.collect()
         if init and dist.is_initialized():
             dist.destroy_process_group()
-    try:
-        conn.send(message)
+    try:  # plain pickle, not multiprocessing's: torch's shared-memory tensor handles die with this process
+        payload = pickle.dumps(message)
     except Exception as e:
         message = ("err", f"the return value of rank {rank} does not pickle: {e!r}")
-        conn.send(message)
+        payload = pickle.dumps(message)
+    conn.send_bytes(payload)
     conn.close()
     if message[0] != "ok":
         sys.exit(1)

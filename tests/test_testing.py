@@ -189,3 +189,13 @@ def _rank_with_a_child_process(rank):
 
 def test_ranks_may_start_child_processes():
     assert run_ranks(_rank_with_a_child_process, 2, init=False, timeout=60) == [4, 9]
+
+
+def _return_tensors(rank):
+    return {"t": torch.arange(4) * rank, "big": torch.ones(100_000)}
+
+
+def test_tensors_come_back_intact_after_the_rank_exits():
+    # multiprocessing's pickler would send torch shared-memory handles that die with the rank
+    out = run_ranks(_return_tensors, 2, init=False, timeout=60)
+    assert torch.equal(out[1]["t"], torch.tensor([0, 1, 2, 3])) and out[0]["big"].sum().item() == 100_000
