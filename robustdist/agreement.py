@@ -17,12 +17,13 @@ import os
 import platform
 import socket
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from robustdist._version import __version__
+from robustdist.errors import ranks_phrase
 
 __all__ = ["check_agreement", "local_fingerprint"]
 
@@ -63,11 +64,6 @@ def local_fingerprint(*, rank: int, backend: str, device: torch.device, config_f
     }
 
 
-def _ranks(ranks: Iterable[int]) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
 def _groups(values: Mapping[int, Any]) -> list[tuple[Any, list[int]]]:
     """Ranks grouped by value, the largest group first (ties: the group holding the lowest rank)."""
     by_value: dict[str, tuple[Any, list[int]]] = {}
@@ -80,7 +76,7 @@ def _mismatch(what: str, values: Mapping[int, Any], fix: str) -> tuple[str, set[
     groups = _groups(values)
     if len(groups) < 2:
         return None
-    shown = "; ".join(f"{_ranks(r)}: {v!r}" for v, r in groups)
+    shown = "; ".join(f"{ranks_phrase(r)}: {v!r}" for v, r in groups)
     odd = {r for _, ranks in groups[1:] for r in ranks}
     return f"{what} differs across ranks ({shown}); expected one value on every rank. Fix: {fix}", odd
 
@@ -127,7 +123,7 @@ def _check_host(host: str, fps: Mapping[int, Mapping[str, Any]], errors: list[tu
     for gpu, ranks in sorted(owners.items()):
         if len(ranks) > 1:
             errors.append((
-                f"{_ranks(ranks)} on host {host} use the same physical GPU {gpu}; expected one GPU per rank "
+                f"{ranks_phrase(ranks)} on host {host} use the same physical GPU {gpu}; expected one GPU per rank "
                 "(NCCL fails with 'Duplicate GPU detected'). Fix: call torch.cuda.set_device(LOCAL_RANK) before "
                 "init (safe_init_process_group does), and launch at most one rank per GPU.",
                 set(ranks),

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from robustdist.errors import ConfigError, RankDivergenceError
+from robustdist.errors import ConfigError, RankDivergenceError, ranks_phrase
 from robustdist.state_dict import unwrap_model
 
 __all__ = ["ConsistencyReport", "check_consistency", "tensor_digest"]
@@ -66,10 +66,6 @@ def _fingerprints(model: nn.Module, include: tuple[str, ...], buffers: bool) -> 
             tensor_digest(t) if "values" in include else None,
         )
     return out
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _describe(value: tuple[Any, ...] | None) -> str:
@@ -128,6 +124,6 @@ def _differences(everyone: list[dict[str, Any]], keys: bool) -> list[tuple[str, 
             values[repr(value)] = value
         if len(variants) > 1:
             groups = sorted(variants.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
-            text = "; ".join(f"{_ranks(rs)}: {_describe(values[k])}" for k, rs in groups)
+            text = "; ".join(f"{ranks_phrase(rs)}: {_describe(values[k])}" for k, rs in groups)
             problems.append((f"{name}: {text}", [r for _, rs in groups[1:] for r in rs]))
     return problems

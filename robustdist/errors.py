@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "ranks_phrase",
     "CheckpointCorruptError",
     "CheckpointError",
     "ConfigError",
@@ -45,6 +46,12 @@ __all__ = [
     "StateDictMismatchError",
     "TopologyError",
 ]
+
+
+def ranks_phrase(ranks: Iterable[int]) -> str:
+    """``"rank 3"`` or ``"ranks 0, 2"``, for messages that name ranks."""
+    ordered = sorted(ranks)
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
 
 
 class RobustDistError(Exception):

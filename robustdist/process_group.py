@@ -133,10 +133,12 @@ def _init(backend: str, cfg: HardenConfig, timeout_s: float, topo: Topology, sin
         ) from e
 
 
-def _default_store() -> Any:
+def default_store() -> Any:
+    """The default group's c10d store, or None. Private torch API, used only to name ranks that did not
+    arrive (a barrier, a checkpoint report), so its absence only makes those messages less specific."""
     try:
         return dist.distributed_c10d._get_default_store()
-    except Exception:  # private API; only used to name the missing ranks on ranks other than 0
+    except Exception:
         return None
 
 
@@ -146,7 +148,7 @@ def named_barrier(name: str, timeout_s: float, *, group: Any = None) -> float:
     _barrier_generation += 1
     rank, world = dist.get_rank(), dist.get_world_size()
     prefix = f"robustdist/barrier/{name}/{_barrier_generation}"
-    store = _default_store()
+    store = default_store()
     if store is not None:
         store.set(f"{prefix}/{rank}", "1")
     start = time.perf_counter()

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from robustdist.errors import RanksFailed, RanksTimeout
+from robustdist.errors import RanksFailed, RanksTimeout, ranks_phrase
 
 __all__ = ["free_port", "run_ranks"]
 
@@ -219,18 +219,14 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in sorted(ranks))
-
-
 def _failure_message(failures: dict[int, str], world_size: int) -> str:
     body = "\n\n".join(failures[r] for r in sorted(failures))
-    return f"{len(failures)} of {world_size} ranks failed ({_ranks(list(failures))}); expected every rank to return.\n\n{body}"
+    return f"{len(failures)} of {world_size} ranks failed ({ranks_phrase(list(failures))}); expected every rank to return.\n\n{body}"
 
 
 def _timeout_message(pending: list[int], timeout: float, failures: dict[int, str], stacks: dict[int, str]) -> str:
     parts = [
-        f"{_ranks(pending)} had not finished after {timeout:g} s and {'was' if len(pending) == 1 else 'were'} "
+        f"{ranks_phrase(pending)} had not finished after {timeout:g} s and {'was' if len(pending) == 1 else 'were'} "
         "killed; expected every rank to return "
         "within the timeout. Their stacks at the timeout follow. Fix: look for a rank that skipped a collective "
         "or waits on one the others never enter, or raise timeout= if the work is just slow."

@@ -12,13 +12,7 @@ import torch.distributed as dist
 from robustdist.checkpoint import _faults, _layout
 from robustdist.checkpoint._io import fsync_dir
 from robustdist.errors import CheckpointError
-
-
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # private API; only used to name a rank that died mid-save
-        return None
+from robustdist.process_group import default_store
 
 
 def gather_reports(ckpt: Any, token: str, staging: str, files: dict[str, Any] | None,
@@ -27,7 +21,7 @@ def gather_reports(ckpt: Any, token: str, staging: str, files: dict[str, Any] | 
     mine = (None if error is None else "".join(traceback.format_exception_only(type(error), error)).strip(), files)
     if not ckpt.distributed:
         return {0: mine}
-    store = _store()
+    store = default_store()
     key = f"robustdist/ckpt/{token}"
     if store is not None:
         store.set(f"{key}/{ckpt.rank}", "reported")

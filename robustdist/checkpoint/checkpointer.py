@@ -48,7 +48,7 @@ from robustdist.checkpoint import _faults, _layout, _payload
 from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir, write_json_atomic
 from robustdist.checkpoint._sharded import is_sharded_stateful, save_sharded
 from robustdist.errors import CheckpointCorruptError, CheckpointError
-from robustdist.log import get_logger, warn
+from robustdist.log import get_logger
 
 __all__ = ["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint"]
 
