@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
-    "ranks_phrase",
     "CheckpointCorruptError",
     "CheckpointError",
     "ConfigError",
@@ -49,7 +48,7 @@ __all__ = [
 
 
 def ranks_phrase(ranks: Iterable[int]) -> str:
-    """``"rank 3"`` or ``"ranks 0, 2"``, for messages that name ranks."""
+    """``"rank 3"`` or ``"ranks 0, 2"``, for messages that name ranks (internal helper, not exported)."""
     ordered = sorted(ranks)
     return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
 
