@@ -2,10 +2,11 @@
 
 Run: python examples/ray_train_example.py   (starts a local Ray cluster with 2 CPUs)
 
-Inside each worker: detect_topology() reports launcher "ray_train"; safe_init_process_group() validates the
-group Ray created (barrier, smoke test, agreement) without re-initialising it; wrap_ddp() and
-safe_dataloader() do their usual work; an AtomicCheckpointer commits a checkpoint every epoch, and rank 0
-reports it to Ray Train as a ray.train.Checkpoint.
+Inside each worker, ``harden()`` finds the process group Ray created and uses it as it is (it never
+re-initialises it, and ``close()`` leaves it alone); ``detect_topology()`` reports launcher "ray_train";
+the model is wrapped by ``wrap_ddp`` (SyncBatchNorm included), the loader by ``safe_dataloader``; the step
+guard and the hang watchdog run; a checkpoint is committed every epoch and rank 0 reports it to Ray Train as
+a ``ray.train.Checkpoint``.
 """
 
 from __future__ import annotations
@@ -21,32 +22,35 @@ from torch.utils.data import TensorDataset
 def train_loop_per_worker(config: dict) -> None:
     import ray.train
 
-    from robustdist import AtomicCheckpointer, detect_topology, safe_dataloader, safe_init_process_group, wrap_ddp
+    from robustdist import harden
 
-    topo = detect_topology()
-    init = safe_init_process_group({"distributed": {"timeout": 120, "barrier_timeout": 60}})
     torch.manual_seed(0)
-    model = wrap_ddp(nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 4, generator=g)
-    data = TensorDataset(x, x.sum(dim=1, keepdim=True))
-    loader = safe_dataloader(data, {"data": {"seed": 3}}, batch_size=8, shuffle=True, drop_last=True)
-    ckpt = AtomicCheckpointer(config["checkpoint_dir"], keep_last=2, timeout=120)
-    for epoch in range(config["epochs"]):
-        total = 0.0
-        for xb, yb in loader:
-            loss = nn.functional.mse_loss(model(xb), yb)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += loss.item()
-        ckpt.save(epoch, {"model": model, "optimizer": opt})
-        metrics = {"epoch": epoch, "loss": total, "launcher": topo.launcher, "world_size": topo.world_size,
-                   "created_group": init.created}
-        report_ckpt = ckpt.ray_checkpoint(epoch) if topo.rank == 0 else None
-        ray.train.report(metrics, checkpoint=report_ckpt)
-    ckpt.close()
+    loader = torch.utils.data.DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8, shuffle=True,
+                                         drop_last=True)
+    cfg = {"data": {"seed": 3}, "checkpoint": {"dir": config["checkpoint_dir"], "keep_last": 2},
+           "health": {"hang_timeout": 120}}
+    with harden(model, loader, cfg) as h:
+        opt = torch.optim.SGD(h.model.parameters(), lr=0.05)
+        step = 0
+        for epoch in range(config["epochs"]):
+            total = 0.0
+            for xb, yb in h.loader:
+                loss = nn.functional.mse_loss(h.model(xb), yb)
+                loss.backward()
+                if h.step_guard(loss, step):
+                    opt.step()
+                opt.zero_grad()
+                step += 1
+                total += loss.item()
+            h.save(epoch, optimizer=opt, force=True)
+            metrics = {"epoch": epoch, "loss": total, "launcher": h.topology.launcher,
+                       "world_size": h.topology.world_size, "created_group": h.init_report.created,
+                       "model": type(h.model).__name__, "agreement": h.guard.agreement}
+            report_ckpt = h.checkpointer.ray_checkpoint(epoch) if h.topology.rank == 0 else None
+            ray.train.report(metrics, checkpoint=report_ckpt)
 
 
 def build_trainer(storage_path: str, checkpoint_dir: str, epochs: int = 2):

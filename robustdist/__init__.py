@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         HangError,
         InitError,
         MissingDependencyError,
+        NonFiniteLossError,
         RankDivergenceError,
         RanksFailed,
         RanksTimeout,
@@ -48,6 +49,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         TopologyError,
     )
     from robustdist.fsdp import Calibration, fsdp_calibrate
+    from robustdist.harden import Hardened, harden
+    from robustdist.health import HANG_EXIT_CODE, HangReport, StepDecision, StepGuard, Watchdog
     from robustdist.log import get_logger
     from robustdist.process_group import (
         InitReport,
@@ -69,12 +72,15 @@ _LAZY: dict[str, str] = {
     ),
     **dict.fromkeys(
         ["CheckpointCorruptError", "CheckpointError", "ConfigError", "HangError", "InitError",
-         "MissingDependencyError", "RankDivergenceError", "RanksFailed", "RanksTimeout", "RobustDistError",
+         "MissingDependencyError", "NonFiniteLossError", "RankDivergenceError", "RanksFailed", "RanksTimeout",
+         "RobustDistError",
          "RobustDistWarning", "StateDictMismatchError", "TopologyError"],
         "robustdist.errors",
     ),
     "get_logger": "robustdist.log",
     **dict.fromkeys(["Calibration", "fsdp_calibrate"], "robustdist.fsdp"),
+    **dict.fromkeys(["Hardened", "harden"], "robustdist.harden"),
+    **dict.fromkeys(["HANG_EXIT_CODE", "HangReport", "StepDecision", "StepGuard", "Watchdog"], "robustdist.health"),
     **dict.fromkeys(
         ["InitReport", "destroy_process_group_if_owned", "distributed", "safe_init_process_group"],
         "robustdist.process_group",

@@ -116,6 +116,10 @@ class HealthConfig(_Section):
     nan_policy: str = _f("raise", "What a non-finite loss does on every rank: raise, skip, rollback or warn.",
                          v.choice("raise", "skip", "rollback", "warn"))
     check_divergence: bool = _f(True, "Compare parameters across ranks every interval_steps.", v.boolean())
+    hang_action: str = _f("dump", "After a hang is reported: dump (keep waiting) or abort (exit with code 86 "
+                          "so torchrun/Ray restart the worker).", v.choice("dump", "abort"))
+    max_rollbacks: int = _f(3, "nan_policy=rollback gives up with an error after this many consecutive "
+                            "rollbacks of the same step.", v.integer(minimum=1))
     dump_dir: str | None = _f(None, "Where the watchdog writes stack dumps (also always to stderr).",
                               v.optional(v.path()))
 

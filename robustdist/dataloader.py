@@ -20,7 +20,8 @@ how to silence it); with ``data.strict=True`` it raises :class:`~robustdist.erro
 5. Distributed, map-style, no ``DistributedSampler``: one is inserted keeping shuffle, ``drop_last`` and
    ``data.seed``. A custom sampler or batch sampler cannot be sharded safely: ``ConfigError``. An
    ``IterableDataset`` is not sharded: a warning.
-6. Epochs: each new iteration calls ``sampler.set_epoch(n)``; a user's own ``set_epoch`` is respected.
+6. Epochs: each new iteration calls ``sampler.set_epoch(n)``; a user's own ``set_epoch`` is respected. The
+   position (epoch and batches consumed) saves and restores mid-epoch: ``state_dict()``/``load_state_dict()``.
 7. Worker seeding: python ``random``, numpy and torch are seeded from (``data.seed``, rank, worker id,
    epoch), then the user's ``worker_init_fn`` runs.
 8. ``/dev/shm``: the bytes in flight (workers x prefetch_factor x one measured batch) must fit its free
@@ -46,6 +47,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from torch.utils.data.distributed import DistributedSampler
 
 from robustdist import _loader_checks as checks
+from robustdist import _loader_state as loader_state
 from robustdist.config import resolve_config
 from robustdist.errors import ConfigError
 from robustdist.log import get_logger, warn
@@ -84,11 +86,22 @@ class WorkerSeeder:
 
 
 class SafeDataLoader(DataLoader):
-    """A ``DataLoader`` that advances its sampler's epoch at each new iteration (unless the user did)."""
+    """A ``DataLoader`` that advances its sampler's epoch at each new iteration (unless the user did), and
+    whose position can be saved and restored mid-epoch (``state_dict``/``load_state_dict``; see
+    :mod:`robustdist._loader_state` for exactly what is restored)."""
 
     _seeder: WorkerSeeder | None = None
     _iterations = 0
     _epoch_seen: int | None = None
+    _resume: tuple[int, Any] | None = None  # (batches to skip, RNG at that epoch's start), for the next iter()
+    _active_resume: tuple[int, Any] | None = None
+    _offset = 0
+    _current: Any = None
+    _epoch_rng: dict[str, Any] | None = None
+
+    @property
+    def _index_sampler(self) -> Any:
+        return loader_state.PositionedSampler(self, DataLoader._index_sampler.fget(self))  # type: ignore[attr-defined]
 
     def __iter__(self):  # type: ignore[override]
         sampler = _epoch_sampler(self)
@@ -99,7 +112,26 @@ class SafeDataLoader(DataLoader):
         if self._seeder is not None:
             self._seeder.epoch = sampler.epoch if sampler is not None else self._iterations
         self._iterations += 1
-        return super().__iter__()
+        self._active_resume, self._resume = self._resume, None
+        self._offset = self._active_resume[0] if self._active_resume is not None else 0
+        if self._active_resume is None:
+            iterator = super().__iter__()
+        else:  # creating the iterator draws its base seed: keep the global RNG where the checkpoint put it
+            rng = torch.get_rng_state()
+            iterator = super().__iter__()
+            torch.set_rng_state(rng)
+        loader_state.iteration_started(self, iterator)
+        return iterator
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position: epoch, iterations started, batches consumed in the current one, and the
+        RNG state that iteration's sampler started from. Plain tensors and data (checkpoint-safe)."""
+        return loader_state.state_dict(self, _epoch_sampler(self))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter(self)`` continue where the saved loader was: same epoch, the batches it had not
+        yet yielded, in the same order."""
+        loader_state.load_state_dict(self, _epoch_sampler(self), state)
 
 
 def _epoch_sampler(loader: DataLoader) -> Any:
@@ -141,6 +173,8 @@ def _settings(source: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, An
 
 
 def _is_auto_sampler(sampler: Any, dataset: Any) -> bool:
+    if isinstance(dataset, IterableDataset):  # DataLoader's own placeholder sampler; it refuses any other
+        return True
     if type(sampler) is SequentialSampler:
         return sampler.data_source is dataset
     if type(sampler) is RandomSampler:

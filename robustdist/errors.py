@@ -14,6 +14,7 @@ working::
         │   └── CheckpointCorruptError          a checkpoint file fails verification
         ├── StateDictMismatchError              keys/shapes differ between a state dict and a model
         ├── RankDivergenceError                 ranks hold different parameters or configs
+        ├── NonFiniteLossError                  a loss or gradients went NaN/Inf (health.nan_policy='raise')
         ├── HangError                           something waited past its bound
         └── RanksFailed                         one or more ranks of ``testing.run_ranks`` failed
             └── RanksTimeout (+ HangError)      ranks still running at the harness timeout
@@ -37,6 +38,7 @@ __all__ = [
     "HangError",
     "InitError",
     "MissingDependencyError",
+    "NonFiniteLossError",
     "RankDivergenceError",
     "RanksFailed",
     "RanksTimeout",
@@ -110,6 +112,10 @@ class StateDictMismatchError(RobustDistError):
 
 class RankDivergenceError(RobustDistError):
     """Ranks that should hold identical state (parameters, configs, versions) do not."""
+
+
+class NonFiniteLossError(RobustDistError):
+    """A loss or the gradients were NaN/Inf at a step; ``.ranks`` names the ranks whose loss was."""
 
 
 class HangError(RobustDistError):

@@ -10,7 +10,9 @@ every rank:
 2. **Environment, before anything waits.** ``MASTER_ADDR`` resolves (bounded), ``MASTER_PORT`` is a port
    (checked by the topology), ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` name interfaces that exist. On
    CUDA, ``torch.cuda.set_device`` runs *before* init, and ``device_id`` is passed where torch supports it.
-3. **Init** with an explicit timeout (``distributed.timeout``, default 1800 s). If a group already exists
+3. **Init** with an explicit timeout (``distributed.timeout``, default 1800 s). Under torchrun with restarts
+   enabled, the group gets a store of its own for each attempt (see :mod:`robustdist._elastic_store`: torch
+   2.13 reuses the agent's store across restarts and re-init fails on stale keys). If a group already exists
    (Ray Train creates one), it is not re-initialised: it is validated by the steps below, and a warning says
    that this call's settings did not take effect.
 4. **Named barrier**, bounded by ``distributed.barrier_timeout``: ``monitored_barrier(wait_all_ranks=True)``
@@ -40,7 +42,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from robustdist import netenv
+from robustdist import _elastic_store, netenv
 from robustdist._validate import seconds
 from robustdist.agreement import check_agreement, local_fingerprint
 from robustdist.config import HardenConfig, resolve_config
@@ -117,6 +119,9 @@ def _init(backend: str, cfg: HardenConfig, timeout_s: float, topo: Topology, sin
             kwargs["device_id"] = topo.device
     if single:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    elif _elastic_store.needed(os.environ, cfg.distributed.init_method) and topo.master_addr and topo.master_port:
+        store = _elastic_store.attempt_store(topo.master_addr, topo.master_port, topo.rank, topo.world_size, timeout_s)
+        kwargs.update(store=store, rank=topo.rank, world_size=topo.world_size)
     else:
         kwargs["init_method"] = cfg.distributed.init_method
         if not cfg.distributed.init_method.startswith("env://"):

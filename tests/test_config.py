@@ -40,7 +40,7 @@ def test_defaults_match_the_documented_values():
         "data": {"auto_sampler": True, "seed": 0, "pin_memory": "auto", "check_shm": True, "strict": False},
         "checkpoint": {"dir": None, "keep_last": 3, "async_save": False, "every_n_steps": None},
         "health": {"interval_steps": 300, "hang_timeout": 600.0, "nan_policy": "raise", "check_divergence": True,
-                   "dump_dir": None},
+                   "hang_action": "dump", "max_rollbacks": 3, "dump_dir": None},
     }
 
 
@@ -249,6 +249,7 @@ valid_configs = st.fixed_dictionaries(
         "health": st.fixed_dictionaries({}, optional={
             "interval_steps": st.integers(1, 10**6), "hang_timeout": st.one_of(st.none(), seconds_st),
             "nan_policy": st.sampled_from(["raise", "skip", "warn"]), "check_divergence": st.booleans(),
+            "hang_action": st.sampled_from(["dump", "abort"]), "max_rollbacks": st.integers(1, 100),
             "dump_dir": st.one_of(st.none(), st.just("/tmp/dumps"))}),
     },
 )
@@ -273,7 +274,8 @@ junk = st.recursive(
 )
 field_names = st.sampled_from(
     ["backend", "timeout", "init_method", "find_unused_parameters", "sync_batchnorm", "barrier_timeout", "seed",
-     "pin_memory", "dir", "keep_last", "every_n_steps", "hang_timeout", "nan_policy", "dump_dir", "interval_steps"]
+     "pin_memory", "dir", "keep_last", "every_n_steps", "hang_timeout", "nan_policy", "dump_dir", "interval_steps",
+     "hang_action", "max_rollbacks"]
 )
 section_names = st.sampled_from(["distributed", "data", "checkpoint", "health"])
 
@@ -326,4 +328,4 @@ def test_config_reference_lists_every_field_with_its_doc():
     table = config_reference()
     assert "| `distributed.timeout` | `1800.0` | `ROBUSTDIST_DISTRIBUTED_TIMEOUT` | Collective timeout in seconds" in table
     assert "| `checkpoint.dir` | `null` | `ROBUSTDIST_CHECKPOINT_DIR` |" in table
-    assert table.count("\n") + 1 == 2 + 9 + 5 + 4 + 5
+    assert table.count("\n") + 1 == 2 + 9 + 5 + 4 + 7

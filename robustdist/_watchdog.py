@@ -1,0 +1,289 @@
+"""The hang :class:`Watchdog` (documented in :mod:`robustdist.health`, which exports it)."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from robustdist.errors import ConfigError, ranks_phrase
+from robustdist.log import get_logger
+
+log = get_logger("robustdist.health")
+
+HANG_EXIT_CODE = 86
+"""Exit code of a process the watchdog aborts (``action="abort"``): distinct from crashes (1), signals (<0 or
+128+n) and ``timeout(1)`` (124), so a launcher's logs show that the watchdog, not a bug, ended the worker."""
+
+ACTIONS = ("dump", "abort")
+_generation = 0  # same sequence on every rank, so the store keys of successive watchdogs never collide
+
+
+@dataclass
+class HangReport:
+    """One hang the watchdog saw on this rank. ``summary`` is set on rank 0 (the cross-rank naming)."""
+
+    rank: int
+    step: int | None
+    idle_seconds: float
+    dump_path: str | None
+    summary: str | None
+    detected_at: float  # time.time()
+
+
+class Watchdog:
+    """Dump stacks, name the slow ranks, and optionally abort when no ``beat`` arrives within ``hang_timeout``.
+
+    Args:
+        hang_timeout: seconds without a beat that count as a hang (> 0).
+        dump_dir: where ``hang-rank<r>-<pid>.txt`` files go (created if missing; None: stderr only).
+        store: a c10d store shared by the ranks (default: the default group's, when one exists).
+        action: "dump" (keep waiting after reporting) or "abort" (exit with :data:`HANG_EXIT_CODE`).
+        rank, world_size: default from the process group (0 and 1 without one).
+        grace: seconds rank 0 waits for ranks' records before naming them (default min(5, hang_timeout / 2)).
+
+    Armed from construction: a hang before the first beat (a stuck first collective) is caught too.
+    """
+
+    def __init__(self, hang_timeout: float, *, dump_dir: str | os.PathLike[str] | None = None, store: Any = None,
+                 action: str = "dump", rank: int | None = None, world_size: int | None = None,
+                 grace: float | None = None):
+        if isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float)) or not hang_timeout > 0:
+            raise ConfigError(f"hang_timeout={hang_timeout!r}; expected seconds > 0. Fix: pass e.g. 600, or do not "
+                              "create a Watchdog (health.hang_timeout=None disables it).")
+        if action not in ACTIONS:
+            raise ConfigError(f"action={action!r}; expected one of {ACTIONS}. Fix: pass one of those.")
+        global _generation
+        _generation += 1
+        self.hang_timeout, self.action = float(hang_timeout), action
+        self.dump_dir = os.fspath(dump_dir) if dump_dir is not None else None
+        self.rank, self.world_size = _rank_world(rank, world_size)
+        self.store = _own_client(store if store is not None else _default_store())
+        self.grace = min(5.0, self.hang_timeout / 2) if grace is None else float(grace)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._prefix = f"robustdist/watchdog/{restart}/{_generation}"
+        self._step: int | None = None
+        self._seq = 0
+        self._last = time.monotonic()
+        self._published = (-1, 0.0)  # (seq, monotonic time)
+        self._fired_seq: int | None = None
+        self.reports: list[HangReport] = []
+        self._stop = threading.Event()
+        self._tick = min(1.0, self.hang_timeout / 10)
+        self._publish_every = min(30.0, self.hang_timeout / 4)
+        self._thread = threading.Thread(target=self._run, name=f"robustdist-watchdog-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the training loop's side
+    def beat(self, step: int | None = None) -> None:
+        """Record progress. Cheap: attribute writes and one monotonic clock read; no I/O, no collectives."""
+        if step is not None:
+            self._step = step
+        self._seq += 1
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        """Stop the thread (bounded wait)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._tick + 10)
+        self.store = None  # do not keep a destroyed group's store alive
+
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick):
+            try:
+                self._check()
+            except Exception:  # the watchdog must never die silently
+                log.error("watchdog check failed:\n%s", traceback.format_exc(), all_ranks=True)
+
+    def _check(self) -> None:
+        now, seq, last = time.monotonic(), self._seq, self._last
+        if self.store is not None and seq != self._published[0] and now - self._published[1] >= self._publish_every:
+            self._publish(seq, last)
+        idle = now - last
+        if idle < self.hang_timeout:
+            if self._fired_seq is not None and seq != self._fired_seq:
+                log.warning("beats resumed at step %s after the hang reported above", self._step, all_ranks=True)
+                self._fired_seq = None
+            return
+        if self._fired_seq == seq:
+            return
+        self._fired_seq = seq
+        self._on_hang(seq, last, idle)
+
+    def _on_hang(self, seq: int, last: float, idle: float) -> None:
+        header = (f"robustdist watchdog: rank {self.rank} (pid {os.getpid()}, host {socket.gethostname()}) had no "
+                  f"beat for {idle:.1f} s (hang_timeout {self.hang_timeout:g} s); last step {self._step}, beat #{seq}")
+        path = self._dump(header)
+        if self.store is not None:
+            self._publish(seq, last, where=_main_thread_where())
+        summary = self._summarise() if self.rank == 0 and self.store is not None and self.world_size > 1 else None
+        log.error("%s. Stacks dumped to %s.%s", header, path or "stderr",
+                  f"\n{summary}" if summary else "", all_ranks=True)
+        if summary and path:
+            _append(path, "\n" + summary + "\n")
+        self.reports.append(HangReport(self.rank, self._step, idle, path, summary, time.time()))
+        if self.action == "abort":
+            log.error("health.hang_action='abort': exiting with code %d so the launcher restarts this worker",
+                      HANG_EXIT_CODE, all_ranks=True)
+            _flush()
+            os._exit(HANG_EXIT_CODE)
+
+    def _dump(self, header: str) -> str | None:
+        stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+        try:
+            stream.write(header + "\n")
+            stream.flush()
+            faulthandler.dump_traceback(stream, all_threads=True)
+        except (OSError, ValueError, AttributeError):
+            pass
+        if self.dump_dir is None:
+            return None
+        path = os.path.join(self.dump_dir, f"hang-rank{self.rank}-{os.getpid()}.txt")
+        try:
+            os.makedirs(self.dump_dir, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(header + "\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+            return path
+        except OSError as e:
+            log.error("could not write the stack dump to %s: %s", path, e, all_ranks=True)
+            return None
+
+    def _publish(self, seq: int, last: float, *, where: str | None = None) -> None:
+        record = {"step": self._step, "seq": seq, "beat_wall": time.time() - (time.monotonic() - last),
+                  "pid": os.getpid(), "host": socket.gethostname(), "where": where}
+        try:
+            self.store.set(f"{self._prefix}/{self.rank}", json.dumps(record))
+            self._published = (seq, time.monotonic())
+        except Exception as e:  # a dead store must not stop the dumps; retry after publish_every
+            self._published = (self._published[0], time.monotonic())
+            log.debug("watchdog could not publish to the store: %s", e)
+
+    def _summarise(self) -> str:
+        deadline = time.monotonic() + self.grace
+        records: dict[int, dict[str, Any]] = {}
+        while True:
+            records = self._read_records()
+            complete = len(records) == self.world_size and all(rec.get("where") for rec in records.values())
+            if complete or time.monotonic() >= deadline:  # every rank has hung too, and said where, or grace is up
+                break
+            time.sleep(min(0.2, self.grace))
+        return summarise(records, self.world_size, time.time())
+
+    def _read_records(self) -> dict[int, dict[str, Any]]:
+        records = {}
+        for r in range(self.world_size):
+            key = f"{self._prefix}/{r}"
+            try:
+                if self.store.check([key]):
+                    records[r] = json.loads(self.store.get(key))
+            except Exception as e:
+                log.debug("watchdog could not read %s: %s", key, e)
+        return records
+
+
+def summarise(records: dict[int, dict[str, Any]], world_size: int, now: float) -> str:
+    """``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at step 121`` (plus never-published ranks)."""
+    missing = [r for r in range(world_size) if r not in records]
+    if not records:
+        return f"no rank published a beat ({ranks_phrase(missing)} never did): the store is unreachable or every " \
+               "rank hung before its first publish."
+    progress = {r: (rec["step"] if rec["step"] is not None else -1, rec["seq"]) for r, rec in records.items()}
+    best = max(progress.values())
+    behind = sorted((r for r in records if progress[r] < best), key=lambda r: (progress[r], r))
+    ahead = sorted(r for r in records if progress[r] == best)
+    parts = []
+    for r in behind:
+        rec = records[r]
+        same_step = progress[r][0] == best[0]
+        detail = f" (earlier in that step: beat #{rec['seq']} vs #{best[1]})" if same_step else ""
+        where = f", main thread in {rec['where']}" if rec.get("where") else ""
+        parts.append(f"rank {r} last beat at step {rec['step']}{detail}, {now - rec['beat_wall']:.0f} s ago{where}")
+    lead = f"{ranks_phrase(ahead)} at step {best[0] if best[0] >= 0 else None}"
+    if not behind:
+        lead = f"every rank that published is at step {best[0] if best[0] >= 0 else None} (beat #{best[1]}): no rank " \
+               "is behind; compare the stack dumps"
+    parts.append(lead)
+    if missing:
+        parts.append(f"{ranks_phrase(missing)} never published (dead, or frozen before the watchdog could run)")
+    suspects = behind + missing
+    verdict = f"Suspect: {ranks_phrase(suspects)}. " if suspects else ""
+    return f"hang report: {'; '.join(parts)}. {verdict}Their stack dumps show where each rank is."
+
+
+def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    grouped = dist.is_available() and dist.is_initialized()
+    r = rank if rank is not None else (dist.get_rank() if grouped else 0)
+    w = world_size if world_size is not None else (dist.get_world_size() if grouped else 1)
+    return r, w
+
+
+def _default_store() -> Any:
+    from robustdist.process_group import default_store
+
+    import torch.distributed as dist
+
+    return default_store() if dist.is_available() and dist.is_initialized() else None
+
+
+def _own_client(store: Any) -> Any:
+    """A connection of the watchdog's own to the same TCPStore server, with a short timeout: a store client
+    serialises its operations, so sharing the group's would leave the watchdog waiting behind a main thread
+    that is itself stuck in a store wait (a barrier, a rendezvous). Other store types are used as given."""
+    if store is None:
+        return None
+    inner = store
+    while hasattr(inner, "underlying_store"):
+        inner = inner.underlying_store
+    import torch.distributed as dist
+
+    if not isinstance(inner, dist.TCPStore):
+        return store
+    try:
+        return dist.TCPStore(inner.host, inner.port, is_master=False, timeout=timedelta(seconds=10))
+    except Exception as e:
+        log.debug("watchdog could not open its own store connection (%s); sharing the group's", e)
+        return store
+
+
+def _main_thread_where() -> str | None:
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return None
+    code = frame.f_code
+    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
+
+
+def _append(path: str, text: str) -> None:
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError:
+        pass
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass

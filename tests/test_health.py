@@ -1,0 +1,317 @@
+"""Health guards: the hang watchdog (single process, 2 real ranks, abort), the step guard's NaN policies on
+every rank, its agreements, and the divergence check."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from robustdist import harden
+from robustdist._watchdog import summarise
+from robustdist.checkpoint import AtomicCheckpointer
+from robustdist.errors import ConfigError, NonFiniteLossError, RankDivergenceError
+from robustdist.health import HANG_EXIT_CODE, StepGuard, Watchdog
+from robustdist.testing import run_ranks
+from tests import _training as tr
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID",
+                "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+# ---------------------------------------------------------------------------------------------- watchdog
+def test_summary_names_the_ranks_behind_and_the_silent_ones():
+    now = 1000.0
+    records = {0: {"step": 121, "seq": 5, "beat_wall": 990.0}, 1: {"step": 120, "seq": 9, "beat_wall": 390.0,
+                                                                  "where": "load (data.py:3)"},
+               2: {"step": 121, "seq": 5, "beat_wall": 991.0}}
+    text = summarise(records, 4, now)
+    assert "rank 1 last beat at step 120, 610 s ago, main thread in load (data.py:3)" in text
+    assert "ranks 0, 2 at step 121" in text and "rank 3 never published" in text
+    assert "Suspect: ranks 1, 3" in text
+    same_step = summarise({0: {"step": 4, "seq": 8, "beat_wall": 999.0}, 1: {"step": 4, "seq": 7, "beat_wall": 990.0}},
+                          2, now)
+    assert "rank 1 last beat at step 4 (earlier in that step: beat #7 vs #8), 10 s ago; rank 0 at step 4" in same_step
+    level = summarise({r: {"step": 4, "seq": 8, "beat_wall": 999.0} for r in (0, 1)}, 2, now)
+    assert "no rank is behind" in level and "Suspect" not in level
+    assert "never did" in summarise({}, 2, now)
+
+
+def _stuck_here(seconds):
+    time.sleep(seconds)
+
+
+def test_watchdog_dumps_the_hung_thread_and_rearms(single_process, tmp_path, capfd, caplog):
+    caplog.set_level(logging.WARNING, logger="robustdist")
+    with Watchdog(1.0, dump_dir=tmp_path) as wd:
+        wd.beat(7)
+        _stuck_here(1.8)
+        assert len(wd.reports) == 1
+        report = wd.reports[0]
+        assert report.step == 7 and report.idle_seconds >= 1.0 and report.summary is None
+        dump = open(report.dump_path).read()
+        assert os.path.basename(report.dump_path) == f"hang-rank0-{os.getpid()}.txt"
+        assert "had no beat for" in dump and "last step 7" in dump and "in _stuck_here" in dump
+        assert "in _stuck_here" in capfd.readouterr().err  # also on stderr
+        wd.beat(8)
+        time.sleep(0.3)
+        assert any("beats resumed at step 8" in r.getMessage() for r in caplog.records)
+        for _ in range(5):  # steady beats: no new report
+            wd.beat(9)
+            time.sleep(0.2)
+        assert len(wd.reports) == 1
+    assert not wd._thread.is_alive()
+
+
+def test_watchdog_rejects_bad_settings():
+    with pytest.raises(ConfigError, match=r"hang_timeout=0; expected seconds > 0.*health.hang_timeout=None disables"):
+        Watchdog(0)
+    with pytest.raises(ConfigError, match=r"action='kill'; expected one of \('dump', 'abort'\)"):
+        Watchdog(5, action="kill")
+
+
+def test_abort_exits_with_the_documented_code(single_process):
+    code = ("import time\nfrom robustdist.health import Watchdog\nw = Watchdog(1.0, action='abort')\nw.beat(3)\n"
+            "time.sleep(30)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == HANG_EXIT_CODE == 86
+    assert time.monotonic() - start < 20
+    assert "had no beat for" in proc.stderr and "exiting with code 86" in proc.stderr
+
+
+def _sleep_inside_step(seconds):
+    time.sleep(seconds)
+
+
+def _hang(rank, dump_dir):
+    h = harden(tr.make_model(), tr.make_loader(), {"health": {"hang_timeout": 3, "dump_dir": dump_dir}})
+    opt = torch.optim.SGD(h.model.parameters(), lr=0.1)
+    started = []
+
+    def maybe_sleep(step):
+        if rank == 1 and step == 3:
+            started.append(time.time())
+            _sleep_inside_step(9)
+
+    tr.loop(h, opt, 5, before_backward=maybe_sleep)
+    reports = [(r.step, r.summary, r.dump_path, r.detected_at) for r in h.watchdog.reports]
+    h.close()
+    return started, reports
+
+
+def test_rank_zero_names_the_sleeping_rank_and_its_dump_shows_the_frame(tmp_path):
+    out = run_ranks(_hang, 2, args=(str(tmp_path),), init=False, timeout=120)
+    slept_at = out[1][0][0]
+    zero_reports = out[0][1]
+    assert len(zero_reports) == 1
+    step, summary, _, detected_at = zero_reports[0]
+    assert step == 3 and "rank 1 last beat at step 3" in summary and "Suspect: rank 1." in summary
+    assert "main thread in _sleep_inside_step" in summary
+    assert detected_at - slept_at <= 3 + 5
+    one_dump = out[1][1][0][2]
+    assert os.path.basename(one_dump).startswith("hang-rank1-") and "in _sleep_inside_step" in open(one_dump).read()
+    assert summary in open(zero_reports[0][2]).read()
+
+
+# ---------------------------------------------------------------------------------------------- step guard alone
+def test_step_guard_alone_single_process(single_process, tmp_path):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = StepGuard("raise", model=model)
+    assert guard.agreement == "local"
+    assert guard(torch.tensor(1.0), 0) and guard(0.5, 1).action == "ok"
+    with pytest.raises(NonFiniteLossError, match=r"step 2: a non-finite loss \(nan\); expected finite values.*Fix:"):
+        guard(torch.tensor(float("nan")), 2)
+    model(torch.ones(1, 2)).sum().backward()
+    decision = StepGuard("skip", model=model, optimizer=opt)(float("inf"), 3)
+    assert not decision and decision.action == "skip" and model.weight.grad is None
+    assert StepGuard("warn")(float("nan"), 4).action == "warn"
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(5, {"model": model, "optimizer": opt})
+        saved = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.add_(1)
+        rolled = StepGuard("rollback", model=model, optimizer=opt, checkpointer=ckpt)(float("nan"), 9)
+        assert rolled.rolled_back and rolled.resume_step == 5 and torch.equal(model.weight, saved)
+
+
+def test_step_guard_rejects_bad_settings(single_process):
+    with pytest.raises(ConfigError, match="nan_policy='ignore'; expected one of"):
+        StepGuard("ignore")
+    with pytest.raises(ConfigError, match="agreement='vote'"):
+        StepGuard(agreement="vote")
+    with pytest.raises(ConfigError, match="needs a checkpoint to roll back to.*Fix: pass the AtomicCheckpointer"):
+        StepGuard("rollback")
+    with pytest.raises(NonFiniteLossError, match="found no checkpoint to restore.*Fix: save one before"):
+        StepGuard("rollback", restore=_no_checkpoint)(float("nan"), 1)
+
+
+def _no_checkpoint():
+    from robustdist.errors import CheckpointCorruptError
+
+    raise CheckpointCorruptError("no valid checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------- NaN on one rank
+def _nan_run(rank, policy, directory, poison_step, always):
+    cfg = {"health": {"nan_policy": policy, "hang_timeout": 60, "max_rollbacks": 2},
+           "checkpoint": {"dir": directory, "every_n_steps": 4},
+           "distributed": {"sync_batchnorm": False}}  # with SyncBN, rank 1's NaN batch would reach rank 0's loss
+    h = harden(tr.make_model(), tr.make_loader(), cfg)
+    opt = torch.optim.SGD(h.model.parameters(), lr=0.1, momentum=0.9)
+    h.resume(optimizer=opt)
+    fired = []
+    before = {}
+
+    def poison(step, x):
+        if rank == 1 and step == poison_step and (always or not fired):
+            fired.append(step)
+            x = x.clone()
+            x[0, 0] = float("nan")
+        if step == poison_step:
+            before.setdefault("state", tr.state_of(h.model))
+        return x
+
+    def after_step(step):
+        if step == poison_step + 1:
+            before["after"] = tr.state_of(h.model)
+
+    try:
+        actions = tr.loop(h, opt, 12, poison=poison, after_step=after_step)
+    except NonFiniteLossError as e:
+        h.close()
+        return "raised", str(e), e.ranks
+    final = tr.state_of(h.model)
+    h.close()
+    return "finished", actions, final, before
+
+
+def _params(state):
+    return {k: v for k, v in state.items() if "running_" not in k and "num_batches" not in k}
+
+
+def _clean_run(rank, directory):
+    return _nan_run(rank, "raise", directory, poison_step=-1, always=False)
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip", "warn"])
+def test_nan_on_one_rank_acts_identically_on_every_rank(policy, tmp_path):
+    out = run_ranks(_nan_run, 2, args=(policy, str(tmp_path), 6, False), init=False, timeout=120)
+    if policy == "raise":
+        for rank, (kind, message, ranks) in enumerate(out):
+            assert kind == "raised" and ranks == (1,)
+            assert message.startswith(f"[rank {rank}] step 6: a non-finite loss on rank 1 (rank 1: nan)")
+        return
+    for kind, actions, _, _ in out:
+        assert kind == "finished"
+        flagged = [(s, a) for s, a in actions if a != "ok"]
+        if policy == "skip":
+            assert flagged == [(6, "skip")]
+        else:  # stepping with NaN gradients poisons the weights: every later loss is NaN too, on both ranks
+            assert flagged == [(s, "warn") for s in range(6, 12)]
+    assert tr.bitwise_equal(_params(out[0][2]), _params(out[1][2]))  # buffers are per rank without SyncBN
+    finite = all(torch.isfinite(t).all() for t in out[0][2].values() if t.is_floating_point())
+    if policy == "skip":
+        assert finite  # the NaN batch changed nothing: not the weights, not BatchNorm's running statistics
+        assert tr.bitwise_equal(out[0][3]["state"], out[0][3]["after"])
+    else:
+        assert not finite  # warn steps with the NaN gradients, as asked
+
+
+def test_rollback_continues_from_the_checkpoint_and_ends_where_a_clean_run_ends(tmp_path):
+    clean = run_ranks(_clean_run, 2, args=(str(tmp_path / "clean"),), init=False, timeout=120)
+    rolled = run_ranks(_nan_run, 2, args=("rollback", str(tmp_path / "nan"), 6, False), init=False, timeout=120)
+    for rank in range(2):
+        kind, actions, final, _ = rolled[rank]
+        assert kind == "finished" and (6, "rollback") in actions
+        steps = [s for s, _ in actions]
+        assert steps[:8] == [0, 1, 2, 3, 4, 5, 6, 4]  # back to the step-4 checkpoint, then on
+        assert tr.bitwise_equal(final, clean[rank][2])
+
+
+def test_rollback_gives_up_after_max_rollbacks_of_the_same_step(tmp_path):
+    out = run_ranks(_nan_run, 2, args=("rollback", str(tmp_path), 6, True), init=False, timeout=120)
+    for kind, message, ranks in out:
+        assert kind == "raised" and ranks == (1,)
+        assert "again after 2 rollback(s) of this step (health.max_rollbacks)" in message
+
+
+# ---------------------------------------------------------------------------------------------- agreements
+def _allreduce_agreement(rank):
+    model = nn.Linear(2, 1)  # not DDP: the guard agrees with one all-reduce
+    guard = StepGuard("skip", model=model)
+    ok = guard(torch.tensor(1.0), 0)
+    skipped = guard(torch.tensor(float("nan") if rank == 1 else 1.0), 1)
+    return guard.agreement, bool(ok), skipped.action, skipped.ranks
+
+
+def test_a_model_without_ddp_agrees_by_all_reduce():
+    assert run_ranks(_allreduce_agreement, 2, timeout=60) == [("allreduce", True, "skip", (1,))] * 2
+
+
+def _finite_gradients(rank):
+    h = harden(nn.Linear(3, 1), None, {"health": {"hang_timeout": None}})
+    out = h.model(torch.ones(2, 3)).sum()
+    out.backward()
+    loss = out + (math.inf if rank == 1 else 0.0)  # non-finite, but no gradient depends on it
+    decision = h.step_guard(loss, 0)
+    h.close()
+    return h.guard.agreement, decision.action
+
+
+def test_gradients_agreement_lets_a_non_finite_loss_with_finite_gradients_pass():
+    assert run_ranks(_finite_gradients, 2, init=False, timeout=60) == [("gradients", "ok")] * 2
+
+
+# ---------------------------------------------------------------------------------------------- divergence
+def _diverge(rank):
+    h = harden(tr.make_model(), tr.make_loader(), {"health": {"interval_steps": 5, "hang_timeout": 60}})
+    opt = torch.optim.SGD(h.model.parameters(), lr=0.1)
+
+    def perturb(step):
+        if step == 7 and rank == 1:
+            with torch.no_grad():
+                h.model.module[4].bias[0] += 1e-3
+
+    try:
+        tr.loop(h, opt, 14, after_step=perturb)
+    except RankDivergenceError as e:
+        return str(e), e.ranks
+    finally:
+        h.close()
+    return None
+
+
+def test_divergence_is_detected_at_the_next_interval_on_every_rank():
+    for rank, (message, ranks) in enumerate(run_ranks(_diverge, 2, init=False, timeout=120)):
+        assert message.startswith(f"[rank {rank}] step 10: ") and "4.bias" in message and ranks == (1,)
+
+
+def _no_gradients(rank):
+    h = harden(nn.Linear(3, 1), None, {"health": {"hang_timeout": None}})
+    try:
+        h.step_guard(torch.tensor(1.0), 0)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        h.close()
+    return None
+
+
+def test_calling_the_guard_before_backward_is_a_clear_error():
+    for message in run_ranks(_no_gradients, 2, init=False, timeout=60):
+        assert "found no gradients on the model; expected it to be called after backward()" in message
+        assert "Fix: move the call" in message

@@ -1,0 +1,124 @@
+"""SafeDataLoader.state_dict/load_state_dict: a new loader continues exactly where a saved one stopped."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from robustdist.dataloader import safe_dataloader
+from robustdist.errors import ConfigError, RobustDistWarning
+from robustdist.testing import run_ranks
+
+DATA = TensorDataset(torch.arange(40).float())
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _run(loader, batches, stop_after=None):
+    """Iterate epochs until ``batches`` batches; draw one random number per batch (the training's RNG use).
+    Returns (batches, draws, state and RNG captured after ``stop_after`` batches)."""
+    seen, draws, saved = [], [], None
+    while len(seen) < batches:
+        for (b,) in loader:
+            seen.append(b.tolist())
+            draws.append(torch.rand(1).item())
+            if len(seen) == stop_after:
+                saved = (loader.state_dict(), torch.get_rng_state())
+            if len(seen) == batches:
+                break
+    return seen, draws, saved
+
+
+def _fresh(num_workers=0, **kw):
+    return safe_dataloader(DataLoader(DATA, batch_size=3, shuffle=True, num_workers=num_workers, **kw))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("stop_after", [5, 14, 20, 33])  # 14 batches per epoch: mid-epoch and on a boundary
+def test_resume_yields_the_remaining_batches_and_random_stream(num_workers, stop_after):
+    torch.manual_seed(0)
+    reference, ref_draws, _ = _run(_fresh(), 40)
+    torch.manual_seed(0)
+    _, _, (state, rng) = _run(_fresh(num_workers), stop_after, stop_after=stop_after)
+    assert state["in_flight"] == (stop_after % 14 != 0)
+    torch.manual_seed(999)  # a restarted process: other RNG, a new loader
+    loader = _fresh(num_workers)
+    loader.load_state_dict(state)
+    torch.set_rng_state(rng)  # what the checkpoint restores
+    rest, draws, _ = _run(loader, 40 - stop_after)
+    assert rest == reference[stop_after:]
+    assert draws == ref_draws[stop_after:]
+
+
+def test_a_loader_generator_is_replayed_too():
+    def fresh():
+        return _fresh(generator=torch.Generator().manual_seed(5))
+
+    reference, _, _ = _run(fresh(), 20)
+    _, _, (state, _) = _run(fresh(), 6, stop_after=6)
+    loader = fresh()
+    loader.load_state_dict(state)
+    assert _run(loader, 14)[0] == reference[6:]
+
+
+def test_state_is_plain_and_loads_with_weights_only(tmp_path):
+    loader = _fresh()
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    assert state["batches"] == 2 and state["in_flight"] and state["iterations"] == 1
+    torch.save(state, tmp_path / "s.pt")
+    assert torch.load(tmp_path / "s.pt", weights_only=True)["batches"] == 2
+    assert _fresh().state_dict()["in_flight"] is False  # never iterated
+
+
+def test_bad_state_and_changed_length():
+    with pytest.raises(ConfigError, match=r"expected a dict from SafeDataLoader.state_dict\(\).*Fix"):
+        _fresh().load_state_dict({"version": 99})
+    _, _, (state, _) = _run(_fresh(), 4, stop_after=4)
+    other = safe_dataloader(DataLoader(DATA, batch_size=5, shuffle=True))
+    with pytest.warns(RobustDistWarning, match="8 batches per epoch but the saved state was taken with 14"):
+        other.load_state_dict(state)
+    assert len([b for b in other]) == 8  # the interrupted epoch restarts whole
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_iterable_datasets_restart_the_epoch_with_a_warning():
+    loader = safe_dataloader(DataLoader(Stream(), batch_size=2))
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    fresh = safe_dataloader(DataLoader(Stream(), batch_size=2))
+    with pytest.warns(RobustDistWarning, match="IterableDataset.*restarts from the beginning"):
+        fresh.load_state_dict(state)
+    assert [b.tolist() for b in fresh][0] == [0, 1]
+
+
+def _distributed_resume(rank):
+    def fresh():
+        return safe_dataloader(DataLoader(DATA, batch_size=3, shuffle=True), {"data": {"seed": 4}})
+
+    reference, _, _ = _run(fresh(), 16)  # 20 samples per rank: 7 batches per epoch
+    _, _, (state, rng) = _run(fresh(), 9, stop_after=9)
+    loader = fresh()
+    loader.load_state_dict(state)
+    torch.set_rng_state(rng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rest, _, _ = _run(loader, 7)
+    return rest == reference[9:], state["epoch"], loader.sampler.epoch
+
+
+def test_distributed_sampler_resumes_mid_epoch_on_every_rank():
+    assert run_ranks(_distributed_resume, 2, timeout=60) == [(True, 1, 2), (True, 1, 2)]
