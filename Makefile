@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench bench-check venv clean
 
 venv:
 	@VENV=$(VENV) bash scripts/ensure-venv.sh
@@ -21,8 +21,15 @@ demo: venv
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Every benchmark, side by side with the plain torch/Ray way; writes benchmarks/results.json and RESULTS.md.
+# `make bench BENCH="bench_bf16 bench_step"` re-runs only those. Timing is not a test: not part of `make test`.
+BENCH ?=
 bench: venv
-	$(PY) benchmarks/run.py
+	$(PY) benchmarks/run.py $(BENCH)
+
+# Compare benchmarks/results.json with the targets in benchmarks/targets.py; exit 1 on any miss.
+bench-check: venv
+	$(PY) benchmarks/check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info $(DEMO_DIR)

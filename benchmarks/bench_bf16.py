@@ -1,11 +1,10 @@
-"""Pickle dumps+loads of a 128 MiB bf16 tensor: robustdist's patch vs torch's default vs the float32 route,
+"""P3: pickle dumps+loads of a 128 MiB bf16 tensor: robustdist's patch vs torch's default vs the float32 route,
 with ``tensor.clone()`` as the memcpy limit. Interleaved repetitions in one run; medians and ratios.
 Run: .venv/bin/python benchmarks/bench_bf16.py [--mib 128] [--reps 7]
 """
 
 from __future__ import annotations
 
-import argparse
 import pickle
 import statistics
 import time
@@ -13,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+import _harness as h
 from robustdist.bf16 import patch_bf16_pickle, unpatch_bf16_pickle
 
 
@@ -51,7 +51,7 @@ def _clone(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = h.parser(__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=128)
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
@@ -69,16 +69,14 @@ def main() -> None:
             sizes[name] = size
             assert np.array_equal(out.view(torch.int16).numpy(), t.view(torch.int16).numpy())
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"pickle dumps+loads of a {args.mib} MiB bf16 tensor ({t.numel()} elements), {args.reps} interleaved reps")
-    for name in methods:
-        print(f"  {name:22s} median {med[name] * 1e3:8.1f} ms  min {min(times[name]) * 1e3:8.1f}  "
-              f"max {max(times[name]) * 1e3:8.1f}  bytes {sizes[name]} ({sizes[name] / t.numel():.3f}/element)")
     p = med["robustdist patched"]
-    print(f"  speed-up vs torch default: {med['torch default'] / p:.2f}x (target >= 2)")
-    print(f"  speed-up vs float32 route: {med['float32 route'] / p:.2f}x (target >= 3.5)")
-    print(f"  patched / memcpy:          {p / med['clone (memcpy)']:.2f}x (target <= 1.5)")
-    print(f"  bytes: {sizes['robustdist patched'] - 2 * t.numel()} over 2 bytes/element (target <= 1024)")
-
+    metrics = {"speedup_vs_default": med["torch default"] / p, "speedup_vs_float32_route": med["float32 route"] / p,
+               "vs_memcpy": p / med["clone (memcpy)"],
+               "out_of_band_vs_memcpy": med["patched, out-of-band"] / med["clone (memcpy)"],
+               "bytes_over_2_per_element": sizes["robustdist patched"] - 2 * t.numel()}
+    h.emit(args, "P3", "bf16 pickle: robustdist vs torch default vs the float32 route vs memcpy", times, metrics,
+           unit="ms", setup=f"pickle.dumps + pickle.loads (protocol 5) of a {args.mib} MiB bf16 tensor "
+                            f"({t.numel()} elements), {args.reps} interleaved repetitions, bit-exactness checked")
 
 if __name__ == "__main__":
     main()

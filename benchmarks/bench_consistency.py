@@ -1,4 +1,4 @@
-"""check_consistency vs the plain way (broadcast rank 0's parameters and compare), 2 gloo ranks, ~100M params.
+"""P7: check_consistency vs the plain way (broadcast rank 0's parameters and compare), 2 gloo ranks, ~100M params.
 
 Interleaved A/B repetitions in one run; prints median, min and max per method and the ratio of medians.
 Run: .venv/bin/python benchmarks/bench_consistency.py [--params-millions 100] [--reps 5]
@@ -6,7 +6,6 @@ Run: .venv/bin/python benchmarks/bench_consistency.py [--params-millions 100] [-
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import _harness as h
 from robustdist.consistency import check_consistency
 from robustdist.testing import run_ranks
 
@@ -53,19 +53,17 @@ def _bench(rank: int, millions: float, reps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = h.parser(__doc__.splitlines()[0])
     parser.add_argument("--params-millions", type=float, default=100)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     result = run_ranks(_bench, 2, args=(args.params_millions, args.reps), timeout=1800)[0]
-    print(f"check_consistency, 2 gloo ranks, {result['params'] / 1e6:.1f}M parameters, {args.reps} interleaved reps")
-    medians = {}
-    for name, values in result["times"].items():
-        medians[name] = statistics.median(values)
-        print(f"  {name:30s} median {medians[name]:.3f} s  min {min(values):.3f}  max {max(values):.3f}")
-    ratio = medians["robustdist.check_consistency"] / medians["broadcast+compare"]
-    print(f"  ratio robustdist / plain: {ratio:.2f}x")
-
+    med = {name: statistics.median(values) for name, values in result["times"].items()}
+    h.emit(args, "P7", "check_consistency per call vs broadcast-and-compare", result["times"],
+           {"seconds_per_call": med["robustdist.check_consistency"],
+            "ratio_vs_broadcast_compare": med["robustdist.check_consistency"] / med["broadcast+compare"]},
+           setup=f"2 gloo ranks, 1 thread each, {result['params'] / 1e6:.1f}M float32 parameters, {args.reps} "
+                 "interleaved repetitions")
 
 if __name__ == "__main__":
     main()

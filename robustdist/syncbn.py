@@ -39,10 +39,9 @@ class _SyncBatchNormFn(torch.autograd.Function):
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
                 factor: float, group: Any) -> torch.Tensor:
         channels = x.size(1)
-        dims = [0, *range(2, x.dim())]
         count = x.numel() // channels if channels else 0
-        if count:
-            var, mean = torch.var_mean(x, dim=dims, unbiased=False)
+        if count:  # torch's fused per-channel statistics kernel (several times faster than var_mean over N, H, W)
+            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
         else:
             var = mean = torch.zeros(channels, dtype=x.dtype, device=x.device)
         # statistics travel and combine in float64: counts stay exact and M2 does not lose precision
@@ -65,12 +64,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
             with torch.no_grad():
                 running_mean.mul_(1 - factor).add_(g_mean64.to(running_mean.dtype), alpha=factor)
                 running_var.mul_(1 - factor).add_((g_m2 / (total - 1)).to(running_var.dtype), alpha=factor)
-        shape = [1, channels] + [1] * (x.dim() - 2)
-        out = (x - g_mean.view(shape)) * invstd.view(shape)
-        if weight is not None:
-            out = out * weight.view(shape)
-        if bias is not None:
-            out = out + bias.view(shape)
+        # the normalisation itself is torch's fused kernel, fed the global statistics (one pass, one output)
+        out = F.batch_norm(x, g_mean, (g_m2 / total).to(x.dtype), weight, bias, False, 0.0, eps)
         ctx.save_for_backward(x, weight, g_mean, invstd, total.to(x.dtype))
         ctx.group, ctx.has_bias = group, bias is not None
         return out
@@ -79,11 +74,13 @@ class _SyncBatchNormFn(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x, weight, mean, invstd, total = ctx.saved_tensors
         channels = x.size(1)
-        dims = [0, *range(2, x.dim())]
         shape = [1, channels] + [1] * (x.dim() - 2)
-        xmu = x - mean.view(shape)
-        sum_dy = grad_out.sum(dims)
-        sum_dy_xmu = (grad_out * xmu).sum(dims)
+        grad_out = grad_out.contiguous()
+        # sum(dy) and sum(dy * (x - mean)) per channel in one fused pass: torch's own batch-norm backward with
+        # an inverse std of 1 returns exactly these as its weight and bias gradients
+        ones = torch.ones(channels, dtype=x.dtype, device=x.device)
+        _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            grad_out, x, ones, None, None, mean, ones, True, 0.0, [False, True, True])
         grad_weight = sum_dy_xmu * invstd if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_x = None
@@ -92,8 +89,9 @@ class _SyncBatchNormFn(torch.autograd.Function):
             dist.all_reduce(packed, group=ctx.group)
             g_sum_dy, g_sum_dy_xmu = packed[:channels], packed[channels:]
             scale = invstd if weight is None else invstd * weight
-            grad_x = (grad_out - (g_sum_dy / total).view(shape)
-                      - xmu * (invstd ** 2 * g_sum_dy_xmu / total).view(shape)) * scale.view(shape)
+            # (dy - sum(dy)/N - (x - mean) * invstd^2 * sum(dy * (x - mean))/N) * invstd * weight, in place
+            grad_x = torch.addcmul(grad_out, x - mean.view(shape), (-(invstd ** 2) * g_sum_dy_xmu / total).view(shape))
+            grad_x.sub_((g_sum_dy / total).view(shape)).mul_(scale.view(shape))
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 

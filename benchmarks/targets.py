@@ -1,0 +1,30 @@
+"""The performance targets ``make bench-check`` holds ``benchmarks/results.json`` to (issue: benchmark suite).
+
+Each entry: (benchmark id, metric key in that benchmark's record, comparison, threshold, what it means).
+A comparison of "report" has no threshold: the number is recorded, never judged.
+"""
+
+from __future__ import annotations
+
+TARGETS: list[tuple[str, str, str, float | None, str]] = [
+    ("P1", "mlp_step_ratio", "<=", 1.02, "hardened DDP step time / plain DDP step time, small MLP, 2 gloo ranks"),
+    ("P1", "convnet_step_ratio", "report", None, "the same, small convnet with BatchNorm (SyncBN when hardened)"),
+    ("P2", "throughput_vs_torch_save", ">=", 0.9, "robustdist sync save throughput / torch.save+fsync throughput"),
+    ("P2", "time_vs_dcp", "<", 1.0, "robustdist sync save time / dcp.save time (faster than DCP)"),
+    ("P2", "async_blocking_fraction", "<=", 0.15, "async save blocking time / sync save time"),
+    ("P3", "speedup_vs_default", ">=", 2.0, "torch's default bf16 pickle time / robustdist's"),
+    ("P3", "speedup_vs_float32_route", ">=", 3.5, "float32-route pickle time / robustdist's"),
+    ("P3", "vs_memcpy", "<=", 1.5, "robustdist's pickle dumps+loads time / one memcpy (clone) of the tensor"),
+    ("P4", "extra_seconds", "<=", 0.5, "safe_init_process_group time - plain init_process_group time, 2 ranks"),
+    ("P5", "syncbn_step_ratio", "<=", 1.5, "DDP step with robustdist's CPU SyncBN / with plain BatchNorm, 2 ranks"),
+    ("P6", "detection_overshoot_seconds", "<=", 5.0, "time from the hang to rank 0 naming the rank - hang_timeout"),
+    ("P7", "seconds_per_call", "report", None, "check_consistency on ~100M parameters, 2 gloo ranks"),
+    ("P8", "loader_time_ratio", "<=", 1.01, "safe_dataloader epoch time / plain DataLoader epoch time, same settings"),
+]
+
+
+def judge(op: str, value: float, threshold: float | None) -> bool | None:
+    """True when met, False when missed, None for report-only metrics."""
+    if op == "report" or threshold is None:
+        return None
+    return {"<=": value <= threshold, "<": value < threshold, ">=": value >= threshold, ">": value > threshold}[op]
