@@ -5,7 +5,7 @@
   (the error and its fix are printed).
 * ``robustdist doctor [--json]`` checks this machine for known failure modes, and under torchrun every
   rank (see :mod:`robustdist.doctor`). Exit code 0 when no check found an error, 1 otherwise.
-* ``robustdist verify-checkpoint DIR [--json]`` verifies every committed checkpoint (sizes and SHA-256
+* ``robustdist verify-checkpoint DIR [--json]`` verifies every committed checkpoint (sizes and checksums
   against each manifest) and prints step, files, bytes, status and reason. Exit code 1 if any is corrupt.
 """
 

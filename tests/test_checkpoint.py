@@ -166,3 +166,43 @@ def test_ray_train_checkpoint_round_trip(tmp_path):
     assert loaded.step == 4 and torch.equal(loaded.state["x"], torch.arange(3))
     with pytest.raises(CheckpointError, match="no committed checkpoint step 9"):
         AtomicCheckpointer(tmp_path / "run").ray_checkpoint(9)
+
+
+def test_async_saves_reuse_their_snapshot_buffers_without_mixing_steps(tmp_path):
+    w = torch.zeros(1000)
+    model = torch.nn.Linear(4, 2)
+    with AtomicCheckpointer(tmp_path, keep_last=3, async_save=True) as ckpt:
+        ckpt.save(1, {"w": w, "model": model})
+        w.add_(1)  # mutated as soon as save() returns: the snapshot must not see it
+        with torch.no_grad():
+            model.weight.add_(1)
+        first = dict(ckpt._staging)
+        ckpt.save(2, {"w": w, "model": model})
+        assert all(ckpt._staging[k] is first[k] for k in first) and len(first) == 3  # the same buffers, reused
+        ckpt.wait()
+        one = ckpt.load(1)
+        two = ckpt.load(2)
+    assert torch.equal(one.state["w"], torch.zeros(1000)) and torch.equal(two.state["w"], torch.ones(1000))
+    assert torch.equal(two.state["model"]["weight"], one.state["model"]["weight"] + 1)
+
+
+def test_manifests_record_crc32_and_0_1_0_sha256_manifests_still_verify(tmp_path):
+    import json
+
+    from robustdist.checkpoint._io import sha256_file
+    from robustdist.errors import CheckpointCorruptError
+
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.arange(10.0)})
+        step_dir = tmp_path / "step_0000000001"
+        manifest = json.loads((step_dir / "manifest.json").read_text())
+        entry = manifest["files"]["replicated.pt"]
+        assert set(entry) == {"size", "crc32"} and len(entry["crc32"]) == 8
+        size, sha = sha256_file(str(step_dir / "replicated.pt"))  # what robustdist 0.1.0 wrote
+        manifest["files"]["replicated.pt"] = {"size": size, "sha256": sha}
+        (step_dir / "manifest.json").write_text(json.dumps(manifest))
+        assert torch.equal(ckpt.load(1).state["w"], torch.arange(10.0))
+        manifest["files"]["replicated.pt"] = {"size": size}
+        (step_dir / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointCorruptError, match="records no checksum"):
+            ckpt.load(1)

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from robustdist.checkpoint._io import sha256_file
+from robustdist.checkpoint._io import crc32_file, sha256_file
 from robustdist.errors import CheckpointCorruptError
 
 FORMAT_VERSION = 1
@@ -70,7 +70,8 @@ def files_for_rank(manifest: dict[str, Any], rank: int) -> list[str]:
 
 
 def verify(step_dir: str, manifest: dict[str, Any], names: Iterable[str]) -> None:
-    """Check each file's size and SHA-256 against the manifest; raise CheckpointCorruptError naming the file."""
+    """Check each file's size and checksum (CRC-32, or SHA-256 in 0.1.0 manifests) against the manifest; raise
+    CheckpointCorruptError naming the file."""
     for name in names:
         expected = manifest["files"][name]
         path = os.path.join(step_dir, name)
@@ -80,8 +81,14 @@ def verify(step_dir: str, manifest: dict[str, Any], names: Iterable[str]) -> Non
             raise CheckpointCorruptError(f"{path}: missing") from None
         if size != expected["size"]:
             raise CheckpointCorruptError(f"{path}: {size} bytes, expected {expected['size']} (truncated or extended)")
-        if sha256_file(path)[1] != expected["sha256"]:
-            raise CheckpointCorruptError(f"{path}: SHA-256 differs from the manifest (the bytes changed)")
+        if "crc32" in expected:
+            algorithm, actual, wanted = "CRC-32", crc32_file(path)[1], expected["crc32"]
+        elif "sha256" in expected:
+            algorithm, actual, wanted = "SHA-256", sha256_file(path)[1], expected["sha256"]
+        else:
+            raise CheckpointCorruptError(f"{path}: the manifest records no checksum for it")
+        if actual != wanted:
+            raise CheckpointCorruptError(f"{path}: {algorithm} differs from the manifest (the bytes changed)")
 
 
 def verify_all(directory: str) -> list[dict[str, Any]]:

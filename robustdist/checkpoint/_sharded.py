@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from robustdist.checkpoint._io import sha256_file
+from robustdist.checkpoint._io import checksum_entry
 from robustdist.errors import CheckpointError
 
 # Exactly what DCP's metadata pickles (read off torch 2.13's FileSystemWriter output): its metadata dataclasses,
@@ -85,8 +85,7 @@ def save_sharded(entries: dict[str, Any], path: str, group: Any) -> dict[str, An
     mine = [f for f in os.listdir(path) if f.startswith(f"__{rank}_") or (rank == 0 and f == ".metadata")]
     files = {}
     for name in mine:
-        size, sha = sha256_file(os.path.join(path, name))
-        files[f"sharded/{name}"] = {"size": size, "sha256": sha}
+        files[f"sharded/{name}"] = checksum_entry(os.path.join(path, name))
     return files
 
 

@@ -9,7 +9,8 @@ so a background save never interleaves with the training collectives):
 2. Every rank snapshots its state to CPU (the only part an async save blocks on). Sharded entries (FSDP2
    DTensors) are written by ``torch.distributed.checkpoint`` into ``<staging>/sharded/`` now, by all ranks.
 3. Rank 0 writes the replicated state (``replicated.pt``); every rank writes its RNG and per-rank entries
-   (``rank_<r>.pt``). Every file is hashed (SHA-256) while written, flushed and fsynced.
+   (``rank_<r>.pt``). Every file is checksummed (CRC-32, see :mod:`robustdist.checkpoint._io`) while written,
+   flushed and fsynced.
 4. Every rank reports success or its error. **Collective: all_gather.** If any rank failed, every rank raises
    the same :class:`CheckpointError` naming the failed ranks and their errors, rank 0 removes the staging
    dir, and nothing is committed. A rank that died is named from the c10d store.
@@ -22,7 +23,7 @@ so a background save never interleaves with the training collectives):
    checkpoint last loaded from is never rotated out, nor the newest.
 
 ``load`` considers only committed directories, verifies each file it needs against the manifest's size and
-SHA-256 *before* deserialising, falls back to the previous checkpoint with a warning naming the file and
+checksum *before* deserialising, falls back to the previous checkpoint with a warning naming the file and
 the reason (raising :class:`CheckpointCorruptError` only when none is valid), and makes every rank load the
 same step (rank 0 proposes, every rank verifies, all agree). Files are read with
 ``torch.load(weights_only=True)``; everything robustdist writes is plain tensors and data, so no extra
@@ -118,6 +119,9 @@ class AtomicCheckpointer:
         self._protected: int | None = None
         self._closed = False
         self._deleters: list[threading.Thread] = []
+        # async saves copy the state into these CPU buffers, reused from one save to the next (save() waits for
+        # the previous background write first, so a buffer is never overwritten while it is being written)
+        self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
 
     @property
     def err_rank(self) -> int | None:
@@ -217,6 +221,7 @@ class AtomicCheckpointer:
             for deleter in self._deleters:
                 deleter.join(self.timeout)
             self._closed = True
+            self._staging.clear()
             self._lock.release()
 
     def __enter__(self) -> AtomicCheckpointer:
@@ -265,12 +270,12 @@ class AtomicCheckpointer:
             _payload.check_plain(entry, f"state[{name!r}]")
             kinds[name] = kind
             if self.rank == 0:
-                replicated[name] = _payload.snapshot(entry, clone=clone)
+                replicated[name] = _payload.snapshot(entry, clone=clone, staging=self._staging, key=("r", name))
         mine = {"rng": _payload.capture_rng(), "per_rank": {}}
         for name, value in (per_rank or {}).items():
             kind, entry = _payload.entry_state(name, value)
             _payload.check_plain(entry, f"per_rank[{name!r}]")
-            mine["per_rank"][name] = _payload.snapshot(entry, clone=clone)
+            mine["per_rank"][name] = _payload.snapshot(entry, clone=clone, staging=self._staging, key=("p", name))
         return replicated, mine, sharded, kinds
 
     def _background(self, *job: Any) -> None:
@@ -310,7 +315,7 @@ class AtomicCheckpointer:
                 raise writer.error from e  # the real cause (EFBIG, ENOSPC, ...), not torch's follow-up error
             raise
         size, sha = writer.close()
-        return {"size": size, "sha256": sha}
+        return {"size": size, "crc32": sha}
 
     def _report_and_commit(self, step: int, token: str, staging: str, files: dict[str, Any] | None,
                            error: BaseException | None, metadata: Any, kinds: dict[str, str],

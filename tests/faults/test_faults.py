@@ -107,7 +107,7 @@ def _flip(p):
 
 @pytest.mark.parametrize(("damage", "target", "reason"), [
     (_truncate, "replicated.pt", "bytes, expected"),
-    (_flip, "replicated.pt", "SHA-256 differs from the manifest"),
+    (_flip, "replicated.pt", "CRC-32 differs from the manifest"),
     (os.remove, "manifest.json", "manifest.json: missing"),
     (os.remove, "rank_00000.pt", "rank_00000.pt: missing"),
 ])
