@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +34,22 @@ def interleave(methods: Mapping[str, Callable[[], Any]], reps: int, *, inner: in
                 methods[name]()
             times[name].append((time.perf_counter() - start) / inner)
     return times
+
+
+def pin_rank(rank: int) -> None:
+    """Pin this rank (and the threads it starts later) to one core of its own, when there are enough cores:
+    less scheduler migration, less noise. Both sides of a comparison run in the same pinned processes."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+
+
+def paired_ratio(times: Mapping[str, list[float]], numerator: str, denominator: str) -> float:
+    """Median over rounds of numerator/denominator measured in the same round (adjacent in time).
+
+    Pairing cancels what drifts between rounds (other load on a shared machine), so it resolves a small
+    overhead far better than the ratio of the two medians; both are reported."""
+    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator], strict=True))
 
 
 def summary(values: list[float]) -> dict[str, float]:

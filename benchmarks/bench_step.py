@@ -3,7 +3,7 @@
 Same model weights, same batch, same optimizer on both sides, in the same two processes; blocks of steps
 interleaved (A B B A ...). The hardened side runs `harden()`'s model (DDP, SyncBatchNorm for the convnet),
 `step_guard` every step (nan_policy "raise", divergence check every 300 steps) and the watchdog's beats.
-Run: .venv/bin/python benchmarks/bench_step.py [--reps 40] [--inner 20]
+Run: .venv/bin/python benchmarks/bench_step.py [--reps 300] [--inner 5]
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def _pair(make, x, y, reps: int, inner: int) -> dict[str, list[float]]:
 
 
 def _bench(rank: int, reps: int, inner: int) -> dict:
+    h.pin_rank(rank)
     torch.set_num_threads(1)
     torch.manual_seed(rank)
     out = {"mlp": _pair(mlp, torch.randn(64, 256), torch.randint(0, 10, (64,)), reps, inner)}
@@ -68,18 +69,22 @@ def _bench(rank: int, reps: int, inner: int) -> dict:
 
 def main() -> None:
     p = h.parser(__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=40)
-    p.add_argument("--inner", type=int, default=20)
+    p.add_argument("--reps", type=int, default=300)
+    p.add_argument("--inner", type=int, default=5)
     args = p.parse_args()
     result = run_ranks(_bench, 2, args=(args.reps, args.inner), timeout=1800)[0]
     times = {f"{model}: {name}": values for model, pair in result.items() for name, values in pair.items()}
     med = {k: h.summary(v)["median"] for k, v in times.items()}
-    metrics = {"mlp_step_ratio": med["mlp: harden()"] / med["mlp: plain DDP"],
-               "convnet_step_ratio": med["convnet: harden()"] / med["convnet: plain DDP"]}
+    metrics = {}
+    for model in ("mlp", "convnet"):
+        metrics[f"{model}_step_ratio"] = h.paired_ratio(times, f"{model}: harden()", f"{model}: plain DDP")
+        metrics[f"{model}_step_ratio_of_medians"] = med[f"{model}: harden()"] / med[f"{model}: plain DDP"]
     h.emit(args, "P1", "harden()ed DDP step vs plain DDP step", times, metrics, unit="ms",
-           setup=f"2 gloo ranks, 1 thread each; MLP 256-512-512-10 on 64x256, convnet (2 conv+BN) on 16x3x32x32; "
+           setup=f"2 gloo ranks, 1 thread each, each pinned to its own core; MLP 256-512-512-10 on 64x256, convnet (2 conv+BN) on 16x3x32x32; "
                  f"{args.reps} interleaved blocks of {args.inner} steps; rank 0's timings",
-           notes=["The convnet's hardened side uses SyncBatchNorm (sync_batchnorm='auto') and the plain side "
+           notes=["*_step_ratio is the median over rounds of the two sides' times in the same round (pairing "
+                  "cancels drift in the machine's load); *_ratio_of_medians is the plain ratio of the medians.",
+                  "The convnet's hardened side uses SyncBatchNorm (sync_batchnorm='auto') and the plain side "
                   "BatchNorm: its ratio includes SyncBN's cost, which P5 isolates."])
 
 

@@ -136,6 +136,9 @@ class StepGuard:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.agreement = self._choose_agreement(agreement)
+        # the parameters are fixed once the model is wrapped; walking the module tree every step costs more
+        # than the check itself
+        self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self._failing: tuple[int, int] | None = None  # (step, rollbacks of it so far)
         self._snapshot = _Snapshot.of(model) if nan_policy == "skip" else _Snapshot()
         self.last: StepDecision | None = None
@@ -186,7 +189,7 @@ class StepGuard:
             dist.all_reduce(flags, group=self.group)
             named = tuple(r for r, f in enumerate(flags.tolist()) if f)
             return bool(named), named
-        return not _grads_finite(self.model, self.rank), None
+        return not _grads_finite(self._params), None
 
     def _device(self) -> torch.device:
         backend = str(dist.get_backend(self.group))
@@ -278,6 +281,8 @@ class StepGuard:
 
 def _is_finite(loss: Any) -> bool:
     if isinstance(loss, torch.Tensor):
+        if loss.numel() == 1:
+            return math.isfinite(loss.item())
         return bool(torch.isfinite(loss.detach()).all())
     return _finite_number(loss)
 
@@ -296,10 +301,16 @@ def _value(loss: Any) -> Any:
     return loss
 
 
-def _grads_finite(model: nn.Module | None, rank: int) -> bool:
-    grads = [p.grad for p in model.parameters() if p.grad is not None] if model is not None else []
+def _grads_finite(params: list[torch.Tensor]) -> bool:
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         raise ConfigError("step_guard found no gradients on the model; expected it to be called after backward() and "
                           "before optimizer.step() (and before zero_grad()). Fix: move the call.")
-    total = torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum()
-    return bool(torch.isfinite(total))
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():  # NaN/Inf anywhere makes the sum non-finite; low precision sums in fp32
+        acc = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        if not math.isfinite(torch.stack([g.sum(dtype=acc) for g in group]).sum().item()):
+            return False
+    return True
