@@ -56,7 +56,8 @@ def main() -> None:
            {"syncbn_step_ratio": h.paired_ratio(times, "robustdist SyncBatchNorm", "BatchNorm (per rank)"),
             "syncbn_step_ratio_of_medians": med["robustdist SyncBatchNorm"] / med["BatchNorm (per rank)"]},
            unit="ms", notes=["syncbn_step_ratio is the median of per-round paired ratios; see P1."],
-           setup=f"2 gloo ranks, 1 thread each, each pinned to its own core; convnet with 2 BatchNorm2d on 16x3x32x32; {args.reps} interleaved "
+           setup="2 gloo ranks, 1 thread each, each pinned to its own core; convnet with 2 BatchNorm2d on "
+                 f"16x3x32x32; {args.reps} interleaved "
                  f"blocks of {args.inner} steps; rank 0's timings")
 
 

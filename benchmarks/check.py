@@ -15,8 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from targets import TARGETS, judge  # noqa: E402
 
 
-def main() -> int:
-    path = Path(__file__).resolve().parent / "results.json"
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    path = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results.json"
     if not path.exists():
         print(f"make bench-check: {path} does not exist; run `make bench` first.")
         return 1

@@ -251,6 +251,8 @@ def test_rollback_gives_up_after_max_rollbacks_of_the_same_step(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- agreements
 def _allreduce_agreement(rank):
+    with pytest.raises(ConfigError, match=r"agreement='gradients' needs the DDP model \(model=\).*Fix: pass model="):
+        StepGuard(agreement="gradients")
     model = nn.Linear(2, 1)  # not DDP: the guard agrees with one all-reduce
     guard = StepGuard("skip", model=model)
     ok = guard(torch.tensor(1.0), 0)

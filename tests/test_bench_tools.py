@@ -1,0 +1,67 @@
+"""The benchmark tooling (not the timings: timing is not a test): targets, bench-check and the results page."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import check  # noqa: E402
+import run  # noqa: E402
+from targets import TARGETS, judge  # noqa: E402
+
+
+def _results(metrics: dict[str, dict[str, float]]) -> dict:
+    return {"date": "d", "command": "c", "machine": {"cpus": "2"},
+            "benchmarks": {bid: {"id": bid, "title": "t", "unit": "ms", "metrics": m,
+                                 "times": {"a": {"median": 0.001, "min": 0.001, "max": 0.002, "n": 3}}}
+                           for bid, m in metrics.items()}}
+
+
+def _all_met() -> dict[str, dict[str, float]]:
+    values: dict[str, dict[str, float]] = {}
+    for bid, key, op, threshold, _ in TARGETS:
+        ok = 1.0 if threshold is None else threshold * (0.5 if op in ("<=", "<") else 2)
+        values.setdefault(bid, {})[key] = ok
+    return values
+
+
+def test_judge():
+    assert judge("<=", 1.02, 1.02) and not judge("<", 1.0, 1.0) and judge(">=", 2.0, 2.0)
+    assert judge("report", 5.0, None) is None
+
+
+def test_every_issue_benchmark_has_a_target_and_a_script():
+    assert sorted({bid for bid, *_ in TARGETS}) == [f"P{i}" for i in range(1, 9)]
+    scripts = {p.read_text().split(":", 1)[0].strip('"') for p in BENCH.glob("bench_*.py")}
+    assert {s for s in scripts} >= {f"P{i}" for i in range(1, 9)}
+
+
+def test_bench_check_passes_misses_and_missing(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_results(_all_met())))
+    assert check.main([str(path)]) == 0
+    worse = _all_met()
+    worse["P3"]["vs_memcpy"] = 3.2
+    del worse["P8"]
+    path.write_text(json.dumps(_results(worse)))
+    assert check.main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "MISSED P3 vs_memcpy = 3.2 (target <= 1.5)" in out and "MISSING P8 loader_time_ratio" in out
+    assert check.main([str(tmp_path / "absent.json")]) == 1
+
+
+def test_results_page_lists_targets_verdicts_and_tables():
+    page = run.render(_results(_all_met()))
+    assert page.startswith("# Benchmark results") and "| P1 | `mlp_step_ratio` | 0.51 | <= 1.02 | met |" in page
+    assert "## P5: t" in page and "| a | 1 | 1 | 2 | 3 |" in page
+
+
+@pytest.mark.parametrize("name", ["results.json", "RESULTS.md"])
+def test_the_committed_results_exist(name):
+    assert (BENCH / name).exists()
