@@ -155,15 +155,15 @@ class Hardened:
         return step
 
     def _load(self) -> int:
-        assert self.checkpointer is not None
+        if self.checkpointer is None:  # rollback and resume only reach here with a checkpointer
+            raise ConfigError("no checkpointer to load from; expected checkpoint.dir to be set. Fix: set it.")
         self._beat()
         loaded = self.checkpointer.load(state={"model": self.model, **self._live_state(), **self.extras})
         loader_state = loaded.per_rank.get("loader")
         if isinstance(self.loader, SafeDataLoader) and loader_state is not None:
             self.loader.load_state_dict(loader_state)
         self.last_loaded, self._step = loaded, loaded.step
-        self.guard._snapshot = type(self.guard._snapshot).of(self.model) if self.guard.nan_policy == "skip" \
-            else self.guard._snapshot
+        self.guard.state_restored()
         self._beat()
         return loaded.step
 

@@ -159,6 +159,15 @@ class StepGuard:
     def err_rank(self) -> int | None:
         return self.rank if self.distributed else None
 
+    def state_restored(self) -> None:
+        """Call after restoring the model outside the guard (a resume): ``skip`` then restores BatchNorm
+        statistics to the restored values, not to those from before the restore."""
+        self._take_snapshot()
+
+    def _take_snapshot(self) -> None:
+        if self.nan_policy == "skip":
+            self._snapshot = _Snapshot.of(self.model)
+
     # ------------------------------------------------------------------ the per-step hook
     def __call__(self, loss: Any, step: int) -> StepDecision:
         """Check ``loss`` (a tensor or a float) for step ``step``; act by the policy; see the module docstring."""
@@ -172,7 +181,7 @@ class StepGuard:
                 self._failing = None
             decision = self._check_divergence(step)
             if decision is None:
-                self._snapshot = _Snapshot.of(self.model) if self.nan_policy == "skip" else self._snapshot
+                self._take_snapshot()  # the state after this good step is the one a skip returns to
                 decision = StepDecision(step)
         else:
             ranks, values = self._name(local_bad, loss, ranks)
@@ -251,7 +260,7 @@ class StepGuard:
             raise NonFiniteLossError(f"{what}; nan_policy='rollback' found no checkpoint to restore ({e.message}); "
                                      "expected a committed checkpoint. Fix: save one before (checkpoint.every_n_steps)"
                                      ", or use nan_policy='skip'.", rank=self.err_rank, ranks=ranks) from e
-        self._snapshot = _Snapshot.of(self.model) if self.nan_policy == "skip" else self._snapshot
+        self.state_restored()
         log.warning("%s; nan_policy='rollback': restored checkpoint step %d (rollback %d of at most %d for step %d)",
                     what, resumed, count, self.max_rollbacks, step)
         return StepDecision(step, "rollback", ranks, resume_step=resumed, reason=what)
