@@ -56,9 +56,14 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def parser(description: str) -> argparse.ArgumentParser:
+def parser(description: str, *, reps: int | None = None, inner: int | None = None) -> argparse.ArgumentParser:
+    """The common options: ``--json``, and ``--reps``/``--inner`` with these defaults when given."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", default=None, help="write the result record here (benchmarks/run.py passes it)")
+    if reps is not None:
+        p.add_argument("--reps", type=int, default=reps, help="interleaved rounds")
+    if inner is not None:
+        p.add_argument("--inner", type=int, default=inner, help="calls timed together in each round")
     return p
 
 

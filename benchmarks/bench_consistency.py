@@ -53,9 +53,8 @@ def _bench(rank: int, millions: float, reps: int) -> dict:
 
 
 def main() -> None:
-    parser = h.parser(__doc__.splitlines()[0])
+    parser = h.parser(__doc__.splitlines()[0], reps=5)
     parser.add_argument("--params-millions", type=float, default=100)
-    parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     result = run_ranks(_bench, 2, args=(args.params_millions, args.reps), timeout=1800)[0]
     med = {name: statistics.median(values) for name, values in result["times"].items()}

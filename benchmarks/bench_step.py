@@ -68,10 +68,7 @@ def _bench(rank: int, reps: int, inner: int) -> dict:
 
 
 def main() -> None:
-    p = h.parser(__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=300)
-    p.add_argument("--inner", type=int, default=5)
-    args = p.parse_args()
+    args = h.parser(__doc__.splitlines()[0], reps=300, inner=5).parse_args()
     result = run_ranks(_bench, 2, args=(args.reps, args.inner), timeout=1800)[0]
     times = {f"{model}: {name}": values for model, pair in result.items() for name, values in pair.items()}
     med = {k: h.summary(v)["median"] for k, v in times.items()}

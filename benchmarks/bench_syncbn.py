@@ -46,10 +46,7 @@ def _bench(rank: int, reps: int, inner: int) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    p = h.parser(__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=150)
-    p.add_argument("--inner", type=int, default=5)
-    args = p.parse_args()
+    args = h.parser(__doc__.splitlines()[0], reps=150, inner=5).parse_args()
     times = run_ranks(_bench, 2, args=(args.reps, args.inner), timeout=1800)[0]
     med = {k: h.summary(v)["median"] for k, v in times.items()}
     h.emit(args, "P5", "DDP step with CPU SyncBatchNorm vs plain BatchNorm", times,
