@@ -52,6 +52,20 @@ def paired_ratio(times: Mapping[str, list[float]], numerator: str, denominator: 
     return statistics.median(a / b for a, b in zip(times[numerator], times[denominator], strict=True))
 
 
+def paired_ratio_ci(times: Mapping[str, list[float]], numerator: str, denominator: str, *, level: float = 0.95,
+                    resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of :func:`paired_ratio` (rounds resampled with replacement): how far the
+    median could move on this machine, so a verdict within it is read as unresolved rather than as a result."""
+    import numpy as np
+
+    ratios = np.asarray(times[numerator]) / np.asarray(times[denominator])
+    rng = np.random.default_rng(seed)
+    medians = np.median(rng.choice(ratios, size=(resamples, ratios.size), replace=True), axis=1)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 

@@ -75,13 +75,16 @@ def main() -> None:
     metrics = {}
     for model in ("mlp", "convnet"):
         metrics[f"{model}_step_ratio"] = h.paired_ratio(times, f"{model}: harden()", f"{model}: plain DDP")
+        low, high = h.paired_ratio_ci(times, f"{model}: harden()", f"{model}: plain DDP")
+        metrics[f"{model}_step_ratio_ci95_low"], metrics[f"{model}_step_ratio_ci95_high"] = low, high
         metrics[f"{model}_step_ratio_of_medians"] = med[f"{model}: harden()"] / med[f"{model}: plain DDP"]
     h.emit(args, "P1", "harden()ed DDP step vs plain DDP step", times, metrics, unit="ms",
            setup="2 gloo ranks, 1 thread each, each pinned to its own core; MLP 256-512-512-10 on 64x256, "
                  "convnet (2 conv+BN) on 16x3x32x32; "
                  f"{args.reps} interleaved blocks of {args.inner} steps; rank 0's timings",
            notes=["*_step_ratio is the median over rounds of the two sides' times in the same round (pairing "
-                  "cancels drift in the machine's load); *_ratio_of_medians is the plain ratio of the medians.",
+                  "cancels drift in the machine's load); *_ratio_of_medians is the plain ratio of the medians; "
+                  "*_ci95_low/high bound the paired ratio (bootstrap over rounds).",
                   "The convnet's hardened side uses SyncBatchNorm (sync_batchnorm='auto') and the plain side "
                   "BatchNorm: its ratio includes SyncBN's cost, which P5 isolates."])
 

@@ -49,10 +49,14 @@ def main() -> None:
     args = h.parser(__doc__.splitlines()[0], reps=150, inner=5).parse_args()
     times = run_ranks(_bench, 2, args=(args.reps, args.inner), timeout=1800)[0]
     med = {k: h.summary(v)["median"] for k, v in times.items()}
+    sides = ("robustdist SyncBatchNorm", "BatchNorm (per rank)")
+    low, high = h.paired_ratio_ci(times, *sides)
     h.emit(args, "P5", "DDP step with CPU SyncBatchNorm vs plain BatchNorm", times,
-           {"syncbn_step_ratio": h.paired_ratio(times, "robustdist SyncBatchNorm", "BatchNorm (per rank)"),
-            "syncbn_step_ratio_of_medians": med["robustdist SyncBatchNorm"] / med["BatchNorm (per rank)"]},
-           unit="ms", notes=["syncbn_step_ratio is the median of per-round paired ratios; see P1."],
+           {"syncbn_step_ratio": h.paired_ratio(times, *sides),
+            "syncbn_step_ratio_of_medians": med[sides[0]] / med[sides[1]],
+            "syncbn_step_ratio_ci95_low": low, "syncbn_step_ratio_ci95_high": high},
+           unit="ms", notes=["syncbn_step_ratio is the median of per-round paired ratios, with a bootstrap 95% "
+                             "interval; see P1."],
            setup="2 gloo ranks, 1 thread each, each pinned to its own core; convnet with 2 BatchNorm2d on "
                  f"16x3x32x32; {args.reps} interleaved "
                  f"blocks of {args.inner} steps; rank 0's timings")

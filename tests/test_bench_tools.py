@@ -65,3 +65,15 @@ def test_results_page_lists_targets_verdicts_and_tables():
 @pytest.mark.parametrize("name", ["results.json", "RESULTS.md"])
 def test_the_committed_results_exist(name):
     assert (BENCH / name).exists()
+
+
+def test_paired_ratio_and_its_interval():
+    import _harness as h
+
+    plain = [1.0, 2.0, 1.5, 1.2, 0.9] * 40
+    exact = {"a": [1.03 * v for v in plain], "b": plain}
+    assert h.paired_ratio(exact, "a", "b") == pytest.approx(1.03)
+    assert h.paired_ratio_ci(exact, "a", "b") == pytest.approx((1.03, 1.03))  # no spread, no interval
+    noisy = {"a": [v * (1.03 + (0.05 if i % 2 else -0.05)) for i, v in enumerate(plain)], "b": plain}
+    low, high = h.paired_ratio_ci(noisy, "a", "b")
+    assert 0.98 <= low < h.paired_ratio(noisy, "a", "b") <= high <= 1.08

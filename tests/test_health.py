@@ -317,3 +317,26 @@ def test_calling_the_guard_before_backward_is_a_clear_error():
     for message in run_ranks(_no_gradients, 2, init=False, timeout=60):
         assert "found no gradients on the model; expected it to be called after backward()" in message
         assert "Fix: move the call" in message
+
+
+@pytest.mark.parametrize("per_tensor", [True, False], ids=["per-tensor", "stacked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_check_finds_every_kind_of_non_finite_value(per_tensor, dtype):
+    from robustdist.health import _grads_finite
+
+    layers = [nn.Linear(4, 3).to(dtype), nn.Linear(3, 2).to(dtype)]
+    params = [p for layer in layers for p in layer.parameters()]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    assert _grads_finite(params, per_tensor=per_tensor)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        params[2].grad[1, 2] = bad
+        assert not _grads_finite(params, per_tensor=per_tensor), bad
+        params[2].grad.fill_(1)
+    params[0].grad[0, 0], params[3].grad[0] = float("inf"), float("-inf")  # they would cancel in a careless sum
+    assert not _grads_finite(params, per_tensor=per_tensor)
+    params[1].grad = None  # a parameter without a gradient (unused this step) is skipped
+    params[0].grad.fill_(1), params[3].grad.fill_(1)
+    assert _grads_finite(params, per_tensor=per_tensor)
+    with pytest.raises(ConfigError, match="no gradients"):
+        _grads_finite([nn.Parameter(torch.ones(2))], per_tensor=per_tensor)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from robustdist import syncbn
 from robustdist.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from robustdist.testing import run_ranks
 
@@ -87,13 +88,15 @@ def _compare(rank, sizes, case, sync, steps=3):
     return errs
 
 
-def _run_cases(rank, sizes):
+def _run_cases(rank, sizes, host_math=True):
+    syncbn._HOST_MATH = host_math  # False: the per-channel math in torch ops, as on an accelerator
     return [_compare(rank, sizes, case, sync=True) for case in CASES]
 
 
-@pytest.mark.parametrize("sizes", [[4, 4], [3, 6], [2, 5, 3]], ids=["2-equal", "2-unequal", "3-unequal"])
-def test_syncbn_matches_batchnorm_over_the_concatenated_batch(sizes):
-    per_rank = run_ranks(_run_cases, len(sizes), args=(sizes,), timeout=120)
+@pytest.mark.parametrize("sizes,host_math", [([4, 4], True), ([3, 6], True), ([2, 5, 3], True), ([3, 6], False)],
+                         ids=["2-equal", "2-unequal", "3-unequal", "2-unequal-torch-math"])
+def test_syncbn_matches_batchnorm_over_the_concatenated_batch(sizes, host_math):
+    per_rank = run_ranks(_run_cases, len(sizes), args=(sizes, host_math), timeout=120)
     for rank, results in enumerate(per_rank):
         for case, errs in zip(CASES, results):
             assert all(v <= 1e-9 for v in errs.values()), (rank, case, errs)
@@ -166,3 +169,46 @@ def _too_small(rank):
 def test_one_value_per_channel_in_total_raises_like_torch():
     for message in run_ranks(_too_small, 2, timeout=60):
         assert message.startswith("Expected more than 1 value per channel when training across all ranks")
+
+
+def _low_precision(rank, dtype, offset, host_math):
+    """float32 (with a large mean, where one-pass sums of squares would cancel) and bfloat16 inputs against
+    a float64 BatchNorm over the concatenated batch."""
+    syncbn._HOST_MATH = host_math
+    sizes, spatial = [3, 5], (4, 4)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(sum(sizes), C, *spatial, generator=g, dtype=torch.float64) + offset
+    w = torch.randn(sum(sizes), C, *spatial, generator=g, dtype=torch.float64)
+    x_ref = x.clone().requires_grad_(True)
+    ref = nn.functional.batch_norm(x_ref, None, None, training=True)
+    (ref * w).sum().backward()
+    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    bn = SyncBatchNorm(C, affine=False, dtype=dtype)
+    x_loc = x[lo:hi].to(dtype).requires_grad_(True)
+    y = bn(x_loc)
+    (y * w[lo:hi].to(dtype)).sum().backward()
+    return (y.dtype, (y.double() - ref[lo:hi]).abs().max().item(),
+            (x_loc.grad.double() - x_ref.grad[lo:hi]).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype,offset,tol,host_math", [(torch.float32, 100.0, 1e-4, True),
+                                                        (torch.float32, 100.0, 1e-4, False),
+                                                        (torch.bfloat16, 0.0, 3e-2, True)],
+                         ids=["float32-offset", "float32-offset-torch-math", "bfloat16"])
+def test_float32_and_bfloat16_inputs(dtype, offset, tol, host_math):
+    for out_dtype, out_err, dx_err in run_ranks(_low_precision, 2, args=(dtype, offset, host_math), timeout=60):
+        assert out_dtype == dtype and out_err < tol and dx_err < tol, (out_err, dx_err)
+
+
+@pytest.mark.parametrize("max_bytes", [syncbn._TWO_PASS_MAX_BYTES, 0], ids=["two-pass", "fused-kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_local_statistics_both_algorithms(monkeypatch, max_bytes, dtype):
+    monkeypatch.setattr(syncbn, "_TWO_PASS_MAX_BYTES", max_bytes)
+    x64 = torch.randn(6, C, 5, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2 + 50
+    x = x64.to(dtype)
+    mean, var = syncbn._local_stats(x, x.numel() // C)
+    ref_var, ref_mean = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    assert mean.dtype == var.dtype == torch.float32
+    assert torch.allclose(mean.double(), ref_mean, rtol=1e-6) and torch.allclose(var.double(), ref_var, rtol=1e-4)
+    empty_mean, empty_var = syncbn._local_stats(x[:0], 0)
+    assert empty_mean.shape == (C,) and not empty_mean.any() and not empty_var.any()
