@@ -311,15 +311,15 @@ def _value(loss: Any) -> Any:
 
 
 def _grads_finite(params: list[torch.Tensor], *, per_tensor: bool | None = None) -> bool:
-    """True when every gradient is finite. ``per_tensor`` (default: all on the CPU) reads one float per tensor;
-    otherwise one host read per dtype, which suits accelerators."""
+    """True when every gradient is finite. ``per_tensor`` (default: when the gradients are on the CPU) reads
+    one float per tensor; otherwise one host read per dtype, which suits accelerators."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         raise ConfigError("step_guard found no gradients on the model; expected it to be called after backward() and "
                           "before optimizer.step() (and before zero_grad()). Fix: move the call.")
     # NaN/Inf anywhere makes a sum non-finite (inf + -inf is NaN); low precision sums in float32
     if per_tensor is None:
-        per_tensor = all(g.device.type == "cpu" for g in grads)
+        per_tensor = grads[0].device.type == "cpu"  # one look, not one per tensor: this runs every step
     if per_tensor:  # no stacking, no temporaries: 74 vs 119 us per step for the P1 benchmark's MLP
         return math.isfinite(sum(g.sum(dtype=_accumulator(g.dtype)).item() for g in grads))
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
