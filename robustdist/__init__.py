@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         resolve_config,
     )
     from robustdist.errors import (
+        CheckpointBusyError,
         CheckpointCorruptError,
         CheckpointError,
         ConfigError,
@@ -71,7 +72,7 @@ _LAZY: dict[str, str] = {
         "robustdist.config",
     ),
     **dict.fromkeys(
-        ["CheckpointCorruptError", "CheckpointError", "ConfigError", "HangError", "InitError",
+        ["CheckpointBusyError", "CheckpointCorruptError", "CheckpointError", "ConfigError", "HangError", "InitError",
          "MissingDependencyError", "NonFiniteLossError", "RankDivergenceError", "RanksFailed", "RanksTimeout",
          "RobustDistError",
          "RobustDistWarning", "StateDictMismatchError", "TopologyError"],

@@ -18,6 +18,11 @@ Not restored: the progress of an ``IterableDataset`` stream (the epoch restarts,
 RNG state *inside* worker processes part-way through an epoch (workers are re-seeded from
 (``data.seed``, rank, worker, epoch) as at any epoch start, so per-sample random augmentation done in workers
 differs after a mid-epoch resume; with ``num_workers=0`` it is exact).
+
+Trust: the state comes from a checkpoint file, so ``load_state_dict()`` treats it as untrusted input. Every
+field is checked before anything changes (exact types, ranges, ``batches <= num_batches``, RNG states tried
+on a scratch generator); a malformed state raises :class:`~robustdist.errors.CheckpointError` naming the
+field and leaves the loader as it was.
 """
 
 from __future__ import annotations
@@ -29,10 +34,15 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from robustdist.errors import ConfigError
+from robustdist._validate import show
+from robustdist.errors import CheckpointError
 from robustdist.log import warn
 
 STATE_VERSION = 1
+FIELDS = ("version", "iterations", "epoch", "num_batches", "batches", "in_flight", "rng")
+MAX_COUNT = 2**63 - 1  # counters are int64 in torch; a DistributedSampler seeds with seed + epoch (uint64)
+_FIX = ("Fix: pass the dict SafeDataLoader.state_dict() returned, unmodified (check that the checkpoint holds this "
+        "loader's state), or skip load_state_dict() to start the loader fresh.")
 
 
 def capture_rng(generator: torch.Generator | None) -> dict[str, Any]:
@@ -114,13 +124,100 @@ def state_dict(loader: Any, sampler: Any) -> dict[str, Any]:
     }
 
 
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _found(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    return show(value)
+
+
+def _refuse(field: str, value: Any, expected: str, fix: str = _FIX) -> CheckpointError:
+    return CheckpointError(f"loader state `{field}` is {_found(value)}; expected {expected}. {fix}")
+
+
+def _check_dict(state: Any) -> None:
+    if not isinstance(state, dict):
+        raise CheckpointError(f"loader state is {_found(state)}; expected a dict from SafeDataLoader.state_dict() "
+                              f"(version {STATE_VERSION}). {_FIX}")
+    version = state.get("version", STATE_VERSION)  # a missing version is reported with the other missing keys
+    if type(version) is not int or version != STATE_VERSION:
+        raise _refuse("version", version, f"{STATE_VERSION} (the version of SafeDataLoader.state_dict() in this "
+                      "robustdist)", "Fix: pass the state saved by this robustdist version, or start the loader "
+                      "fresh (skip load_state_dict()).")
+    missing = [k for k in FIELDS if k not in state]
+    unknown = [show(k, 40) for k in state if k not in FIELDS]
+    if missing or unknown:
+        found = "; ".join(part for part in (f"missing key(s) {missing}" if missing else "",
+                                            f"unknown key(s) {', '.join(unknown[:5])}" if unknown else "") if part)
+        raise CheckpointError(f"loader state has {found}; expected exactly the keys {list(FIELDS)}. {_FIX}")
+
+
+def _check_count(state: dict[str, Any], field: str, low: int = 0, high: int = MAX_COUNT, *,
+                 optional: bool = False, why: str = "") -> None:
+    value = state[field]
+    if value is None and optional:
+        return
+    if type(value) is not int or not low <= value <= high:  # type() is: a bool is not a count
+        expected = f"{'None or ' if optional else ''}an int (not a bool) from {low} to {high}{why}"
+        raise _refuse(field, value, expected)
+
+
+def _check_rng_state(field: str, value: Any, trial: torch.Generator | None) -> None:
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.device.type == "cpu"
+            and value.layout == torch.strided):
+        raise _refuse(field, value, "a torch.uint8 CPU tensor (from torch.get_rng_state() or Generator.get_state())")
+    if trial is None:  # the loader has no generator to restore: the entry is not used
+        return
+    try:
+        trial.set_state(value)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise _refuse(field, value, f"an RNG state that a {trial.device} generator accepts (torch said: "
+                      f"{_cut(str(e), 120)})") from e
+
+
+def _check_rng(rng: Any, in_flight: bool, generator: torch.Generator | None) -> None:
+    if not in_flight:
+        if rng is not None:
+            raise _refuse("rng", rng, "None when `in_flight` is False (no iteration to replay)")
+        return
+    if not isinstance(rng, dict) or set(rng) != {"torch", "generator"}:
+        raise _refuse("rng", rng, "a dict with exactly the keys 'torch' and 'generator' while `in_flight` is True "
+                      "(the RNG states the interrupted iteration began with)")
+    _check_rng_state("rng['torch']", rng["torch"], torch.Generator())  # the global RNG is a CPU generator
+    if rng["generator"] is not None:
+        trial = torch.Generator(device=generator.device) if generator is not None else None
+        _check_rng_state("rng['generator']", rng["generator"], trial)
+
+
+def validate_state(state: Any, generator: torch.Generator | None) -> None:
+    """Raise :class:`CheckpointError` naming the first malformed field of a saved loader state; change nothing."""
+    _check_dict(state)
+    in_flight = state["in_flight"]
+    if type(in_flight) is not bool:
+        raise _refuse("in_flight", in_flight, "True or False")
+    started = " (at least 1 while `in_flight` is True: the interrupted iteration had started)" if in_flight else ""
+    _check_count(state, "iterations", 1 if in_flight else 0, why=started)
+    _check_count(state, "epoch", optional=True)
+    _check_count(state, "num_batches", optional=True)
+    num_batches = state["num_batches"]
+    if num_batches is None:
+        _check_count(state, "batches")
+    else:
+        _check_count(state, "batches", high=num_batches, why=f" (`num_batches` is {num_batches})")
+    _check_rng(state["rng"], in_flight, generator)
+
+
+def _copy_rng(rng: dict[str, Any]) -> dict[str, Any]:
+    """The saved RNG states, detached from the caller's dict and tensors (they are used at the next ``iter``)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in rng.items()}
+
+
 def load_state_dict(loader: Any, sampler: Any, state: Any) -> None:
-    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-        found = state.get("version") if isinstance(state, dict) else None
-        raise ConfigError(f"loader state {type(state).__name__} with version {found!r}"
-                          f"; expected a dict from SafeDataLoader.state_dict() (version {STATE_VERSION}). Fix: pass "
-                          "the state saved by this robustdist version, or start the loader fresh.")
-    epoch, iterations = state["epoch"], int(state["iterations"])
+    validate_state(state, loader.generator)
+    epoch, iterations = state["epoch"], state["iterations"]
     if sampler is not None and epoch is not None:
         sampler.set_epoch(epoch)
     loader._resume = None
@@ -141,4 +238,4 @@ def load_state_dict(loader: Any, sampler: Any, state: Any) -> None:
         loader._iterations, loader._epoch_seen = iterations - 1, None
         return
     loader._iterations, loader._epoch_seen = iterations - 1, None
-    loader._resume = (int(state["batches"]), state["rng"])
+    loader._resume = (state["batches"], _copy_rng(state["rng"]))

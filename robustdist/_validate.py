@@ -6,36 +6,121 @@ raises :class:`~robustdist.errors.ConfigError` naming the field path, the bad va
 
 from __future__ import annotations
 
+import builtins
 import difflib
 import math
 import numbers
 import os
-from collections.abc import Iterable
+import reprlib
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
+from itertools import islice
 from typing import Any
 
 from robustdist.errors import ConfigError
 
 MAX_SECONDS = 1e9  # ~31 years: larger values overflow timedelta arithmetic in torch and threading
+MAX_NUMBER_TEXT = 40  # characters of an env-var number: no field needs more, and int() of long strings is slow
+MAX_PATH = 4096  # characters: Linux's PATH_MAX; a longer path fails at the first open anyway
+MAX_SUGGEST = 64  # longer words get no "did you mean" hint (difflib is quadratic in the word length)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _NONE = {"", "none", "null"}
 
 
-def show(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` with its type, truncated; never raises."""
+class _ShortRepr(reprlib.Repr):
+    """``reprlib`` with small bounds that never builds the full repr of a user value.
+
+    Containers are cut to a few items and levels *before* their items are formatted (aliased YAML lists can
+    expand to billions of items), strings and bytes are sliced before ``repr``, big ints are described by
+    size (formatting one is quadratic, and past 4300 digits raises ``ValueError``), and dict and set items
+    keep their order instead of being sorted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxtuple = self.maxlist = self.maxset = self.maxfrozenset = self.maxdict = 4
+        self.maxstring = 60
+        self.maxother = 60
+
+    def repr1(self, x: Any, level: int) -> str:
+        if x is None or isinstance(x, (bool, float, complex)):
+            return builtins.repr(x)
+        if isinstance(x, int):
+            if x.bit_length() > 128:
+                return f"<int of about {int(math.log10(abs(x))) + 1} digits>"
+            return builtins.repr(x)
+        if isinstance(x, str):
+            return self.repr_str(x, level)
+        if isinstance(x, (bytes, bytearray)):
+            return builtins.repr(bytes(x[: self.maxstring])) + (self.fillvalue if len(x) > self.maxstring else "")
+        if isinstance(x, Mapping):
+            return self._items(x.items(), len(x), level, "{", "}", self.maxdict, pairs=True)
+        if isinstance(x, (list, tuple, set, frozenset)):
+            return self._sequence(x, level)
+        if isinstance(x, os.PathLike):
+            try:
+                return f"{type(x).__name__[:40]}({self.repr_str(str(os.fspath(x)), level)})"
+            except Exception:
+                pass
+        return self.repr_instance(x, level)  # trusted Python objects: repr, then cut to maxother
+
+    def _sequence(self, x: Any, level: int) -> str:
+        if isinstance(x, list):
+            return self._items(x, len(x), level, "[", "]", self.maxlist)
+        if isinstance(x, tuple):
+            return self._items(x, len(x), level, "(", ",)" if len(x) == 1 else ")", self.maxtuple)
+        name = "set" if isinstance(x, set) else "frozenset"
+        if not x:
+            return f"{name}()"
+        left, right = ("{", "}") if name == "set" else ("frozenset({", "})")
+        return self._items(x, len(x), level, left, right, self.maxset)
+
+    def _items(self, items: Iterable[Any], n: int, level: int, left: str, right: str, most: int,
+               *, pairs: bool = False) -> str:
+        if n == 0:
+            return left + right
+        if level <= 0:
+            return left + self.fillvalue + right
+        if pairs:
+            pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in islice(items, most)]
+        else:
+            pieces = [self.repr1(e, level - 1) for e in islice(items, most)]
+        if n > most:
+            pieces.append(self.fillvalue)
+        return left + ", ".join(pieces) + right
+
+
+_SHORT = _ShortRepr()
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """A bounded ``repr(value)``: cut before formatting, at most ``limit`` characters; never raises."""
     try:
-        text = repr(value)
+        text = _SHORT.repr(value)
     except Exception:
         text = "<unrepresentable>"
     if len(text) > limit:
         text = text[: limit - 3] + "..."
-    return f"{text} ({type(value).__name__})"
+    return text
+
+
+def cut(text: str, limit: int = 80) -> str:
+    """``text`` itself when short, else its first ``limit - 3`` characters and "..." (for names in messages)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """``short(value)`` with its type, for "`field` is <value> (<type>)" messages; never raises."""
+    return f"{short(value, limit)} ({type(value).__name__[:40]})"
 
 
 def suggest(word: str, candidates: Iterable[str]) -> str | None:
-    """The closest candidate to ``word``, for "did you mean" hints, or None."""
+    """The closest candidate to ``word``, for "did you mean" hints, or None (also for very long words)."""
+    if len(word) > MAX_SUGGEST:
+        return None
     matches = difflib.get_close_matches(word.lower(), list(candidates), n=1, cutoff=0.6)
     return matches[0] if matches else None
 
@@ -113,8 +198,11 @@ class integer(Kind):
         return value
 
     def parse(self, path: str, text: str) -> Any:
+        stripped = text.strip()
+        if len(stripped) > MAX_NUMBER_TEXT:  # refuse before int(): quadratic, and a ValueError past 4300 digits
+            return _raise(self.fail(path, text))
         try:
-            return self.check(path, int(text.strip()))
+            return self.check(path, int(stripped))
         except ValueError:
             return _raise(self.fail(path, text))
 
@@ -137,8 +225,11 @@ class seconds(Kind):
         return secs
 
     def parse(self, path: str, text: str) -> Any:
+        stripped = text.strip()
+        if len(stripped) > MAX_NUMBER_TEXT:
+            return _raise(self.fail(path, text))
         try:
-            return self.check(path, float(text.strip()))
+            return self.check(path, float(stripped))
         except ValueError:
             return _raise(self.fail(path, text))
 
@@ -155,7 +246,7 @@ class url(Kind):
 
 
 class path(Kind):
-    describe = "a non-empty filesystem path (str or os.PathLike)"
+    describe = f"a non-empty filesystem path (str or os.PathLike) of at most {MAX_PATH} characters"
 
     def check(self, path_: str, value: Any) -> Any:
         if isinstance(value, os.PathLike):
@@ -163,7 +254,7 @@ class path(Kind):
                 value = os.fspath(value)
             except Exception:
                 return _raise(self.fail(path_, value))
-        if isinstance(value, str) and value.strip() and "\x00" not in value:
+        if isinstance(value, str) and value.strip() and len(value) <= MAX_PATH and "\x00" not in value:
             return value
         return _raise(self.fail(path_, value))
 

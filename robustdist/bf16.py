@@ -8,14 +8,22 @@ what checkpoints contain.
 
 * :func:`patch_bf16_pickle` registers a ``copyreg`` reducer for ``torch.Tensor`` and ``nn.Parameter``. For
   bfloat16 and the float8 dtypes it pickles the raw bits as a ``uint16``/``uint8`` numpy array (bit-exact,
-  NaN payloads included; only the tensor's own elements, never a view's whole base storage; with protocol
-  5 the data is a ``PickleBuffer`` that Ray and other protocol-5 consumers can take out of band). Shape,
-  dtype, device, ``requires_grad`` and ``Parameter``-ness are kept. Every other tensor, and every tensor
-  pickled by ``torch.save`` or copied by ``copy.copy``, gets torch's own reduction, unchanged: checkpoints
-  are byte-identical with and without the patch. torch's ``multiprocessing`` shared-memory reductions take
-  precedence in ``ForkingPickler`` as before. Nothing is patched at import; :func:`unpatch_bf16_pickle`
-  restores the exact previous entries (a user's own reducer included); :func:`bf16_pickle_patch` is the
-  context-manager form.
+  NaN payloads included; with protocol 5 the data is a ``PickleBuffer`` that Ray and other protocol-5
+  consumers can take out of band). Which bits:
+
+  - normally the tensor's own elements, never a view's whole base storage; it comes back contiguous;
+  - when its elements overlap in memory so that there are more of them than storage slots its strides span
+    (``expand``, broadcasting, overlapping ``unfold``/``as_strided``), the spanned storage slots plus the
+    strides, so the pickle is never larger than that span; it comes back with the same strides (an
+    expanded tensor stays expanded, as with torch's own pickle).
+
+  Shape, dtype, device, ``requires_grad`` and ``Parameter``-ness are kept. Every other tensor gets torch's
+  own reduction, unchanged: other dtypes, tensors whose data cannot be read (``meta`` device, functorch
+  and functionalization wrappers, tensors without storage), and every tensor pickled by ``torch.save`` or
+  copied by ``copy.copy``. So checkpoints are byte-identical with and without the patch. torch's
+  ``multiprocessing`` shared-memory reductions take precedence in ``ForkingPickler`` as before. Nothing is
+  patched at import; :func:`unpatch_bf16_pickle` restores the exact previous entries (a user's own reducer
+  included); :func:`bf16_pickle_patch` is the context-manager form.
 * Ray: serializers registered on the driver do not reach workers. :func:`install_ray_serializers` registers
   the same representation with ``ray.util.register_serializer`` in the calling process; pass
   ``runtime_env={"worker_process_setup_hook": "robustdist.bf16.ray_worker_setup"}`` to ``ray.init`` so
@@ -92,17 +100,49 @@ def _raw_bits(t: torch.Tensor) -> np.ndarray:
     return data.resolve_neg().contiguous().view(RAW_DTYPES[t.dtype]).numpy()
 
 
+def _data_accessible(t: torch.Tensor) -> bool:
+    """False for tensors with no readable data: ``meta``, no storage, functorch/functionalization wrappers."""
+    if t.device.type == "meta" or not torch._C._has_storage(t):
+        return False
+    try:
+        t.untyped_storage().data_ptr()  # wrappers raise here ("invalid python storage", "Cannot access storage")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def _eligible(t: torch.Tensor) -> bool:
     return (t.dtype in RAW_DTYPES and t.layout == torch.strided and (t.is_leaf or not t.requires_grad)
-            and type(t) in (torch.Tensor, torch.nn.Parameter) and not torch._utils._get_obj_state(t))
+            and type(t) in (torch.Tensor, torch.nn.Parameter) and not torch._utils._get_obj_state(t)
+            and _data_accessible(t))
+
+
+def _span(t: torch.Tensor) -> int:
+    """How many storage slots the tensor's strides cover, from its first element to its last (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def _payload(t: torch.Tensor) -> tuple[Any, ...]:
+    """The arguments of :func:`_rebuild` for an eligible tensor: its own elements, or, when they overlap so
+    that there are more of them than the slots their strides span, that span plus the strides."""
+    head = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+    tail = (str(t.device), t.requires_grad, isinstance(t, torch.nn.Parameter))
+    span = _span(t)
+    if t.numel() <= span:
+        return (*head, _raw_bits(t), *tail)
+    window = t.detach().as_strided((span,), (1,), t.storage_offset())
+    return (*head, _raw_bits(window), *tail, tuple(t.stride()))
 
 
 def _rebuild(dtype_name: str, shape: tuple[int, ...], raw: np.ndarray, device: str, requires_grad: bool,
-             is_param: bool) -> torch.Tensor:
+             is_param: bool, strides: tuple[int, ...] | None = None) -> torch.Tensor:
     array = raw if raw.flags.writeable else raw.copy()  # out-of-band buffers can be read-only
-    t = torch.from_numpy(array).view(_BY_NAME[dtype_name]).reshape(shape)
+    t = torch.from_numpy(array).view(_BY_NAME[dtype_name])
     if device != "cpu":
         t = t.to(device)
+    t = t.reshape(shape) if strides is None else t.as_strided(shape, strides)
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     return t.requires_grad_(requires_grad)
@@ -111,8 +151,7 @@ def _rebuild(dtype_name: str, shape: tuple[int, ...], raw: np.ndarray, device: s
 def _reduce(t: torch.Tensor) -> Any:
     if not _eligible(t) or _torch_reduction_wanted():
         return t.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-    return _rebuild, (str(t.dtype).removeprefix("torch."), tuple(t.shape), _raw_bits(t), str(t.device),
-                      t.requires_grad, isinstance(t, torch.nn.Parameter))
+    return _rebuild, _payload(t)
 
 
 def patch_bf16_pickle() -> None:
@@ -151,8 +190,7 @@ def bf16_pickle_patch() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------------ Ray
 def _ray_serialize(t: torch.Tensor) -> Any:
     if _eligible(t):
-        return ("raw", str(t.dtype).removeprefix("torch."), tuple(t.shape), _raw_bits(t), str(t.device),
-                t.requires_grad, isinstance(t, torch.nn.Parameter))
+        return ("raw", *_payload(t))
     return ("torch", t.__reduce_ex__(pickle.DEFAULT_PROTOCOL))  # torch's own reduction for every other tensor
 
 

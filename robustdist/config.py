@@ -103,6 +103,8 @@ class CheckpointConfig(_Section):
     async_save: bool = _f(False, "Write checkpoints on a background thread after a CPU snapshot.", v.boolean())
     every_n_steps: int | None = _f(None, "Save every N steps from harden().save(); None saves only when forced.",
                                    v.optional(v.integer(minimum=1)))
+    arrival_timeout: float = _f(60.0, "Seconds every rank has to reach save()/resume() once another rank has; a "
+                                "rank that does not is named (save/resume are collective).", v.seconds())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +160,7 @@ def _field_names(cls: type) -> list[str]:
 
 
 def _unknown_key_message(prefix: str, key: Any, valid: list[str], *, section: str | None) -> str:
-    msg = f"unknown config key `{prefix}{key}`" if isinstance(key, str) else f"config key {v.show(key)} under `{prefix.rstrip('.') or 'the top level'}` is not a string"
+    msg = f"unknown config key `{prefix}{v.cut(key)}`" if isinstance(key, str) else f"config key {v.show(key)} under `{prefix.rstrip('.') or 'the top level'}` is not a string"
     hint = v.suggest(key, valid) if isinstance(key, str) else None
     if hint:
         msg += f"; did you mean `{prefix}{hint}`?"

@@ -11,7 +11,8 @@ working::
         ├── TopologyError                       ranks, sizes or devices don't add up
         ├── InitError                           process-group init, barrier or smoke test failed
         ├── CheckpointError
-        │   └── CheckpointCorruptError          a checkpoint file fails verification
+        │   ├── CheckpointCorruptError          a checkpoint file is missing, malformed or fails verification
+        │   └── CheckpointBusyError             checkpoints were rotated away while read: retry
         ├── StateDictMismatchError              keys/shapes differ between a state dict and a model
         ├── RankDivergenceError                 ranks hold different parameters or configs
         ├── NonFiniteLossError                  a loss or gradients went NaN/Inf (health.nan_policy='raise')
@@ -32,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "CheckpointBusyError",
     "CheckpointCorruptError",
     "CheckpointError",
     "ConfigError",
@@ -103,7 +105,11 @@ class CheckpointError(RobustDistError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A checkpoint file is missing, truncated or fails its checksum."""
+    """A checkpoint file is missing, truncated, malformed, unsafe, or fails its checksum."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """A load found the checkpoints rotated away under it by a writer, repeatedly: retrying is safe."""
 
 
 class StateDictMismatchError(RobustDistError):

@@ -144,24 +144,22 @@ class Hardened:
         if self.checkpointer is None:
             return None
         self._remember(optimizer, scheduler, extra)
-        anything = [bool(self.checkpointer.steps())]
-        if self.checkpointer.distributed:  # rank 0 decides, so no rank loads alone
-            dist.broadcast_object_list(anything, src=0, group=self.checkpointer.group)
-        if not anything[0]:
+        step = self._load(missing_ok=True)
+        if step is None:
             log.info("nothing to resume in %s: starting from step 0", self.checkpointer.directory)
             return None
-        step = self._load()
         log.info("resumed from checkpoint step %d", step)
         return step
 
-    def _load(self) -> int:
+    def _load(self, *, missing_ok: bool = False) -> int | None:
         if self.checkpointer is None:  # rollback and resume only reach here with a checkpointer
             raise ConfigError("no checkpointer to load from; expected checkpoint.dir to be set. Fix: set it.")
         self._beat()
-        loaded = self.checkpointer.load(state={"model": self.model, **self._live_state(), **self.extras})
-        loader_state = loaded.per_rank.get("loader")
-        if isinstance(self.loader, SafeDataLoader) and loader_state is not None:
-            self.loader.load_state_dict(loader_state)
+        per_rank = {"loader": self.loader} if isinstance(self.loader, SafeDataLoader) else None
+        loaded = self.checkpointer.load(state={"model": self.model, **self._live_state(), **self.extras},
+                                        per_rank=per_rank, missing_ok=missing_ok)
+        if loaded is None:
+            return None
         self.last_loaded, self._step = loaded, loaded.step
         self.guard.state_restored()
         self._beat()
@@ -264,6 +262,7 @@ def harden(model: nn.Module, loader: Any = None, cfg: Any = None, *, optimizer: 
             checkpointer = AtomicCheckpointer(config.checkpoint.dir, keep_last=config.checkpoint.keep_last,
                                               async_save=config.checkpoint.async_save,
                                               timeout=config.distributed.timeout,
+                                              arrival_timeout=config.checkpoint.arrival_timeout,
                                               config_fingerprint=config.fingerprint())
         hardened = Hardened(model=wrapped, loader=safe, topology=topo, init_report=report, checkpointer=checkpointer,
                             config=config, optimizer=optimizer)

@@ -88,6 +88,17 @@ _warned: set[Hashable] = set()
 _warned_lock = threading.Lock()
 
 
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for :func:`warn` that points at the first caller outside robustdist."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    package = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return max(level - 1, 1)
+
+
 def warn(message: str, *, once: Hashable | None = None, stacklevel: int = 2) -> bool:
     """Issue a :class:`RobustDistWarning` (with the rank prefix). Returns whether it was issued.
 

@@ -14,7 +14,9 @@
 ``"ray_train"``, ``"slurm"``, ``"manual"`` (``RANK``/``WORLD_SIZE`` or a process group from something else:
 ``mp.spawn``, :func:`robustdist.testing.run_ranks`, a hand-written launcher), or ``"single"``.
 
-It raises :class:`~robustdist.errors.TopologyError`, with the fix, when ``rank >= world_size``,
+It raises :class:`~robustdist.errors.TopologyError`, with the fix, when a launcher variable is not an
+integer or is out of its range (ranks in ``0..2**24-1``, sizes in ``1..2**24``, a node rank below the node
+count; see :mod:`robustdist._launcher_env`), when ``rank >= world_size``,
 ``local_rank >= local_world_size``, two sources disagree (``RANK`` vs ``SLURM_PROCID``, or the env vs the
 process group), or ``local_rank`` indexes past the visible CUDA devices (what NCCL later reports as
 "invalid device ordinal"). It warns when ``world_size`` is not a multiple of ``local_world_size``.
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from robustdist._launcher_env import Raw, from_slurm, from_torch_env, shown
 from robustdist.errors import TopologyError
 from robustdist.log import get_logger, warn
 
@@ -83,27 +86,13 @@ def parse_visible_devices(value: str | None) -> tuple[int | str, ...] | None:
     out: list[int | str] = []
     for raw in value.split(","):
         entry = raw.strip()
-        if re.fullmatch(r"\d+", entry):
+        if re.fullmatch(r"[0-9]{1,9}", entry):  # ASCII, and short: CUDA rejects a huge ordinal too
             out.append(int(entry))
         elif _UUID_RE.match(entry):
             out.append(entry)
         else:
             break  # CUDA ignores this entry and everything after it
     return tuple(out)
-
-
-def _int_env(env: Mapping[str, str], name: str, *, rank_hint: int | None = None) -> int | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise TopologyError(
-            f"{name}={raw!r} is not an integer; expected a whole number set by the launcher. "
-            f"Fix: unset {name} or launch with torchrun, which sets it.",
-            rank=rank_hint,
-        ) from None
 
 
 def _process_group() -> tuple[int, int] | None:
@@ -126,65 +115,14 @@ def _ray_train_context() -> Any | None:
         return None
 
 
-@dataclass
-class _Raw:
-    """What one source says; None means "this source does not say"."""
-
-    rank: int | None = None
-    world_size: int | None = None
-    local_rank: int | None = None
-    local_world_size: int | None = None
-    node_rank: int | None = None
-    num_nodes: int | None = None
-
-
-def _from_torch_env(env: Mapping[str, str]) -> _Raw:
-    rank = _int_env(env, "RANK")
-    return _Raw(
-        rank=rank,
-        world_size=_int_env(env, "WORLD_SIZE", rank_hint=rank),
-        local_rank=_int_env(env, "LOCAL_RANK", rank_hint=rank),
-        local_world_size=_int_env(env, "LOCAL_WORLD_SIZE", rank_hint=rank),
-        node_rank=_first(_int_env(env, "GROUP_RANK", rank_hint=rank), _int_env(env, "NODE_RANK", rank_hint=rank)),
-        num_nodes=_int_env(env, "GROUP_WORLD_SIZE", rank_hint=rank),
-    )
-
-
-def _from_ray(ctx: Any) -> _Raw:
-    return _Raw(
+def _from_ray(ctx: Any) -> Raw:
+    return Raw(
         rank=ctx.get_world_rank(),
         world_size=ctx.get_world_size(),
         local_rank=ctx.get_local_rank(),
         local_world_size=ctx.get_local_world_size(),
         node_rank=ctx.get_node_rank(),
     )
-
-
-def _from_slurm(env: Mapping[str, str]) -> _Raw:
-    rank = _int_env(env, "SLURM_PROCID")
-    return _Raw(
-        rank=rank,
-        world_size=_int_env(env, "SLURM_NTASKS", rank_hint=rank),
-        local_rank=_int_env(env, "SLURM_LOCALID", rank_hint=rank),
-        local_world_size=_slurm_tasks_on_this_node(env, rank),
-        node_rank=_int_env(env, "SLURM_NODEID", rank_hint=rank),
-        num_nodes=_int_env(env, "SLURM_NNODES", rank_hint=rank),
-    )
-
-
-def _slurm_tasks_on_this_node(env: Mapping[str, str], rank: int | None) -> int | None:
-    """Tasks on this node, from ``SLURM_TASKS_PER_NODE`` (e.g. ``"2(x3),1"``) and ``SLURM_NODEID``."""
-    spec, node = env.get("SLURM_TASKS_PER_NODE"), _int_env(env, "SLURM_NODEID", rank_hint=rank)
-    if not spec:
-        return _int_env(env, "SLURM_NTASKS_PER_NODE", rank_hint=rank)
-    per_node: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if not m:
-            return None
-        per_node += [int(m.group(1))] * int(m.group(2) or 1)
-    index = node if node is not None else 0
-    return per_node[index] if 0 <= index < len(per_node) else None
 
 
 def _first(*values: Any) -> Any:
@@ -204,7 +142,7 @@ def _launcher(env: Mapping[str, str], ray_ctx: Any, pg: tuple[int, int] | None) 
     return "single"
 
 
-def _check_agreement(launcher: str, pg: tuple[int, int] | None, torch_env: _Raw, slurm: _Raw) -> None:
+def _check_agreement(launcher: str, pg: tuple[int, int] | None, torch_env: Raw, slurm: Raw) -> None:
     """Two sources that both speak about rank/world_size must agree."""
     if pg is not None and torch_env.rank is not None:
         for what, group_value, env_name, env_value in (
@@ -238,12 +176,29 @@ def detect_topology(*, environ: Mapping[str, str] | None = None) -> Topology:
     pg = _process_group()
     ray_ctx = _ray_train_context()
     launcher = _launcher(env, ray_ctx, pg)
-    torch_env = _from_torch_env(env)
-    ray_raw = _from_ray(ray_ctx) if ray_ctx is not None else _Raw()
-    slurm = _from_slurm(env) if launcher == "slurm" else _Raw()
+    torch_env = from_torch_env(env)
+    ray_raw = _from_ray(ray_ctx) if ray_ctx is not None else Raw()
+    slurm = from_slurm(env) if launcher == "slurm" else Raw()
     _check_agreement(launcher, pg, torch_env, slurm)
 
     sources = (torch_env, ray_raw, slurm)
+    rank, world, local_rank, local_world = _ranks(sources, pg)
+    node_rank = _first(*(s.node_rank for s in sources), rank // local_world)
+    num_nodes = _first(*(s.num_nodes for s in sources), math.ceil(world / local_world))
+    visible = parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
+    master_addr, master_port = env.get("MASTER_ADDR"), _master_port(env, rank, world)
+    device = _device(launcher, local_rank, env.get("CUDA_VISIBLE_DEVICES"), rank)
+    topo = Topology(
+        rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, node_rank=node_rank,
+        num_nodes=num_nodes, launcher=launcher, device=device, master_addr=master_addr, master_port=master_port,
+        visible_devices=visible,
+    )
+    log.debug("detected %s", topo)
+    return topo
+
+
+def _ranks(sources: tuple[Raw, ...], pg: tuple[int, int] | None) -> tuple[int, int, int, int]:
+    """``(rank, world, local_rank, local_world)`` from the first source that says each, checked."""
     rank = pg[0] if pg else _first(*(s.rank for s in sources), 0)
     world = pg[1] if pg else _first(*(s.world_size for s in sources), 1)
     if world < 1:
@@ -259,13 +214,11 @@ def detect_topology(*, environ: Mapping[str, str] | None = None) -> Topology:
             "--nproc_per_node against WORLD_SIZE.",
             rank=rank,
         )
-    local_world = _first(*(s.local_world_size for s in sources), None)
+    local_world = _first(*(s.local_world_size for s in sources), world)  # no per-node info: one node
     local_rank = _first(*(s.local_rank for s in sources), None)
-    if local_world is None:  # no per-node info: assume one node (mp.spawn, run_ranks)
-        local_world = world
-    if local_rank is None:
+    if local_world >= 1 and local_rank is None:
         local_rank = rank % local_world
-    if local_world < 1 or not 0 <= local_rank < local_world:
+    if local_world < 1 or local_rank is None or not 0 <= local_rank < local_world:
         raise TopologyError(
             f"local rank {local_rank} is outside local world size {local_world}; expected "
             f"0 <= LOCAL_RANK < LOCAL_WORLD_SIZE. Fix: set LOCAL_WORLD_SIZE to the processes on this node "
@@ -279,35 +232,22 @@ def detect_topology(*, environ: Mapping[str, str] | None = None) -> Topology:
             "on every node to silence this.",
             once=("uneven-nodes", world, local_world),
         )
-    node_rank = _first(*(s.node_rank for s in sources), rank // local_world)
-    num_nodes = _first(*(s.num_nodes for s in sources), math.ceil(world / local_world))
-    visible = parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
-    master_addr, master_port = env.get("MASTER_ADDR"), _master_port(env, rank, world)
-    device = _device(launcher, local_rank, env.get("CUDA_VISIBLE_DEVICES"), rank)
-    topo = Topology(
-        rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, node_rank=node_rank,
-        num_nodes=num_nodes, launcher=launcher, device=device, master_addr=master_addr, master_port=master_port,
-        visible_devices=visible,
-    )
-    log.debug("detected %s", topo)
-    return topo
+    return rank, world, local_rank, local_world
 
 
 def _master_port(env: Mapping[str, str], rank: int, world: int) -> int | None:
     raw = env.get("MASTER_PORT")
     if raw is None:
         return None
-    try:
-        port = int(raw.strip())
-    except ValueError:
-        port = -1
+    text = raw.strip()
+    port = int(text) if re.fullmatch(r"[0-9]{1,5}", text) else -1  # never int() an unbounded string
     if 1 <= port <= 65535:
         return port
     if world == 1:  # a stale variable does not matter to a single process
-        log.debug("ignoring MASTER_PORT=%r in a single-process run", raw)
+        log.debug("ignoring MASTER_PORT=%s in a single-process run", shown(raw))
         return None
     raise TopologyError(
-        f"MASTER_PORT={raw!r} is not a TCP port; expected an integer in 1..65535. "
+        f"MASTER_PORT={shown(raw)} is not a TCP port; expected an integer in 1..65535. "
         "Fix: set MASTER_PORT to a free port on the master node (torchrun --master_port=29500).",
         rank=rank,
     )
@@ -323,9 +263,10 @@ def _device(launcher: str, local_rank: int, visible: str | None, rank: int) -> t
         return ray.train.torch.get_device()
     count = torch.cuda.device_count()
     if local_rank >= count:
-        shown = "unset" if visible is None else f"= {visible!r}"
+        visible_text = "unset" if visible is None else f"= {shown(visible, 200)}"
         raise TopologyError(
-            f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES {shown}); "
+            f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES "
+            f"{visible_text}); "
             f"expected LOCAL_RANK < {count}. NCCL would fail later with 'invalid device ordinal'. Fix: start at "
             f"most {count} processes per node (torchrun --nproc_per_node={count}) or make more GPUs visible.",
             rank=rank,

@@ -38,7 +38,8 @@ def test_defaults_match_the_documented_values():
                         "find_unused_parameters": False, "broadcast_buffers": True, "sync_batchnorm": "auto",
                         "smoke_test": True, "barrier_timeout": 300.0, "strategy": "ddp"},
         "data": {"auto_sampler": True, "seed": 0, "pin_memory": "auto", "check_shm": True, "strict": False},
-        "checkpoint": {"dir": None, "keep_last": 3, "async_save": False, "every_n_steps": None},
+        "checkpoint": {"dir": None, "keep_last": 3, "async_save": False, "every_n_steps": None,
+                       "arrival_timeout": 60.0},
         "health": {"interval_steps": 300, "hang_timeout": 600.0, "nan_policy": "raise", "check_divergence": True,
                    "hang_action": "dump", "max_rollbacks": 3, "dump_dir": None},
     }
@@ -328,4 +329,4 @@ def test_config_reference_lists_every_field_with_its_doc():
     table = config_reference()
     assert "| `distributed.timeout` | `1800.0` | `ROBUSTDIST_DISTRIBUTED_TIMEOUT` | Collective timeout in seconds" in table
     assert "| `checkpoint.dir` | `null` | `ROBUSTDIST_CHECKPOINT_DIR` |" in table
-    assert table.count("\n") + 1 == 2 + 9 + 5 + 4 + 7
+    assert table.count("\n") + 1 == 2 + 9 + 5 + 5 + 7

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from robustdist.dataloader import safe_dataloader
-from robustdist.errors import ConfigError, RobustDistWarning
+from robustdist.errors import CheckpointError, RobustDistWarning
 from robustdist.testing import run_ranks
 
 DATA = TensorDataset(torch.arange(40).float())
@@ -80,8 +80,12 @@ def test_state_is_plain_and_loads_with_weights_only(tmp_path):
 
 
 def test_bad_state_and_changed_length():
-    with pytest.raises(ConfigError, match=r"expected a dict from SafeDataLoader.state_dict\(\).*Fix"):
+    with pytest.raises(CheckpointError, match=r"`version` is 99 \(int\); expected 1 \(the version of "
+                       r"SafeDataLoader.state_dict\(\) in this robustdist\)\. Fix: pass the state saved by"):
         _fresh().load_state_dict({"version": 99})
+    with pytest.raises(CheckpointError, match=r"loader state is \[\] \(list\); expected a dict from "
+                       r"SafeDataLoader.state_dict\(\) \(version 1\)\. Fix: pass the dict"):
+        _fresh().load_state_dict([])
     _, _, (state, _) = _run(_fresh(), 4, stop_after=4)
     other = safe_dataloader(DataLoader(DATA, batch_size=5, shuffle=True))
     with pytest.warns(RobustDistWarning, match="8 batches per epoch but the saved state was taken with 14"):

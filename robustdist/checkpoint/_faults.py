@@ -4,7 +4,7 @@
 ``robustdist.checkpoint._faults.HOOK = fn`` (the fault-injection tests, in a child process) can reach it. No
 environment variable or config enables it. The protocol calls ``phase(name)`` at: ``"writing"`` (a file is
 partly written), ``"files_written"`` (this rank's files are done, before the cross-rank report),
-``"manifest_written"`` (before the staging dir is renamed), ``"committed"``, and ``"rotating"`` (an old
+``"manifest_written"`` (before the staging dir is renamed), ``"moved_aside"`` (a re-save moved the committed copy aside, before the staging dir takes its name), ``"committed"``, and ``"rotating"`` (an old
 checkpoint was moved to the trash, before it is deleted).
 """
 

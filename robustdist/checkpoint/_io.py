@@ -3,9 +3,9 @@
 Checksums are CRC-32 (zlib): they detect corruption and truncation (every error burst up to 32 bits, any
 other change with probability 1 - 2**-32 per file) at about 7 GB/s here, where SHA-256 ran at 2 GB/s and
 was the slowest part of a save on this project's 2-core CI machine (benchmarks/RESULTS.md, P2). They are
-not a defence against tampering: whoever can rewrite a checkpoint file can rewrite its manifest too;
-loading with ``weights_only=True`` is the safety boundary. Manifests written with SHA-256 (robustdist
-0.1.0) still verify.
+not a defence against tampering: whoever can rewrite a checkpoint file can rewrite its manifest too; the
+boundary is how files are read (docs/security.md: confined, bounded, ``weights_only=True``). Manifests
+written with SHA-256 (robustdist 0.1.0) still verify.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +175,24 @@ def write_json_atomic(path: str, data: Any) -> None:
     fsync_dir(os.path.dirname(path) or ".")
 
 
+def _open_lock_file(path: str) -> Any:
+    """Open (or create) the lock file itself: never through a link, never a FIFO or device (the directory is
+    input, and a ``.lock`` pointing elsewhere would make the lock holder's line overwrite that file)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open the lock file ({e.strerror or e}); expected a regular file "
+                              "(a symbolic link is refused). Fix: remove it; robustdist recreates it.") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        what = f"not a regular file (mode {stat.filemode(st.st_mode)})" if not stat.S_ISREG(st.st_mode) \
+            else f"a hard link ({st.st_nlink} names share it, possibly outside the directory)"
+        raise CheckpointError(f"{path}: the lock file is {what}; expected one robustdist created. Fix: remove it; "
+                              "robustdist recreates it.")
+    return os.fdopen(fd, "r+", encoding="utf-8", errors="replace")
+
+
 _held: dict[str, Any] = {}  # POSIX locks do not conflict within one process: track this process's own
 
 
@@ -194,12 +213,12 @@ class DirLock:
             raise CheckpointError(f"{os.path.dirname(self.path)} is already being written by another "
                                   f"AtomicCheckpointer in this process (pid {os.getpid()}); expected one writer per "
                                   "directory. Fix: reuse that checkpointer, or close() it first.")
-        fh = open(self.path, "a+")  # noqa: SIM115 - held until release()
+        fh = _open_lock_file(self.path)
         try:
             fcntl.lockf(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             fh.seek(0)
-            holder = fh.read().strip() or "unknown holder"
+            holder = fh.read(200).strip() or "unknown holder"
             fh.close()
             if e.errno in (errno.EACCES, errno.EAGAIN):
                 raise CheckpointError(
@@ -214,6 +233,11 @@ class DirLock:
         fh.flush()
         self._fh = fh
         _held[key] = self
+
+    def ensure(self) -> None:
+        """Take the lock unless this object holds it already."""
+        if self._fh is None:
+            self.acquire()
 
     def release(self) -> None:
         if self._fh is not None:

@@ -1,7 +1,14 @@
 """The on-disk layout: ``<dir>/step_<step:010d>/`` holding ``manifest.json`` and the data files.
 
-A checkpoint is *committed* when its directory has its final name and holds ``manifest.json``; staging
-(``.tmp-step_*``), replaced (``.old-step_*``) and rotated-out (``.trash-step_*``) directories never count.
+A checkpoint is *committed* when its directory (a real directory, not a link) has its final name and holds
+``manifest.json``; staging (``.tmp-step_*``) and rotated-out (``.trash-step_*``) directories never count. A
+re-save of an existing step moves the committed copy aside to ``.old-step_<step>-<token>`` for the instant
+between its two renames: if a crash lands there, that copy is still the committed one (readers use it, and
+the next writer renames it back), so a re-save never leaves zero committed copies. Step numbers have at
+least ten digits, more when they need them (``step_12345678901``).
+
+Every file is read through :mod:`._safeio` (confined to the step directory, regular files only, sizes
+checked first) and every manifest is validated by :mod:`._schema` before use.
 """
 
 from __future__ import annotations
@@ -9,54 +16,80 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, BinaryIO
 
-from robustdist.checkpoint._io import crc32_file, sha256_file
+from robustdist.checkpoint._safeio import lexists_dir, open_in, read_in
+from robustdist.checkpoint._schema import (
+    DCP_METADATA,
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_STEP,
+    REPLICATED,
+    SHARDED_DIR,
+    check_manifest,
+    rank_file,
+)
 from robustdist.errors import CheckpointCorruptError
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-REPLICATED = "replicated.pt"
-SHARDED_DIR = "sharded"
-_STEP_RE = re.compile(r"^step_(\d{10})$")
+__all__ = ["DCP_METADATA", "FORMAT_VERSION", "MANIFEST", "REPLICATED", "SHARDED_DIR", "committed_steps",
+           "files_for_rank", "rank_file", "read_manifest", "step_dirname", "step_dirs", "verify", "verify_all"]
+
+_STEP_RE = re.compile(r"^step_(\d{10,})$")
+_OLD_RE = re.compile(r"^\.old-step_(\d{10,})-[0-9a-f]+$")
 STALE_PREFIXES = (".tmp-step_", ".old-step_", ".trash-step_")
+_CHUNK = 8 << 20
 
 
 def step_dirname(step: int) -> str:
     return f"step_{step:010d}"
 
 
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
-
-def step_dirs(directory: str) -> list[int]:
-    """Steps whose directory has its final name, oldest first (committed or damaged)."""
+def _scan(directory: str) -> dict[int, str]:
+    """step -> directory name: final names, and a re-save's ``.old-`` copy where the final name is missing."""
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    return sorted(int(m.group(1)) for name in names if (m := _STEP_RE.match(name)))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    found: dict[int, str] = {}
+    for name in sorted(names):
+        m = _STEP_RE.match(name)
+        if m and step_dirname(int(m.group(1))) == name and int(m.group(1)) <= MAX_STEP:
+            found[int(m.group(1))] = name
+    for name in sorted(names):
+        m = _OLD_RE.match(name)
+        if m and int(m.group(1)) not in found and step_dirname(int(m.group(1))) == f"step_{m.group(1)}":
+            found[int(m.group(1))] = name
+    return found
+
+
+def step_dirs(directory: str) -> dict[int, str]:
+    """Every step with a directory entry, oldest first, mapped to its name (committed, damaged or a link)."""
+    return dict(sorted(_scan(directory).items()))
 
 
 def committed_steps(directory: str) -> list[int]:
-    """Steps whose directory has its final name and a manifest, oldest first."""
-    return [s for s in step_dirs(directory) if os.path.isfile(os.path.join(directory, step_dirname(s), MANIFEST))]
+    """Steps whose directory is a real directory holding a manifest, oldest first (files not verified)."""
+    out = []
+    for step, name in step_dirs(directory).items():
+        path = os.path.join(directory, name)
+        if lexists_dir(path) and os.path.isfile(os.path.join(path, MANIFEST)) \
+                and not os.path.islink(os.path.join(path, MANIFEST)):
+            out.append(step)
+    return out
 
 
-def read_manifest(step_dir: str) -> dict[str, Any]:
+def read_manifest(step_dir: str, step: int | None = None) -> dict[str, Any]:
+    """Read and validate ``<step_dir>/manifest.json`` (bounded, confined); CheckpointCorruptError otherwise."""
     path = os.path.join(step_dir, MANIFEST)
+    data = read_in(step_dir, MANIFEST, max_size=MAX_MANIFEST_BYTES)
     try:
-        with open(path, encoding="utf-8") as fh:
-            manifest = json.load(fh)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{path}: missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointCorruptError(f"{path}: unreadable ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "files" not in manifest:
-        raise CheckpointCorruptError(f"{path}: not a robustdist manifest of format {FORMAT_VERSION}")
-    return manifest
+        manifest = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointCorruptError(f"{path}: unreadable ({str(e)[:200]})") from None
+    return check_manifest(path, manifest, step=step)
 
 
 def files_for_rank(manifest: dict[str, Any], rank: int) -> list[str]:
@@ -69,35 +102,47 @@ def files_for_rank(manifest: dict[str, Any], rank: int) -> list[str]:
     return needed
 
 
+def open_verified(step_dir: str, name: str, expected: dict[str, Any]) -> BinaryIO:
+    """Open one file, check its size and checksum against the manifest entry, and return it at offset 0.
+
+    The caller deserialises from this same open file, so what was verified is what is read."""
+    import hashlib
+
+    fh = open_in(step_dir, name, size=expected["size"])
+    try:
+        algorithm = "crc32" if "crc32" in expected else "sha256"
+        crc, sha = 0, hashlib.sha256() if algorithm == "sha256" else None
+        while chunk := fh.read(_CHUNK):
+            if sha is None:
+                crc = zlib.crc32(chunk, crc)
+            else:
+                sha.update(chunk)
+        actual = f"{crc:08x}" if sha is None else sha.hexdigest()
+        if actual != expected[algorithm]:
+            shown = "CRC-32" if sha is None else "SHA-256"
+            raise CheckpointCorruptError(f"{os.path.join(step_dir, name)}: {shown} differs from the manifest "
+                                         "(the bytes changed)")
+        fh.seek(0)
+        return fh
+    except BaseException:
+        fh.close()
+        raise
+
+
 def verify(step_dir: str, manifest: dict[str, Any], names: Iterable[str]) -> None:
     """Check each file's size and checksum (CRC-32, or SHA-256 in 0.1.0 manifests) against the manifest; raise
     CheckpointCorruptError naming the file."""
     for name in names:
-        expected = manifest["files"][name]
-        path = os.path.join(step_dir, name)
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{path}: missing") from None
-        if size != expected["size"]:
-            raise CheckpointCorruptError(f"{path}: {size} bytes, expected {expected['size']} (truncated or extended)")
-        if "crc32" in expected:
-            algorithm, actual, wanted = "CRC-32", crc32_file(path)[1], expected["crc32"]
-        elif "sha256" in expected:
-            algorithm, actual, wanted = "SHA-256", sha256_file(path)[1], expected["sha256"]
-        else:
-            raise CheckpointCorruptError(f"{path}: the manifest records no checksum for it")
-        if actual != wanted:
-            raise CheckpointCorruptError(f"{path}: {algorithm} differs from the manifest (the bytes changed)")
+        open_verified(step_dir, name, manifest["files"][name]).close()
 
 
 def verify_all(directory: str) -> list[dict[str, Any]]:
-    """One row per committed checkpoint: step, files, bytes, status ("ok"/"corrupt") and reason."""
+    """One row per step directory: step, files, bytes, status ("ok"/"corrupt") and reason."""
     rows = []
-    for step in step_dirs(directory):
-        step_dir = os.path.join(directory, step_dirname(step))
+    for step, name in step_dirs(directory).items():
+        step_dir = os.path.join(directory, name)
         try:
-            manifest = read_manifest(step_dir)
+            manifest = read_manifest(step_dir, step)
             verify(step_dir, manifest, manifest["files"])
             files = manifest["files"]
             rows.append({"step": step, "files": len(files), "bytes": sum(f["size"] for f in files.values()),

@@ -17,10 +17,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from robustdist.checkpoint import _schema
 from robustdist.errors import CheckpointError
 from robustdist.state_dict import load_model_state_dict, model_state_dict
 
-_PLAIN = (str, bytes, int, float, bool, type(None), torch.dtype, torch.Size, torch.device)
+_SCALARS = frozenset({str, bytes, int, float, bool, type(None), torch.dtype, torch.device})
+_TENSORS = frozenset({torch.Tensor, nn.Parameter})
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -36,26 +38,102 @@ def is_sharded(value: Any) -> bool:
     return False
 
 
-def check_plain(value: Any, path: str) -> None:
-    """Raise CheckpointError when ``value`` holds a type ``torch.load(weights_only=True)`` would refuse."""
-    if isinstance(value, torch.Tensor) or isinstance(value, _PLAIN):
-        return
-    if isinstance(value, (dict, OrderedDict)):
+MAX_VALUES = _schema.MAX_VALUES  # values (tree-counted) in one save: the same bound load() applies
+MAX_INT_BITS = 2000  # torch.save pickles larger ints as LONG4, which weights_only refuses
+
+
+def plain(value: Any, path: str, budget: list[int] | None = None) -> Any:
+    """``value`` as exactly the types ``torch.load(weights_only=True)`` gives back, or CheckpointError.
+
+    Types are checked exactly, not with ``isinstance``: a subclass (a ``str`` Enum, an ``IntEnum``, a
+    ``defaultdict``, a namedtuple, a tensor subclass) would be pickled as itself and refused at load time,
+    which would block resume. numpy scalars (``np.float64(0.5)``, ``np.int64``, ``np.bool_``, common in
+    metrics) are normalised to the python scalar they hold, and a ``torch.Size`` to the tuple that
+    ``weights_only`` loads it as. Tensors are saved detached (an ``nn.Parameter`` loads as a tensor). Containers are rebuilt only where a value inside
+    them changed."""
+    budget = budget if budget is not None else [MAX_VALUES]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise CheckpointError(f"checkpoint value {path} is part of a structure of more than {MAX_VALUES} values "
+                              "counted as a tree (shared or repeated references); expected plain data of a "
+                              "sensible size. Fix: store the data once, or as a tensor.")
+    kind = type(value)
+    if kind is int and abs(value).bit_length() > MAX_INT_BITS:
+        raise CheckpointError(f"checkpoint value {path} is an integer of {abs(value).bit_length()} bits; "
+                              f"torch.load(weights_only=True) loads integers of up to about {MAX_INT_BITS} bits. "
+                              "Fix: store it as a str.")
+    if kind is bytes and not value:
+        raise CheckpointError(f"checkpoint value {path} is an empty bytes value (b''), which torch.save pickles as a "
+                              "call to bytes() that torch.load(weights_only=True) refuses (a torch limitation); "
+                              "expected non-empty bytes. Fix: store None (or a non-empty value) instead.")
+    if kind in _TENSORS or kind in _SCALARS:
+        return value
+    if isinstance(value, np.generic) and isinstance(value, (np.bool_, np.integer, np.floating)):
+        return value.item()
+    if kind is torch.Size:  # weights_only gives a torch.Size back as a tuple: save what load returns
+        return tuple(value)
+    if kind is dict or kind is OrderedDict:
+        out, changed = {}, False
         for k, v in value.items():
-            if not isinstance(k, (str, int)):
-                raise CheckpointError(f"checkpoint key {path}[{k!r}] is a {type(k).__name__}; expected str or int keys "
-                                      "so the checkpoint loads with weights_only=True. Fix: convert the key.")
-            check_plain(v, f"{path}[{k!r}]")
-        return
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            check_plain(v, f"{path}[{i}]")
-        return
+            key = _plain_key(k, path)
+            new = plain(v, f"{path}[{k!r}]", budget)
+            changed = changed or new is not v or key is not k
+            out[key] = new
+        return value if not changed else (OrderedDict(out) if kind is OrderedDict else out)
+    if kind is list or kind is tuple:
+        items = [plain(v, f"{path}[{i}]", budget) for i, v in enumerate(value)]
+        return value if all(a is b for a, b in zip(items, value)) else kind(items)
+    subclass = next((b.__name__ for b in (str, int, float, bytes, dict, list, tuple, torch.Tensor)
+                     if isinstance(value, b)), None)
+    what = f" (a subclass of {subclass}: torch.save would pickle the subclass, and weights_only=True refuses it at " \
+        "load)" if subclass else ""
     raise CheckpointError(
-        f"checkpoint value {path} is a {type(value).__module__}.{type(value).__qualname__}; expected tensors or plain "
+        f"checkpoint value {path} is a {kind.__module__}.{kind.__qualname__}{what}; expected exactly tensors or plain "
         "data (dict, list, tuple, str, int, float, bool, None), which load safely with weights_only=True. Fix: store "
-        "its state_dict() or convert it to plain data."
+        "its state_dict() or convert it to plain data (e.g. an Enum's .value, float(x), dict(d))."
     )
+
+
+def json_metadata(metadata: Any) -> dict[str, Any]:
+    """``save(metadata=...)`` as the JSON object the manifest stores (CheckpointError if it is not one)."""
+    import json
+
+    if metadata is None:
+        return {}
+    try:
+        if not isinstance(metadata, dict):
+            raise TypeError(f"a {type(metadata).__name__}, not a dict")
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"metadata is not plain JSON data ({str(e)[:200]}); expected a dict of str, numbers, "
+                              "bools, None, lists and dicts. Fix: convert it, or put the value in state.") from e
+
+
+def _plain_key(key: Any, path: str) -> Any:
+    if type(key) in (str, int):
+        return key
+    if isinstance(key, np.integer):
+        return int(key)
+    raise CheckpointError(f"checkpoint key {path}[{key!r:.80}] is a {type(key).__name__}; expected str or int keys "
+                          "so the checkpoint loads with weights_only=True. Fix: convert the key.")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """A plain strided tensor whose elements each have their own memory (a reusable staging buffer fits it)."""
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.numel() == 0:
+        return False
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.numel() == span and all(s >= 0 for s in t.stride())
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` that torch.save writes exactly as it writes ``t``: an expanded or overlapping view
+    keeps its strides over a copy of its storage (not a materialised copy, which could be far larger)."""
+    if t.device.type != "cpu":
+        return t.to("cpu")
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        return t.clone()
+    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
 
 
 def snapshot(value: Any, *, clone: bool, staging: dict[tuple[Any, ...], torch.Tensor] | None = None,
@@ -71,8 +149,8 @@ def snapshot(value: Any, *, clone: bool, staging: dict[tuple[Any, ...], torch.Te
         t = value.detach()
         if not clone:
             return t.to("cpu") if t.device.type != "cpu" else t
-        if staging is None or t.layout != torch.strided:
-            return t.to("cpu") if t.device.type != "cpu" else t.clone()
+        if staging is None or not _dense(t):
+            return _copy(t)
         buf = staging.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != t.stride() \
                 or buf.data_ptr() == t.data_ptr():

@@ -3,9 +3,13 @@
 Commit protocol of ``save(step, state)`` (every rank calls it; "group" is the checkpointer's own gloo group,
 so a background save never interleaves with the training collectives):
 
-1. Rank 0 takes the directory lock (once), removes stale ``.tmp-``/``.old-``/``.trash-`` directories left by
-   crashed runs, creates ``<dir>/.tmp-step_<step>-<token>/`` (same directory as the final name, so the
-   rename never crosses devices) and broadcasts the token. **Collective: broadcast.**
+0. Every rank *arrives* (:mod:`robustdist.checkpoint._collective`): a rank that does not reach ``save()``
+   within ``arrival_timeout`` seconds is named on every rank that did. **Store only, no collective.**
+1. Rank 0 takes the directory lock (once), puts back a re-save's committed copy that a crash left aside,
+   removes stale ``.tmp-``/``.old-``/``.trash-`` entries left by crashed runs, refuses a step lower than the
+   newest committed one (it would be rotated out first, so silently lost), creates
+   ``<dir>/.tmp-step_<step>-<token>/`` (same directory as the final name, so the rename never crosses
+   devices) and broadcasts the token or the error. **Collective: broadcast.**
 2. Every rank snapshots its state to CPU (the only part an async save blocks on). Sharded entries (FSDP2
    DTensors) are written by ``torch.distributed.checkpoint`` into ``<staging>/sharded/`` now, by all ranks.
 3. Rank 0 writes the replicated state (``replicated.pt``); every rank writes its RNG and per-rank entries
@@ -22,18 +26,16 @@ so a background save never interleaves with the training collectives):
    leaves a half-deleted checkpoint that looks committed, and deleting never slows the save. The
    checkpoint last loaded from is never rotated out, nor the newest.
 
-``load`` considers only committed directories, verifies each file it needs against the manifest's size and
-checksum *before* deserialising, falls back to the previous checkpoint with a warning naming the file and
-the reason (raising :class:`CheckpointCorruptError` only when none is valid), and makes every rank load the
-same step (rank 0 proposes, every rank verifies, all agree). Files are read with
-``torch.load(weights_only=True)``; everything robustdist writes is plain tensors and data, so no extra
-types are allow-listed, and a pickle that would run code is refused with :class:`CheckpointError`.
+``load`` (every rank calls it; it arrives like ``save``) is described in :mod:`._loading`: it considers only
+committed directories, verifies every file before deserialising it, validates what it read, falls back to
+the previous checkpoint with a warning naming the file and the reason, and makes every rank load the same
+step. The trust model (what is read from an untrusted directory, and how) is in the README's security
+section and in :mod:`._safeio`, :mod:`._schema` and :mod:`._sharded`.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -45,16 +47,19 @@ import torch
 import torch.distributed as dist
 
 from robustdist._version import __version__
-from robustdist.checkpoint import _faults, _layout, _payload
-from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir, write_json_atomic
+from robustdist.checkpoint import _faults, _layout, _payload, _protocol
+from robustdist.checkpoint._collective import Collectives
+from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir
+from robustdist.checkpoint._schema import MAX_STEP, is_int
 from robustdist.checkpoint._sharded import is_sharded_stateful, save_sharded
-from robustdist.errors import CheckpointCorruptError, CheckpointError
+from robustdist.errors import CheckpointError
 from robustdist.log import get_logger
 
 __all__ = ["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint"]
 
 log = get_logger(__name__)
 DEFAULT_TIMEOUT_S = 1800.0
+DEFAULT_ARRIVAL_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -92,14 +97,22 @@ class AtomicCheckpointer:
         group: the process group for the protocol's collectives; by default a gloo group of all ranks created
             here (every rank must construct the checkpointer).
         timeout: seconds bounding every wait (default 1800, robustdist's process-group default).
+        arrival_timeout: seconds every rank has to reach ``save()``/``load()`` once another rank has (default
+            60); a rank that does not is named on the ranks that did.
         config_fingerprint: recorded in the manifest (``HardenConfig.fingerprint()``).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keep_last: int = 3, async_save: bool = False,
-                 group: Any = None, timeout: float | None = None, config_fingerprint: str | None = None):
+                 group: Any = None, timeout: float | None = None, arrival_timeout: float | None = None,
+                 config_fingerprint: str | None = None):
         if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last!r}; expected an integer >= 1 (the newest checkpoint is always "
                                   "kept). Fix: pass keep_last=1 or more.")
+        for name, value in (("timeout", timeout), ("arrival_timeout", arrival_timeout)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value <= 1e9):
+                raise CheckpointError(f"{name}={value!r:.40}; expected a number of seconds in (0, 1e9]. Fix: pass "
+                                      f"a positive {name} or leave it at its default.")
         self.directory = os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, exist_ok=True)
         self.keep_last, self.async_save = keep_last, async_save
@@ -113,6 +126,9 @@ class AtomicCheckpointer:
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.arrival_timeout = float(arrival_timeout) if arrival_timeout is not None else DEFAULT_ARRIVAL_TIMEOUT_S
+        self.collectives = Collectives(group, self.rank, self.world_size, timeout=self.timeout,
+                                       arrival_timeout=self.arrival_timeout)
         self._lock = DirLock(self.directory)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -139,14 +155,16 @@ class AtomicCheckpointer:
         self._check_open()
         self.wait()
         start = time.perf_counter()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"step={step!r}; expected a non-negative integer. Fix: pass the training step.",
+        if not is_int(step, 0, MAX_STEP):
+            raise CheckpointError(f"step={step!r:.60}; expected a non-negative integer (at most 2**63-1). Fix: pass the training step.",
                                   rank=self.err_rank)
+        self.collectives.arrive("save")
         blocking = (not self.async_save) if blocking is None else blocking
         token = self._begin(step)
         staging = os.path.join(self.directory, f".tmp-{_layout.step_dirname(step)}-{token}")
         info = CheckpointInfo(step=step, path=os.path.join(self.directory, _layout.step_dirname(step)))
         try:
+            metadata = _payload.json_metadata(metadata)
             replicated, mine, sharded, kinds = self._collect(state, per_rank, clone=not blocking)
             sharded_files = save_sharded(sharded, os.path.join(staging, _layout.SHARDED_DIR), self.group) \
                 if sharded else {}
@@ -181,22 +199,24 @@ class AtomicCheckpointer:
         """Committed steps (final name and manifest present), oldest first. Files are not verified here."""
         return _layout.committed_steps(self.directory)
 
-    def latest_valid(self) -> int | None:
-        """The newest step whose files (those this rank reads) verify, or None."""
-        for step in reversed(_layout.step_dirs(self.directory)):
-            if self._problem(self.directory, step) is None:
-                return step
-        return None
+    def load(self, step: Any = None, *, state: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
+             map_location: Any = "cpu", missing_ok: bool = False) -> LoadedCheckpoint | None:
+        """Load the newest valid checkpoint (or ``step``, or a ``ray.train.Checkpoint``); restore into ``state``.
 
-    def load(self, step: Any = None, *, state: dict[str, Any] | None = None,
-             map_location: Any = "cpu") -> LoadedCheckpoint:
-        """Load the newest valid checkpoint (or ``step``, or a ``ray.train.Checkpoint``); restore into ``state``."""
-        from robustdist.checkpoint._loading import load_checkpoint
+        Collective: every rank calls it. ``per_rank``: live objects restored from this rank's per-rank entries of
+        the same names (an entry the checkpoint lacks is left alone). ``missing_ok``: return None, instead of
+        raising, when the directory holds no checkpoint at all (a damaged one still raises after fallback)."""
+        from robustdist.checkpoint._loading import is_ray_checkpoint, load_checkpoint
 
         self._check_open()
         self.wait()
-        loaded = load_checkpoint(self, step, state, map_location)
-        self._protected = loaded.step if os.path.dirname(loaded.path) == self.directory else self._protected
+        if step is not None and not is_ray_checkpoint(step) and not is_int(step, 0, MAX_STEP):
+            raise CheckpointError(f"step={step!r:.60}; expected None (the newest), a committed step (an int, see "
+                                  "steps()) or a ray.train.Checkpoint. Fix: pass one of those.", rank=self.err_rank)
+        self.collectives.arrive("load")
+        loaded = load_checkpoint(self, step, state, per_rank, map_location, missing_ok=missing_ok)
+        if loaded is not None and os.path.dirname(loaded.path) == self.directory:
+            self._protected = loaded.step
         return loaded
 
     def ray_checkpoint(self, step: int | None = None) -> Any:
@@ -236,30 +256,45 @@ class AtomicCheckpointer:
             raise CheckpointError("this AtomicCheckpointer is closed; expected an open one. Fix: create a new one.")
 
     def _begin(self, step: int) -> str:
-        """Rank 0: lock, clean stale dirs, create the staging dir; then everyone learns its token."""
-        token = [None]
+        """Rank 0: lock, recover and clean, check the step order, create the staging dir; everyone learns the
+        token (or rank 0's error)."""
+        token: Any = None
         if self.rank == 0:
             try:
-                if self._lock._fh is None:
-                    self._lock.acquire()
-                self._clean_stale()
-                token[0] = uuid.uuid4().hex[:12]
-                os.makedirs(os.path.join(self.directory, f".tmp-{_layout.step_dirname(step)}-{token[0]}"))
-            except BaseException as e:
-                token[0] = e  # type: ignore[assignment]
-        if self.distributed:
-            dist.broadcast_object_list(token, src=0, group=self.group)
-        if isinstance(token[0], BaseException):
+                self._lock.ensure()
+                _protocol.clean_stale(self.directory)
+                self._check_order(step)
+                token = uuid.uuid4().hex[:12]
+                os.makedirs(os.path.join(self.directory, f".tmp-{_layout.step_dirname(step)}-{token}"))
+            except Exception as e:
+                token = e
+        token = self.collectives.broadcast(token, "start")
+        if isinstance(token, BaseException):
             if self.rank == 0:
-                raise token[0]
-            raise CheckpointError(f"rank 0 could not start checkpoint step {step}: {token[0]}; nothing was written. "
+                raise token
+            raise CheckpointError(f"rank 0 could not start checkpoint step {step}: {token}; nothing was written. "
                                   "Fix: see rank 0's error.", rank=self.err_rank)
-        return str(token[0])
+        return str(token)
+
+    def _check_order(self, step: int) -> None:
+        steps = self.steps()
+        if steps and step < steps[-1]:
+            raise CheckpointError(
+                f"checkpoint step {step} is lower than the newest committed step {steps[-1]} in {self.directory}; "
+                "expected steps that never go back (rotation deletes the lowest steps first, so this save would be "
+                "lost). Fix: pass the current training step (resume() returns where training continues), or save "
+                "into a new checkpoint.dir to branch from an older step.", rank=self.err_rank)
 
     def _collect(self, state: dict[str, Any], per_rank: dict[str, Any] | None, *, clone: bool):
-        if not isinstance(state, dict):
-            raise CheckpointError(f"state is a {type(state).__name__}; expected a dict of named entries. Fix: pass "
-                                  "{'model': model, 'optimizer': optimizer, ...}.", rank=self.err_rank)
+        for what, value in (("state", state), ("per_rank", per_rank if per_rank is not None else {})):
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{what} is a {type(value).__name__}; expected a dict of named entries. Fix: "
+                                      "pass {'model': model, 'optimizer': optimizer, ...}.", rank=self.err_rank)
+        names = [n for n in (*state, *(per_rank or {})) if type(n) is not str]
+        if names:
+            raise CheckpointError(f"entry name {names[0]!r:.60} is a {type(names[0]).__name__}; expected str names "
+                                  "(the manifest records them as JSON strings). Fix: name entries with strings.",
+                                  rank=self.err_rank)
         replicated, sharded, kinds = {}, {}, {}
         for name, value in state.items():
             if _payload.is_sharded(value) or is_sharded_stateful(value):
@@ -267,14 +302,14 @@ class AtomicCheckpointer:
                 sharded[name] = value
                 continue
             kind, entry = _payload.entry_state(name, value)
-            _payload.check_plain(entry, f"state[{name!r}]")
+            entry = _payload.plain(entry, f"state[{name!r}]")
             kinds[name] = kind
             if self.rank == 0:
                 replicated[name] = _payload.snapshot(entry, clone=clone, staging=self._staging, key=("r", name))
         mine = {"rng": _payload.capture_rng(), "per_rank": {}}
         for name, value in (per_rank or {}).items():
             kind, entry = _payload.entry_state(name, value)
-            _payload.check_plain(entry, f"per_rank[{name!r}]")
+            entry = _payload.plain(entry, f"per_rank[{name!r}]")
             mine["per_rank"][name] = _payload.snapshot(entry, clone=clone, staging=self._staging, key=("p", name))
         return replicated, mine, sharded, kinds
 
@@ -320,13 +355,11 @@ class AtomicCheckpointer:
     def _report_and_commit(self, step: int, token: str, staging: str, files: dict[str, Any] | None,
                            error: BaseException | None, metadata: Any, kinds: dict[str, str],
                            info: CheckpointInfo) -> None:
-        from robustdist.checkpoint._protocol import commit, gather_reports
-
-        reports = gather_reports(self, token, staging, files, error)
+        reports = _protocol.gather_reports(self, token, staging, files, error)
         failed = {r: err for r, (err, _) in reports.items() if err is not None}
         if failed:
             if self.rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)
+                _protocol.remove(staging)
             ranks = sorted(failed)
             detail = "; ".join(f"rank {r}: {failed[r]}" for r in ranks)
             exc = CheckpointError(
@@ -338,14 +371,8 @@ class AtomicCheckpointer:
                 raise exc from error
             raise exc
         merged = {name: entry for _, (_, fs) in sorted(reports.items()) for name, entry in (fs or {}).items()}
-        commit(self, step, token, staging, merged, metadata, kinds)
+        _protocol.commit(self, step, token, staging, self._manifest(step, merged, metadata, kinds))
         info.files, info.bytes = len(merged), sum(f["size"] for f in merged.values())
-
-    def _clean_stale(self) -> None:
-        for name in os.listdir(self.directory):
-            if name.startswith(_layout.STALE_PREFIXES):
-                log.info("removing %s left by an earlier crash", name)
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _rotate(self) -> None:
         steps = self.steps()
@@ -358,15 +385,7 @@ class AtomicCheckpointer:
                 break
             keep.add(s)
         victims = [s for s in steps if s not in keep]
-        trashed = []
-        for step in victims:
-            src = os.path.join(self.directory, _layout.step_dirname(step))
-            trash = os.path.join(self.directory, f".trash-{_layout.step_dirname(step)}-{uuid.uuid4().hex[:8]}")
-            try:
-                os.rename(src, trash)  # invisible to readers at once; the bytes go in the background
-                trashed.append(trash)
-            except OSError as e:
-                log.warning("could not rotate out checkpoint step %d: %s (it stays; the new one is committed)", step, e)
+        trashed = [path for path in (_protocol.trash(self.directory, step) for step in victims) if path]
         if trashed:
             fsync_dir(self.directory)
             _faults.phase("rotating")
@@ -374,28 +393,14 @@ class AtomicCheckpointer:
             deleter.start()
             self._deleters = [t for t in self._deleters if t.is_alive()] + [deleter]
 
-    def _problem(self, directory: str, step: int) -> str | None:
-        step_dir = os.path.join(directory, _layout.step_dirname(step))
-        try:
-            manifest = _layout.read_manifest(step_dir)
-            _layout.verify(step_dir, manifest, _layout.files_for_rank(manifest, self.rank))
-        except CheckpointCorruptError as e:
-            return str(e)
-        return None
-
     def _manifest(self, step: int, files: dict[str, Any], metadata: Any, kinds: dict[str, str]) -> dict[str, Any]:
         return {"format": _layout.FORMAT_VERSION, "step": step, "world_size": self.world_size,
                 "torch": torch.__version__, "robustdist": __version__, "config_fingerprint": self.config_fingerprint,
-                "metadata": metadata or {}, "entries": kinds, "files": files,
+                "metadata": metadata, "entries": kinds, "files": files,
                 "created": datetime.now(timezone.utc).isoformat()}
 
 
 def _delete_all(paths: list[str]) -> None:
     """Delete rotated-out checkpoints off the save's critical path (a crash leaves .trash-*, cleaned later)."""
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def write_manifest(checkpointer: AtomicCheckpointer, staging: str, step: int, files: dict[str, Any], metadata: Any,
-                   kinds: dict[str, str]) -> None:
-    write_json_atomic(os.path.join(staging, _layout.MANIFEST), checkpointer._manifest(step, files, metadata, kinds))
+        _protocol.remove(path)

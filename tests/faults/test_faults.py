@@ -185,7 +185,7 @@ def test_a_killed_rank_fails_the_save_within_the_timeout(tmp_path):
         run_ranks(_rank1_killed, 2, args=(str(tmp_path),), timeout=90)
     assert exc.value.ranks == (1,) and "SIGKILL" in exc.value.failures[1]
     message, ranks, elapsed = json.loads((tmp_path / "rank0.json").read_text())
-    assert message.startswith("[rank 0] checkpoint not committed: rank(s) 1 never reported (died or hung)")
+    assert message.startswith("[rank 0] checkpoint not committed: rank 1 never reported (died or hung)")
     assert ranks == [1] and elapsed < 30 + 5
     assert [n for n in _entries(tmp_path) if n.startswith("step_")] == ["step_0000000001"]
     _assert_newest(tmp_path, 1)

@@ -1,0 +1,178 @@
+"""Opening files of an untrusted checkpoint directory: confined, regular files only, bounded.
+
+A checkpoint directory is input (copied between clusters, pulled from buckets, written by other jobs).
+Every read of a file inside a step directory goes through :func:`open_in`, which
+
+* takes a *relative* name of plain components (no ``..``, no absolute path, no empty or ``.`` part),
+* walks from the step directory one component at a time with ``O_NOFOLLOW`` (a symbolic link anywhere
+  below the step directory, the step directory itself included, is refused, so nothing outside it is
+  opened),
+* opens with ``O_NONBLOCK`` and refuses whatever ``fstat`` says is not a regular file (a FIFO, a device such
+  as ``/dev/zero``, a socket, a directory), so an open or a read never blocks,
+* checks the size before reading (:func:`open_in` with ``size=`` or ``max_size=``).
+
+Every refusal is a :class:`~robustdist.errors.CheckpointCorruptError` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+import zipfile
+from typing import Any, BinaryIO
+
+from robustdist.errors import CheckpointCorruptError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def kind_of(mode: int) -> str:
+    """What a ``st_mode`` is, in words."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_name(name: object) -> list[str]:
+    """The components of a relative file name from a manifest or DCP metadata, or CheckpointCorruptError."""
+    if not isinstance(name, str) or not name or "\x00" in name or len(name) > 1024:
+        raise CheckpointCorruptError(f"file name {name!r:.100} is not a plain relative name")
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise CheckpointCorruptError(f"file name {name!r:.100} leaves the step directory (absolute, '..' or empty "
+                                     "parts); expected a name inside it")
+    return parts
+
+
+def _open_dir(path: str, dir_fd: int | None, shown: str) -> int:
+    try:
+        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ENOTDIR:  # O_DIRECTORY | O_NOFOLLOW on a link: say it is a link
+            try:
+                if stat.S_ISLNK(os.lstat(path, dir_fd=dir_fd).st_mode):
+                    e = OSError(errno.ELOOP, "symbolic link")
+            except OSError:
+                pass
+        raise _refusal(shown, e, "a directory") from None
+
+
+def _refusal(shown: str, e: OSError, wanted: str) -> CheckpointCorruptError:
+    if e.errno == errno.ENOENT:
+        return CheckpointCorruptError(f"{shown}: missing")
+    if e.errno in (errno.ELOOP, errno.EMLINK):
+        return CheckpointCorruptError(f"{shown}: is a symbolic link; refused (expected {wanted} inside the "
+                                      "checkpoint, never a link that may point outside it)")
+    if e.errno == errno.ENOTDIR:
+        return CheckpointCorruptError(f"{shown}: is not {wanted}")
+    return CheckpointCorruptError(f"{shown}: unreadable ({e.strerror or e})")
+
+
+def open_in(step_dir: str, name: str, *, size: int | None = None, max_size: int | None = None) -> BinaryIO:
+    """Open ``<step_dir>/<name>`` for reading, confined and bounded (see the module docstring).
+
+    ``size``: the exact size the manifest records; ``max_size``: an upper bound where no size is recorded.
+    The caller closes the returned file.
+    """
+    parts = check_name(name)
+    shown = os.path.join(step_dir, name)
+    fd = _open_dir(step_dir, None, step_dir)
+    try:
+        for i, part in enumerate(parts[:-1]):
+            inner = _open_dir(part, fd, os.path.join(step_dir, *parts[: i + 1]))
+            os.close(fd)
+            fd = inner
+        try:
+            file_fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=fd)
+        except OSError as e:
+            raise _refusal(shown, e, "a regular file") from None
+    finally:
+        os.close(fd)
+    try:
+        st = os.fstat(file_fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(f"{shown}: is {kind_of(st.st_mode)}; expected a regular file")
+        if size is not None and st.st_size != size:
+            raise CheckpointCorruptError(f"{shown}: {st.st_size} bytes, expected {size} (truncated or extended)")
+        if max_size is not None and st.st_size > max_size:
+            raise CheckpointCorruptError(f"{shown}: {st.st_size} bytes, more than the {max_size} allowed")
+        return os.fdopen(file_fd, "rb")
+    except BaseException:
+        os.close(file_fd)
+        raise
+
+
+def read_in(step_dir: str, name: str, *, max_size: int) -> bytes:
+    """The whole content of a small file (a manifest, DCP metadata), read with :func:`open_in`."""
+    with open_in(step_dir, name, max_size=max_size) as fh:
+        data = fh.read(max_size + 1)
+    if len(data) > max_size:
+        raise CheckpointCorruptError(f"{os.path.join(step_dir, name)}: grew past the {max_size} bytes allowed "
+                                     "while being read")
+    return data
+
+
+def lexists_dir(path: str) -> bool:
+    """True when ``path`` is a real directory (not a link to one)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+class _Window(io.RawIOBase):
+    """A read-only view of ``length`` bytes of ``base`` at ``offset`` (correct for every ``seek`` whence)."""
+
+    def __init__(self, base: BinaryIO, offset: int, length: int):
+        super().__init__()
+        self.base, self.offset, self.length, self.pos = base, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
+        self.pos = min(max(base + offset, 0), self.length)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[: max(self.length - self.pos, 0)]
+        self.base.seek(self.offset + self.pos)
+        n = self.base.readinto(view) or 0
+        self.pos += n
+        return n
+
+
+def check_torch_zip(fh: BinaryIO, where: str, *, offset: int = 0, length: int | None = None) -> None:
+    """A torch file (or a slice of one) must be a zip whose members are all stored uncompressed and add up to
+    no more than its own size: torch.save never compresses, and a compressed member is a decompression bomb
+    (1 KiB inflating to 1 MiB, a 64 MiB file to 64 GiB)."""
+    if length is None:
+        length = os.fstat(fh.fileno()).st_size - offset
+    try:
+        with zipfile.ZipFile(io.BufferedReader(_Window(fh, offset, length))) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError) as e:
+        raise CheckpointCorruptError(f"{where}: not a torch zip file ({str(e)[:200]})") from None
+    finally:
+        fh.seek(offset)
+    compressed = [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]
+    if compressed:
+        raise CheckpointCorruptError(f"{where}: holds compressed members ({compressed[0]!r:.80}); torch.save never "
+                                     "compresses, so this is refused (a compressed member can inflate without bound)")
+    declared = sum(m.file_size for m in members)
+    if declared > length:
+        raise CheckpointCorruptError(f"{where}: its members declare {declared} bytes in a {length}-byte file")

@@ -1,0 +1,188 @@
+"""Small inputs that would cost unbounded memory or time, and saved states that pass their shape checks but
+break the live objects they are restored into. Found by an adversarial review; each is refused (with the
+older step loaded instead) within a time bound."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import resource
+import time
+import zipfile
+
+import pytest
+import torch
+
+from robustdist.checkpoint import AtomicCheckpointer
+from robustdist.checkpoint._sharded import check_metadata
+from robustdist.errors import CheckpointError, RobustDistWarning
+from tests.security._forge import (
+    STEP2,
+    forge,
+    one_rank_group,
+    sharded_pair,
+    sharded_two_steps,
+    state_for,
+    two_steps,
+)
+
+
+def _torch_bytes(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _falls_back(directory, reason, **state):
+    state = state or {"weights": torch.zeros(16)}
+    start = time.monotonic()
+    with pytest.warns(RobustDistWarning, match=r"checkpoint step 2 failed verification") as record:
+        with AtomicCheckpointer(directory) as ckpt:
+            loaded = ckpt.load(state=state)
+    assert loaded.step == 1 and time.monotonic() - start < 10
+    assert reason in str(record[0].message), str(record[0].message)
+
+
+def _rank_payload(step_dir):
+    return torch.load(step_dir / "rank_00000.pt", weights_only=True)
+
+
+@pytest.mark.parametrize(("edit", "reason"), [
+    (lambda rng: rng["python"].__setitem__(0, 1), "python: the generator refused it (ValueError"),
+    (lambda rng: rng["python"][1].__setitem__(624, 100000), "python: the generator refused it"),
+    (lambda rng: rng["torch"].fill_(255), "torch: the generator refused it (RuntimeError"),
+    (lambda rng: rng["numpy"].__setitem__("pos", 625), "numpy: expected 624 uint32 keys"),
+])
+def test_a_well_shaped_rng_state_that_a_generator_refuses_falls_back(tmp_path, edit, reason):
+    step2 = two_steps(tmp_path)
+    payload = _rank_payload(step2)
+    edit(payload["rng"])
+    forge(step2, "rank_00000.pt", _torch_bytes(payload))
+    _falls_back(tmp_path, reason)
+
+
+def test_a_compressed_payload_is_refused_before_it_inflates(tmp_path):
+    step2 = two_steps(tmp_path)
+    real = zipfile.ZipFile(io.BytesIO((step2 / "replicated.pt").read_bytes()))
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as out:
+        for info in real.infolist():
+            out.writestr(info.filename, real.read(info.filename))
+        out.writestr("archive/data/9", b"\0" * (64 << 20))  # 64 MiB that deflates to ~64 KiB
+    assert len(bomb.getvalue()) < 1 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    forge(step2, "replicated.pt", bomb.getvalue())
+    _falls_back(tmp_path, "replicated.pt: holds compressed members")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 48 << 10  # KiB: nothing inflated
+
+
+def test_an_expanded_optimizer_state_is_refused_before_casting_materialises_it(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": model, "optimizer": opt})
+        ckpt.save(2, {"model": model, "optimizer": opt})
+    payload = torch.load(tmp_path / STEP2 / "replicated.pt", weights_only=True)
+    payload["optimizer"]["state"][0]["exp_avg"] = torch.zeros(1, dtype=torch.float64).expand(2**29)
+    forge(tmp_path / STEP2, "replicated.pt", _torch_bytes(payload))
+    fresh = torch.nn.Linear(4, 2)
+    _falls_back(tmp_path, "holds an expanded tensor view", model=fresh, optimizer=torch.optim.Adam(fresh.parameters()))
+
+
+def test_a_shared_reference_tree_is_refused_before_anything_walks_it(tmp_path):
+    step2 = two_steps(tmp_path)
+    node: list = []
+    for _ in range(40):  # 2**40 leaves as a tree, a few hundred bytes as a pickle
+        node = [node, node]
+    forge(step2, "replicated.pt", _torch_bytes({"weights": torch.ones(16), "meta": node}))
+    _falls_back(tmp_path, "values counted as a tree (shared or repeated references)")
+
+
+def test_a_scheduler_state_cannot_replace_its_methods(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"sched": sched})
+        ckpt.save(2, {"sched": sched})
+    payload = torch.load(tmp_path / STEP2 / "replicated.pt", weights_only=True)
+    payload["sched"]["step"] = 0  # load_state_dict does __dict__.update: sched.step() would be an int
+    forge(tmp_path / STEP2, "replicated.pt", _torch_bytes(payload))
+    live = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    _falls_back(tmp_path, "does not have the keys of a StepLR state dict (unexpected: step)", sched=live)
+    live.step()  # still a method
+
+
+def test_dcp_chunks_that_do_not_tile_their_tensor_are_refused(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    with one_rank_group():
+        step2 = sharded_two_steps(tmp_path / "ckpt")
+        metadata = FileSystemReader(str(step2 / "sharded")).read_metadata()  # our own valid file
+        fqn, entry = next((k, v) for k, v in metadata.state_dict_metadata.items()
+                          if isinstance(v, TensorStorageMetadata) and v.size.numel() > 1)
+        entry.chunks.extend([entry.chunks[0]] * 1000)  # the same bytes read 1001 times
+        forge(step2, "sharded/.metadata", pickle.dumps(metadata))
+        model, opt = sharded_pair(9)
+        start = time.monotonic()
+        with pytest.warns(RobustDistWarning, match=rf"the chunks of '{fqn}' cover"):
+            with AtomicCheckpointer(tmp_path / "ckpt") as ckpt:
+                assert ckpt.load(state={"model": model, "optimizer": opt}).step == 1
+        assert time.monotonic() - start < 10
+
+
+def test_oversized_dcp_metadata_is_refused_before_unpickling(tmp_path):
+    with one_rank_group():
+        step2 = sharded_two_steps(tmp_path / "ckpt")
+        forge(step2, "sharded/.metadata", b"\x80\x04" + b"}" * (4 << 20) + b".")  # 4 Mi dicts from 4 MiB
+        model, opt = sharded_pair(9)
+        with pytest.warns(RobustDistWarning, match=r"sharded/\.metadata: \d+ bytes, more than the \d+ allowed"):
+            with AtomicCheckpointer(tmp_path / "ckpt") as ckpt:
+                assert ckpt.load(state={"model": model, "optimizer": opt}).step == 1
+
+
+def test_a_path_bomb_in_dcp_metadata_is_refused_at_once(tmp_path):
+    import pathlib
+
+    class Bomb:
+        def __reduce__(self):
+            return (pathlib.PosixPath, ("x/" * 50_000,) * 160)  # pathlib would split 8 million parts
+
+    meta = tmp_path / ".metadata"
+    meta.write_bytes(pickle.dumps(Bomb(), protocol=4))
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="a path in DCP metadata is not a short list of strings"):
+        check_metadata(str(meta))
+    assert time.monotonic() - start < 2
+
+
+def test_save_refuses_what_could_never_load(tmp_path):
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        with pytest.raises(CheckpointError, match=r"entry name 0 is a int; expected str names"):
+            ckpt.save(1, {0: torch.ones(1)})
+        with pytest.raises(CheckpointError, match=r"is an integer of 2041 bits; .* Fix: store it as a str"):
+            ckpt.save(1, {"big": 2**2040})
+        shared: list = []
+        for _ in range(60):
+            shared = [shared, shared]
+        start = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"more than 1000000 values counted as a tree"):
+            ckpt.save(1, {"dag": shared})
+        assert time.monotonic() - start < 30 and ckpt.steps() == []
+        ckpt.save(1, {"big": 2**1999, **state_for(1)})
+        assert ckpt.load().state["big"] == 2**1999
+
+
+def test_a_hard_linked_lock_file_is_refused_and_its_other_name_untouched(tmp_path):
+    directory, victim = tmp_path / "ckpt", tmp_path / "victim.txt"
+    directory.mkdir()
+    victim.write_text("precious")
+    os.link(victim, directory / ".lock")
+    with pytest.raises(CheckpointError, match=r"the lock file is a hard link \(2 names share it"):
+        with AtomicCheckpointer(directory) as ckpt:
+            ckpt.save(1, state_for(1))
+    assert victim.read_text() == "precious"
