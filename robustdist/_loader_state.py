@@ -40,6 +40,7 @@ from robustdist.log import warn
 
 STATE_VERSION = 1
 FIELDS = ("version", "iterations", "epoch", "num_batches", "batches", "in_flight", "rng")
+MAX_UNSIZED_SKIP = 10_000_000  # batches a resume may skip when the loader has no length (each is a next())
 MAX_COUNT = 2**63 - 1  # counters are int64 in torch; a DistributedSampler seeds with seed + epoch (uint64)
 _FIX = ("Fix: pass the dict SafeDataLoader.state_dict() returned, unmodified (check that the checkpoint holds this "
         "loader's state), or skip load_state_dict() to start the loader fresh.")
@@ -203,8 +204,9 @@ def validate_state(state: Any, generator: torch.Generator | None) -> None:
     _check_count(state, "epoch", optional=True)
     _check_count(state, "num_batches", optional=True)
     num_batches = state["num_batches"]
-    if num_batches is None:
-        _check_count(state, "batches")
+    if num_batches is None:  # a sampler without a length: skipping is bounded here, since no length bounds it
+        _check_count(state, "batches", high=MAX_UNSIZED_SKIP,
+                     why=" (the loader's length is unknown, so a resume skips at most this many batches)")
     else:
         _check_count(state, "batches", high=num_batches, why=f" (`num_batches` is {num_batches})")
     _check_rng(state["rng"], in_flight, generator)

@@ -109,7 +109,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"robustdist verify-checkpoint: {args.directory} is not a directory; expected a checkpoint.dir",
               file=sys.stderr)
         return 2
-    rows = verify_all(args.directory)
+    from robustdist.errors import RobustDistError
+
+    try:
+        rows = verify_all(args.directory)
+    except (RobustDistError, OSError) as e:  # the directory itself is unreadable: say so, no traceback
+        print(f"robustdist verify-checkpoint: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(rows, indent=2))
     elif not rows:

@@ -60,7 +60,7 @@ def test_missing_master_port(monkeypatch):
 def test_checkpoint_refuses_non_plain_keys_and_non_dict_state(tmp_path):
     with AtomicCheckpointer(tmp_path) as ckpt:
         with pytest.raises(CheckpointError, match=r"checkpoint key state\['x'\]\[\(1, 2\)\] is a tuple; expected str "
-                                                  r"or int keys .* Fix: convert the key\."):
+                                                  r"keys or int keys .* Fix: convert the key"):
             ckpt.save(1, {"x": {(1, 2): 3}})
         with pytest.raises(CheckpointError, match=r"state is a list; expected a dict of named entries\. Fix: pass "
                                                   r"\{'model': model, 'optimizer': optimizer, \.\.\.\}\."):

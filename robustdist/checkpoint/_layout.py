@@ -60,7 +60,8 @@ def _scan(directory: str) -> dict[int, str]:
             found[int(m.group(1))] = name
     for name in sorted(names):
         m = _OLD_RE.match(name)
-        if m and int(m.group(1)) not in found and step_dirname(int(m.group(1))) == f"step_{m.group(1)}":
+        if m and int(m.group(1)) not in found and step_dirname(int(m.group(1))) == f"step_{m.group(1)}" \
+                and int(m.group(1)) <= MAX_STEP:
             found[int(m.group(1))] = name
     return found
 

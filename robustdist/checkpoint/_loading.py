@@ -199,6 +199,8 @@ def _try(ckpt: Any, step: int | None, step_dir: str, state: dict[str, Any], per_
         checked = _check(ckpt, step, step_dir, state, map_location)
     except CheckpointError as e:  # a listed candidate that no longer exists was rotated away, not damaged
         problem, gone = _problem_of(e), step is not None and listed and not os.path.lexists(step_dir)
+    except Exception as e:  # a check that itself failed on a crafted value: still this candidate's problem
+        problem = f"{step_dir}: could not be checked ({_problem_of(e)})"
     bad, gone = _agree(ckpt, problem, gone, "load check")
     if bad or checked is None:
         return None, bad, gone

@@ -39,6 +39,7 @@ def is_sharded(value: Any) -> bool:
 
 
 MAX_VALUES = _schema.MAX_VALUES  # values (tree-counted) in one save: the same bound load() applies
+MAX_KEY_CHARS = 4096
 MAX_INT_BITS = 2000  # torch.save pickles larger ints as LONG4, which weights_only refuses
 
 
@@ -76,6 +77,9 @@ def plain(value: Any, path: str, budget: list[int] | None = None) -> Any:
         out, changed = {}, False
         for k, v in value.items():
             key = _plain_key(k, path)
+            if type(key) is str and len(key) > MAX_KEY_CHARS:
+                raise CheckpointError(f"checkpoint key {path}[{key[:40]!r}...] has {len(key)} characters; expected "
+                                      f"at most {MAX_KEY_CHARS}. Fix: shorten it, or store the text as a value.")
             new = plain(v, f"{path}[{k!r}]", budget)
             changed = changed or new is not v or key is not k
             out[key] = new
@@ -103,19 +107,22 @@ def json_metadata(metadata: Any) -> dict[str, Any]:
     try:
         if not isinstance(metadata, dict):
             raise TypeError(f"a {type(metadata).__name__}, not a dict")
-        return json.loads(json.dumps(metadata, allow_nan=False))
+        text = json.dumps(metadata, allow_nan=False)
+        if len(text) > 1 << 20:
+            raise ValueError(f"{len(text)} characters of JSON, more than the 1 MiB the manifest allows for it")
+        return json.loads(text)
     except (TypeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"metadata is not plain JSON data ({str(e)[:200]}); expected a dict of str, numbers, "
                               "bools, None, lists and dicts. Fix: convert it, or put the value in state.") from e
 
 
 def _plain_key(key: Any, path: str) -> Any:
-    if type(key) in (str, int):
-        return key
     if isinstance(key, np.integer):
-        return int(key)
-    raise CheckpointError(f"checkpoint key {path}[{key!r:.80}] is a {type(key).__name__}; expected str or int keys "
-                          "so the checkpoint loads with weights_only=True. Fix: convert the key.")
+        key = int(key)
+    if type(key) is str or (type(key) is int and abs(key) < 2**61 - 1):
+        return key
+    raise CheckpointError(f"checkpoint key {path}[{key!r:.80}] is a {type(key).__name__}; expected str keys or int "
+                          "keys below 2**61 - 1 in magnitude, which load safely. Fix: convert the key (e.g. to a str).")
 
 
 def _dense(t: torch.Tensor) -> bool:

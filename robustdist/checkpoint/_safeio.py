@@ -23,6 +23,8 @@ import stat
 import zipfile
 from typing import Any, BinaryIO
 
+from robustdist.checkpoint._pickle_scan import scan
+from robustdist.checkpoint._schema import MAX_PICKLE_TREE
 from robustdist.errors import CheckpointCorruptError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -165,10 +167,19 @@ def check_torch_zip(fh: BinaryIO, where: str, *, offset: int = 0, length: int | 
     try:
         with zipfile.ZipFile(io.BufferedReader(_Window(fh, offset, length))) as archive:
             members = archive.infolist()
+            _check_members(members, length, where)
+            pickles = [m for m in members if m.filename.endswith("/data.pkl") or m.filename == "data.pkl"]
+            if len(pickles) != 1:
+                raise CheckpointCorruptError(f"{where}: holds {len(pickles)} data.pkl records; expected one")
+            data = archive.read(pickles[0])
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError) as e:
         raise CheckpointCorruptError(f"{where}: not a torch zip file ({str(e)[:200]})") from None
     finally:
         fh.seek(offset)
+    scan(data, where, MAX_PICKLE_TREE)
+
+
+def _check_members(members: list[zipfile.ZipInfo], length: int, where: str) -> None:
     compressed = [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]
     if compressed:
         raise CheckpointCorruptError(f"{where}: holds compressed members ({compressed[0]!r:.80}); torch.save never "

@@ -17,6 +17,7 @@ to the previous step instead of failing deep inside with a ``TypeError``.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -34,6 +35,7 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_DCP_METADATA_BYTES = 64 << 20
 MAX_STEP = 2**63 - 1
 MAX_VALUES = 1_000_000  # plain values in one payload, counted as a tree (save refuses more, so load can too)
+MAX_PICKLE_TREE = 20 * MAX_VALUES  # pickle nodes behind one value (a tensor takes ~15: its storage, sizes, ...)
 
 _RANK_FILE = re.compile(r"rank_(\d{5,})\.pt")
 _DCP_FILE = re.compile(r"sharded/__(\d+)_(\d+)\.distcp")
@@ -127,7 +129,8 @@ def check_replicated(where: str, payload: Any, entries: dict[str, str]) -> dict[
             raise _bad(where, f"lacks the entry {name!r} its manifest lists")
         value = payload[name]
         if kind == "module" and not (isinstance(value, dict) and all(
-                isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in value.items())):
+                isinstance(k, str) and (isinstance(t, torch.Tensor) or k.endswith("_extra_state"))
+                for k, t in value.items())):
             raise _bad(where, f"entry {name!r} should be a model state dict (str -> tensor), found "
                               f"{type(value).__name__}")
         if kind == "stateful" and not isinstance(value, dict):
@@ -146,8 +149,14 @@ def check_rank_payload(where: str, payload: Any) -> dict[str, Any]:
     return payload
 
 
+def _dense_cpu(t: Any) -> bool:
+    """A plain CPU tensor: strided, not quantized or nested, on the CPU (not meta)."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized and not t.is_nested
+            and t.device.type == "cpu")
+
+
 def _byte_tensor(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 and t.device.type == "cpu"
+    return _dense_cpu(t) and t.dtype == torch.uint8 and t.dim() == 1
 
 
 def _rng_problem(rng: Any) -> str | None:
@@ -159,7 +168,7 @@ def _rng_problem(rng: Any) -> str | None:
             and (python[2] is None or type(python[2]) is float)):
         return "python: expected [version, 625 ints, gauss]"
     numpy = rng.get("numpy")
-    if not (isinstance(numpy, dict) and isinstance(numpy.get("keys"), torch.Tensor)
+    if not (isinstance(numpy, dict) and _dense_cpu(numpy.get("keys"))
             and numpy["keys"].dtype == torch.int64 and tuple(numpy["keys"].shape) == (624,)
             and bool(((numpy["keys"] >= 0) & (numpy["keys"] < 2**32)).all()) and is_int(numpy.get("pos"), 0, 624)
             and is_int(numpy.get("has_gauss"), 0, 1) and type(numpy.get("gauss")) is float):
@@ -247,6 +256,9 @@ def check_optimizer(where: str, live: Any, saved: Any) -> None:
         stack.append(state)
     while stack:
         item = stack.pop()
+        if isinstance(item, torch.Tensor) and (item.layout != torch.strided or item.is_quantized or item.is_nested):
+            raise _bad(where, f"holds a {item.layout} {'quantized ' if item.is_quantized else ''}tensor; expected "
+                              "dense optimizer state")
         if isinstance(item, torch.Tensor) and _overlapping(item):
             raise _bad(where, f"holds an expanded tensor view (shape {tuple(item.shape)[:8]}, strides "
                               f"{item.stride()[:8]}); expected densely stored optimizer state")
@@ -277,3 +289,18 @@ def check_same_keys(where: str, live: Any, saved: Any) -> None:
         if _kind(value) != _kind(current[key]) and "none" not in (_kind(value), _kind(current[key])):
             raise _bad(where, f"key {key!r:.40} is a {_kind(value)}; the live {type(live).__name__} has a "
                               f"{_kind(current[key])}")
+        if isinstance(value, float) and not math.isfinite(value) and math.isfinite(current[key]):
+            raise _bad(where, f"key {key!r:.40} is {value}; the live {type(live).__name__} has a finite number")
+    if "lr_lambdas" in saved:  # LambdaLR & co. update each callable object's __dict__ with its saved dict
+        lambdas, live_lambdas = saved["lr_lambdas"], current["lr_lambdas"]
+        if not (isinstance(lambdas, list) and isinstance(live_lambdas, list) and len(lambdas) == len(live_lambdas)
+                and all(a is None or (isinstance(a, dict) and isinstance(b, dict) and set(a) <= set(b))
+                        for a, b in zip(lambdas, live_lambdas))):
+            raise _bad(where, "lr_lambdas does not match the live scheduler's (it may only restore attributes "
+                              "its callable objects have)")
+    inner = getattr(live, "_schedulers", None)  # SequentialLR, ChainedScheduler: one state per inner scheduler
+    if isinstance(inner, list) and "_schedulers" in saved:
+        if not (isinstance(saved["_schedulers"], list) and len(saved["_schedulers"]) == len(inner)):
+            raise _bad(where, f"holds a different number of inner schedulers than the live {type(live).__name__}")
+        for i, (child, child_saved) in enumerate(zip(inner, saved["_schedulers"])):
+            check_same_keys(f"{where} inner scheduler {i}", child, child_saved)

@@ -32,11 +32,13 @@ import torch
 from torch import nn
 
 from robustdist.checkpoint._io import checksum_entry
+from robustdist.checkpoint._pickle_scan import scan
 from robustdist.checkpoint._safeio import check_torch_zip, open_in, read_in
 from robustdist.checkpoint._schema import (
     DCP_METADATA,
     MAX_DCP_METADATA_BYTES,
     MAX_MANIFEST_BYTES,
+    MAX_PICKLE_TREE,
     SHARDED_DIR,
     is_int,
     weights_only_reason,
@@ -91,6 +93,7 @@ def unpickle_metadata(data: bytes, path: str) -> Any:
     """Unpickle DCP metadata bytes with the allow-list; CheckpointCorruptError for anything else."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    scan(data, path, MAX_PICKLE_TREE)  # bounded cost before any object is built; no sets
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # UnpicklingError, and whatever a crafted stream makes the allowed classes raise

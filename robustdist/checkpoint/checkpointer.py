@@ -290,26 +290,27 @@ class AtomicCheckpointer:
             if not isinstance(value, dict):
                 raise CheckpointError(f"{what} is a {type(value).__name__}; expected a dict of named entries. Fix: "
                                       "pass {'model': model, 'optimizer': optimizer, ...}.", rank=self.err_rank)
-        names = [n for n in (*state, *(per_rank or {})) if type(n) is not str]
+        names = [n for n in (*state, *(per_rank or {})) if type(n) is not str or not 0 < len(n) <= 256]
         if names:
-            raise CheckpointError(f"entry name {names[0]!r:.60} is a {type(names[0]).__name__}; expected str names "
-                                  "(the manifest records them as JSON strings). Fix: name entries with strings.",
-                                  rank=self.err_rank)
+            raise CheckpointError(f"entry name {names[0]!r:.60} is a {type(names[0]).__name__}; expected a str of 1 "
+                                  "to 256 characters (the manifest records names as JSON strings). Fix: name entries "
+                                  "with short strings.", rank=self.err_rank)
         replicated, sharded, kinds = {}, {}, {}
+        shared, own = [_payload.MAX_VALUES], [_payload.MAX_VALUES - 2000]  # one budget per file (RNG state: ~700)
         for name, value in state.items():
             if _payload.is_sharded(value) or is_sharded_stateful(value):
                 kinds[name] = "sharded"
                 sharded[name] = value
                 continue
             kind, entry = _payload.entry_state(name, value)
-            entry = _payload.plain(entry, f"state[{name!r}]")
+            entry = _payload.plain(entry, f"state[{name!r}]", shared)
             kinds[name] = kind
             if self.rank == 0:
                 replicated[name] = _payload.snapshot(entry, clone=clone, staging=self._staging, key=("r", name))
         mine = {"rng": _payload.capture_rng(), "per_rank": {}}
         for name, value in (per_rank or {}).items():
             kind, entry = _payload.entry_state(name, value)
-            entry = _payload.plain(entry, f"per_rank[{name!r}]")
+            entry = _payload.plain(entry, f"per_rank[{name!r}]", own)
             mine["per_rank"][name] = _payload.snapshot(entry, clone=clone, staging=self._staging, key=("p", name))
         return replicated, mine, sharded, kinds
 

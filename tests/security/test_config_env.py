@@ -23,29 +23,11 @@ from robustdist._config_io import MAX_YAML_BYTES
 from robustdist.config import HardenConfig
 from robustdist.errors import ConfigError, TopologyError
 from robustdist.topology import Topology, detect_topology, parse_visible_devices
+from tests.test_topology import LAUNCHER_VARS, _set, clean_env  # noqa: F401 - clean_env is a fixture
 
 pytest.importorskip("yaml")
 
-LAUNCHER_VARS = [
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "NODE_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "CUDA_VISIBLE_DEVICES",
-    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_TASKS_PER_NODE",
-    "SLURM_NTASKS_PER_NODE",
-]
 HUGE = "9" * 5000
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    """No launcher variables, whatever the shell running the tests had."""
-    for var in LAUNCHER_VARS:
-        monkeypatch.delenv(var, raising=False)
-    return monkeypatch
-
-
-def _set(mp, **values):
-    for k, val in values.items():
-        mp.setenv(k, str(val))
 
 
 def _yaml(tmp_path, text, name="c.yaml"):
