@@ -156,8 +156,8 @@ class AtomicCheckpointer:
         self.wait()
         start = time.perf_counter()
         if not is_int(step, 0, MAX_STEP):
-            raise CheckpointError(f"step={step!r:.60}; expected a non-negative integer (at most 2**63-1). Fix: pass the training step.",
-                                  rank=self.err_rank)
+            raise CheckpointError(f"step={step!r:.60}; expected a non-negative integer (at most 2**63-1). Fix: pass "
+                                  "the training step.", rank=self.err_rank)
         self.collectives.arrive("save")
         blocking = (not self.async_save) if blocking is None else blocking
         token = self._begin(step)

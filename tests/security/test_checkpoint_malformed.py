@@ -215,3 +215,33 @@ def test_harden_resume_falls_back_past_a_malformed_loader_position(tmp_path, mon
         opt = torch.optim.SGD(h.model.parameters(), lr=0.1)
         with pytest.warns(RobustDistWarning, match=r"checkpoint step 10 failed verification \(rank 0: .*loader state"):
             assert h.resume(optimizer=opt) == 5
+
+
+def _save_two_steps(rank, directory):
+    with AtomicCheckpointer(directory) as ckpt:
+        ckpt.save(1, state_for(1))
+        ckpt.save(2, state_for(2))
+
+
+def _load_on_every_rank(rank, directory):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with AtomicCheckpointer(directory) as ckpt:
+            loaded = ckpt.load(state={"weights": torch.zeros(16)})
+    return loaded.step, loaded.state["weights"].tolist(), [str(w.message) for w in caught
+                                                           if w.category is RobustDistWarning]
+
+
+def test_a_problem_only_one_rank_sees_makes_every_rank_fall_back_together(tmp_path):
+    from robustdist.testing import run_ranks
+
+    run_ranks(_save_two_steps, 2, args=(str(tmp_path),), timeout=60)
+    payload = torch.load(tmp_path / STEP2 / "rank_00001.pt", weights_only=True)  # only rank 1 reads this file
+    payload["rng"]["python"][0] = 1
+    forge(tmp_path / STEP2, "rank_00001.pt", _torch_bytes(payload))
+    out = run_ranks(_load_on_every_rank, 2, args=(str(tmp_path),), timeout=60)
+    assert [step for step, _, _ in out] == [1, 1] and out[0][1] == state_for(1)["weights"].tolist()
+    assert "checkpoint step 2 failed verification (rank 1: " in out[0][2][0]
+    assert "rank_00001.pt: the saved RNG state is malformed (python: the generator refused it" in out[0][2][0]
