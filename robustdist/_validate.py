@@ -281,10 +281,29 @@ class optional(Kind):
             return _raise(self.fail(path, text))
 
 
+class names(Kind):
+    """A list of identifiers (e.g. module class names), or one of ``keywords``. In the environment: a
+    comma-separated list."""
+
+    def __init__(self, *keywords: str, max_items: int = 64):
+        self.keywords, self.max_items = keywords, max_items
+        alt = " or one of " + ", ".join(repr(k) for k in keywords) if keywords else ""
+        self.describe = f"a list of at most {max_items} Python identifiers (class names){alt}"
+
+    def check(self, path: str, value: Any) -> Any:
+        if isinstance(value, str) and value in self.keywords:
+            return value
+        if isinstance(value, (list, tuple)) and len(value) <= self.max_items and all(
+                isinstance(x, str) and x.isidentifier() and len(x) <= 200 for x in value):
+            return tuple(value)
+        return _raise(self.fail(path, value))
+
+    def parse(self, path: str, text: str) -> Any:
+        stripped = text.strip()
+        if stripped in self.keywords:
+            return stripped
+        return self.check(path, [x.strip() for x in stripped.split(",") if x.strip()] if stripped else [])
+
+
 def _raise(error: ConfigError) -> Any:
     raise error
-
-
-def as_timedelta(value: float | timedelta) -> timedelta:
-    """A timeout given as seconds or a timedelta, as a timedelta (what torch.distributed wants)."""
-    return value if isinstance(value, timedelta) else timedelta(seconds=float(value))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from robustdist import _dist
 from robustdist.errors import ConfigError, ranks_phrase
 from robustdist.log import get_logger
 
@@ -66,7 +67,7 @@ class Watchdog:
         self.hang_timeout, self.action = float(hang_timeout), action
         self.dump_dir = os.fspath(dump_dir) if dump_dir is not None else None
         self.rank, self.world_size = _rank_world(rank, world_size)
-        self.store = _own_client(store if store is not None else _default_store())
+        self.store = _own_client(store if store is not None else _dist.default_store())
         self.grace = min(5.0, self.hang_timeout / 2) if grace is None else float(grace)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"robustdist/watchdog/{restart}/{_generation}"
@@ -229,20 +230,7 @@ def summarise(records: dict[int, dict[str, Any]], world_size: int, now: float) -
 
 
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    grouped = dist.is_available() and dist.is_initialized()
-    r = rank if rank is not None else (dist.get_rank() if grouped else 0)
-    w = world_size if world_size is not None else (dist.get_world_size() if grouped else 1)
-    return r, w
-
-
-def _default_store() -> Any:
-    from robustdist.process_group import default_store
-
-    import torch.distributed as dist
-
-    return default_store() if dist.is_available() and dist.is_initialized() else None
+    return (rank if rank is not None else _dist.rank()), (world_size if world_size is not None else _dist.world_size())
 
 
 def _own_client(store: Any) -> Any:

@@ -1,6 +1,6 @@
 """``HardenConfig``: one keyword-only, frozen, validated configuration for every robustdist part.
 
-Sections (each a dataclass of its own): ``distributed``, ``data``, ``checkpoint``, ``health``. Every field
+Sections (each a dataclass of its own): ``distributed``, ``data``, ``checkpoint``, ``health``, ``fsdp``. Every field
 carries a one-line doc in its metadata; :func:`config_reference` renders them as the README's table.
 
 Ways in, all validated up front; any bad input raises :class:`~robustdist.errors.ConfigError` naming the
@@ -34,10 +34,12 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "DistributedConfig",
+    "FsdpConfig",
     "HardenConfig",
     "HealthConfig",
     "config_reference",
     "resolve_config",
+    "section_of",
 ]
 
 
@@ -126,11 +128,30 @@ class HealthConfig(_Section):
                               v.optional(v.path()))
 
 
+@dataclass(frozen=True, kw_only=True)
+class FsdpConfig(_Section):
+    """FSDP2 sharding, used when ``distributed.strategy`` is fsdp."""
+
+    _name: ClassVar[str] = "fsdp"
+    shard_modules: tuple[str, ...] | str = _f("auto", "Which submodules get their own fully_shard before the root: a list "
+                                        "of module class names, or auto (every module held in an nn.ModuleList, "
+                                        "e.g. transformer blocks).", v.names("auto"))
+    sharding: str = _f("auto", "auto (FULL_SHARD on one node, HYBRID_SHARD across nodes), FULL_SHARD, "
+                       "HYBRID_SHARD or NO_SHARD.", v.choice("auto", "FULL_SHARD", "HYBRID_SHARD", "NO_SHARD"))
+    mixed_precision: str | None = _f(None, "Parameter dtype in forward/backward: None (as stored), bf16 or fp16; "
+                                     "gradients are reduced in fp32.", v.optional(v.choice("bf16", "fp16")))
+    cpu_offload: bool = _f(False, "Keep sharded parameters, gradients and optimizer state in CPU memory "
+                           "(CPUOffloadPolicy).", v.boolean())
+    reshard_after_forward: bool = _f(True, "Free the gathered parameters after forward (less memory, one more "
+                                     "all-gather in backward).", v.boolean())
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     "distributed": DistributedConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "health": HealthConfig,
+    "fsdp": FsdpConfig,
 }
 
 S = TypeVar("S", bound=_Section)
@@ -180,6 +201,7 @@ class HardenConfig:
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Dataloader guards."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Atomic checkpoints."})
     health: HealthConfig = field(default_factory=HealthConfig, metadata={"doc": "Runtime health guards."})
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig, metadata={"doc": "FSDP2 sharding."})
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
@@ -273,6 +295,27 @@ def resolve_config(cfg: Any = None) -> HardenConfig:
         f"cfg is {v.show(cfg)}; expected a HardenConfig, a dict, a YAML path or None. "
         "Fix: pass HardenConfig(...) or a dict such as {'distributed': {'backend': 'gloo'}}."
     )
+
+
+def section_of(cfg: Any, cls: type[S], caller: str) -> S:
+    """The ``cls`` section a mechanism reads, from its typed section, a :class:`HardenConfig`, or None.
+
+    Each mechanism (``wrap_ddp``, ``safe_dataloader``, ...) takes its own section. A dict or YAML path is
+    still accepted for compatibility and resolved here once, with a ``DeprecationWarning``: resolve it once
+    with :func:`resolve_config` (``harden`` and the CLI do) and pass the result.
+    """
+    if isinstance(cfg, cls):
+        return cfg
+    if cfg is None:
+        return cls()
+    if isinstance(cfg, HardenConfig):
+        return getattr(cfg, cls._name)  # type: ignore[no-any-return]
+    import warnings
+
+    warnings.warn(f"{caller}(cfg=<{type(cfg).__name__}>): pass a {cls.__name__} or a HardenConfig; a dict or YAML "
+                  "path is resolved on every call. Resolve it once with robustdist.resolve_config(cfg).",
+                  DeprecationWarning, stacklevel=3)
+    return getattr(resolve_config(cfg), cls._name)  # type: ignore[no-any-return]
 
 
 def config_reference() -> str:

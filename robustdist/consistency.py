@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from robustdist import _dist
 from robustdist.errors import ConfigError, RankDivergenceError, ranks_phrase
 from robustdist.state_dict import unwrap_model
 
@@ -92,7 +93,7 @@ def check_consistency(model: nn.Module, *, include: Iterable[str] = ASPECTS, gro
         raise ConfigError(f"include={include!r} has {unknown}; expected a subset of {ASPECTS}. Fix: drop those.")
     start = time.perf_counter()
     mine = _fingerprints(model, include, buffers)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if not _dist.is_multi(group):
         return ConsistencyReport(tensors=len(mine), world_size=1, seconds=time.perf_counter() - start)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     everyone: list[Any] = [None] * world

@@ -24,10 +24,10 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
+from robustdist import _dist
 from robustdist.config import resolve_config
 from robustdist.errors import RobustDistError
 from robustdist.log import get_logger, warn
@@ -66,7 +66,7 @@ class DistributedDataParallel(_TorchDDP):
 
     def _unused_parameter_error(self, error: RuntimeError) -> RobustDistError:
         match = re.search(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)", str(error))
-        rank = dist.get_rank() if dist.is_initialized() else None
+        rank = _dist.error_rank()
         if match is None:
             names = "(torch did not list them; set TORCH_DISTRIBUTED_DEBUG=INFO to see them)"
         else:
@@ -107,7 +107,7 @@ def wrap_ddp(model: nn.Module, cfg: Any = None, *, device: torch.device | str | 
     config = resolve_config(cfg).distributed
     target = torch.device(device) if device is not None and not isinstance(device, int) else (
         torch.device("cuda", device) if isinstance(device, int) else detect_topology().device)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    distributed = _dist.is_multi()
     if not distributed:
         log.debug("no process group of more than one rank: returning the model on %s, unwrapped", target)
         return model.to(target)

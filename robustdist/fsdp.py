@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from robustdist import _dist
 from robustdist.errors import ConfigError, TopologyError
 from robustdist.log import warn
 from robustdist.topology import Topology, detect_topology
@@ -104,7 +105,7 @@ def fsdp_calibrate(*, topology: Topology | None = None, strategy: str = "auto", 
     wanted = strategy.upper()
     if wanted not in ("AUTO", *STRATEGIES):
         raise ConfigError(f"strategy={strategy!r}; expected 'auto' or one of {STRATEGIES}. Fix: pass one of those.")
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _dist.is_up():
         topo = topology or detect_topology()
         return Calibration(1, 0, 1, 1, 0, topo.device, len(_visible_gpus(visible_devices)), (1,), ("shard",),
                            "NO_SHARD")

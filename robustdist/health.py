@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from robustdist import _dist
 from robustdist._watchdog import HANG_EXIT_CODE, HangReport, Watchdog
 from robustdist.consistency import check_consistency
 from robustdist.errors import CheckpointError, ConfigError, NonFiniteLossError, RankDivergenceError, ranks_phrase
@@ -132,7 +133,7 @@ class StepGuard:
         self.nan_policy, self.model, self.optimizer, self.group = nan_policy, model, optimizer, group
         self.checkpointer, self._restore_fn, self.max_rollbacks = checkpointer, restore, max_rollbacks
         self.divergence_interval = divergence_interval
-        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.distributed = _dist.is_multi(group)
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.agreement = self._choose_agreement(agreement)
@@ -201,8 +202,7 @@ class StepGuard:
         return not _grads_finite(self._params), None
 
     def _device(self) -> torch.device:
-        backend = str(dist.get_backend(self.group))
-        return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        return _dist.collective_device(_dist.backend_kind(self.group))
 
     def _name(self, local_bad: bool, loss: Any, ranks: tuple[int, ...] | None) -> tuple[tuple[int, ...], list[Any]]:
         """Every rank's loss value, gathered only on the rare bad path (every rank is on it: they agreed)."""

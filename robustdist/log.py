@@ -31,10 +31,10 @@ def current_rank() -> tuple[int, int]:
     Cheap enough to call per log record; never raises (``(0, 1)`` when nothing is known).
     """
     try:
-        import torch.distributed as dist
+        from robustdist import _dist
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
+        if _dist.is_up():
+            return _dist.rank(), _dist.world_size()
     except Exception:  # a half-destroyed group must not break logging
         pass
     for rank_var, world_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):

@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from robustdist import _elastic_store, netenv
+from robustdist import _dist, _elastic_store, netenv
+from robustdist._dist import default_store
 from robustdist._validate import seconds
 from robustdist.agreement import check_agreement, local_fingerprint
 from robustdist.config import HardenConfig, resolve_config
@@ -138,15 +139,6 @@ def _init(backend: str, cfg: HardenConfig, timeout_s: float, topo: Topology, sin
         ) from e
 
 
-def default_store() -> Any:
-    """The default group's c10d store, or None. Private torch API, used only to name ranks that did not
-    arrive (a barrier, a checkpoint report), so its absence only makes those messages less specific."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
 def named_barrier(name: str, timeout_s: float, *, group: Any = None) -> float:
     """A bounded barrier that names the ranks that did not arrive, on every rank that did. Returns seconds."""
     global _barrier_generation
@@ -239,7 +231,7 @@ def safe_init_process_group(cfg: Any = None, *, backend: str | None = None, time
     dcfg = config.distributed
     timeout_s = dcfg.timeout if timeout is None else seconds().check("timeout", timeout)
     topo = topology or detect_topology()
-    existing = dist.is_available() and dist.is_initialized()
+    existing = _dist.is_up()
     if not existing and topo.world_size == 1 and topo.launcher == "single" and not init_single:
         log.debug("single process with no launcher: no process group created")
         return InitReport(distributed=False, created=False, backend=None, rank=0, world_size=1, topology=topo)
@@ -249,8 +241,7 @@ def safe_init_process_group(cfg: Any = None, *, backend: str | None = None, time
     report = InitReport(distributed=True, created=not existing, backend=None, rank=topo.rank,
                         world_size=topo.world_size, topology=topo)
     if existing:
-        found = str(dist.get_backend())  # e.g. "gloo", "nccl", or "cpu:gloo,cuda:nccl"
-        report.backend = "nccl" if "nccl" in found else "gloo" if "gloo" in found else found
+        report.backend = _dist.backend_kind()  # "cpu:gloo,cuda:nccl" counts as nccl
         _note(report, f"a process group already exists (backend {report.backend}, world size "
                       f"{dist.get_world_size()}, launcher {topo.launcher}); robustdist did not re-initialise it, "
                       "so this call's backend/timeout/init_method settings do not take effect. It validates the "
@@ -295,7 +286,7 @@ def _note(report: InitReport, message: str, *, once: Any = None) -> None:
 
 def destroy_process_group_if_owned(report: InitReport) -> bool:
     """Destroy the default group only if ``report`` says this process created it. Returns whether it did."""
-    if report.created and dist.is_available() and dist.is_initialized():
+    if report.created and _dist.is_up():
         dist.destroy_process_group()
         return True
     return False

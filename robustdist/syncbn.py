@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from robustdist import _dist
+
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
 
 
@@ -169,7 +171,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def _needs_sync(self, bn_training: bool) -> bool:
-        if not (bn_training and self.training and dist.is_available() and dist.is_initialized()):
+        if not (bn_training and self.training and _dist.is_up()):
             return False
         return dist.get_world_size(self.process_group) > 1
 

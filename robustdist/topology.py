@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from robustdist import _dist
 from robustdist._launcher_env import Raw, from_slurm, from_torch_env, shown
 from robustdist.errors import TopologyError
 from robustdist.log import get_logger, warn
@@ -96,11 +97,7 @@ def parse_visible_devices(value: str | None) -> tuple[int | str, ...] | None:
 
 
 def _process_group() -> tuple[int, int] | None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return None
+    return (_dist.rank(), _dist.world_size()) if _dist.is_up() else None
 
 
 def _ray_train_context() -> Any | None:

@@ -42,7 +42,34 @@ def test_defaults_match_the_documented_values():
                        "arrival_timeout": 60.0},
         "health": {"interval_steps": 300, "hang_timeout": 600.0, "nan_policy": "raise", "check_divergence": True,
                    "hang_action": "dump", "max_rollbacks": 3, "dump_dir": None},
+        "fsdp": {"shard_modules": "auto", "sharding": "auto", "mixed_precision": None, "cpu_offload": False,
+                 "reshard_after_forward": True},
     }
+
+
+def test_fsdp_section_accepts_class_names_and_refuses_the_rest():
+    cfg = HardenConfig(fsdp={"shard_modules": ["Block", "Embedding"], "mixed_precision": "bf16"})
+    assert cfg.fsdp.shard_modules == ("Block", "Embedding")
+    assert HardenConfig.from_dict(cfg.to_dict()) == cfg
+    env = HardenConfig.from_env(environ={"ROBUSTDIST_FSDP_SHARD_MODULES": "Block, Mlp"})
+    assert env.fsdp.shard_modules == ("Block", "Mlp")
+    for bad in (["not a name"], "all", [1], ["x"] * 65):
+        with pytest.raises(ConfigError, match="fsdp.shard_modules"):
+            HardenConfig(fsdp={"shard_modules": bad})
+    with pytest.raises(ConfigError, match="fsdp.mixed_precision"):
+        HardenConfig(fsdp={"mixed_precision": "fp8"})
+
+
+def test_section_of_takes_a_section_or_a_harden_config_and_warns_on_a_dict():
+    from robustdist.config import FsdpConfig, section_of
+
+    cfg = HardenConfig(data={"seed": 7})
+    assert section_of(cfg, DataConfig, "f") is cfg.data
+    assert section_of(cfg.data, DataConfig, "f") is cfg.data
+    assert section_of(None, DataConfig, "f") == DataConfig()
+    with pytest.warns(DeprecationWarning, match="resolve_config"):
+        assert section_of({"data": {"seed": 3}}, DataConfig, "f").seed == 3
+    assert section_of(None, FsdpConfig, "f").sharding == "auto"
 
 
 def test_literature_yaml_loads_verbatim(tmp_path):
@@ -112,7 +139,7 @@ def test_unknown_section_suggests_the_closest_section():
          "`health.nan_policy` is 'ignore' (str); expected one of 'raise', 'skip', 'rollback', 'warn'."),
         ({"health": {"interval_steps": True}}, "`health.interval_steps` is True (bool); expected an integer >= 1."),
         ({"data": 5}, "config section `data` is 5 (int); expected a mapping of its fields"),
-        ([1, 2], "a config must be a mapping of sections (distributed, data, checkpoint, health), got [1, 2] (list)"),
+        ([1, 2], "a config must be a mapping of sections (distributed, data, checkpoint, health, fsdp), got [1, 2] (list)"),
     ],
 )
 def test_invalid_values_name_field_value_and_accepted(data, message):
@@ -329,4 +356,4 @@ def test_config_reference_lists_every_field_with_its_doc():
     table = config_reference()
     assert "| `distributed.timeout` | `1800.0` | `ROBUSTDIST_DISTRIBUTED_TIMEOUT` | Collective timeout in seconds" in table
     assert "| `checkpoint.dir` | `null` | `ROBUSTDIST_CHECKPOINT_DIR` |" in table
-    assert table.count("\n") + 1 == 2 + 9 + 5 + 5 + 7
+    assert table.count("\n") + 1 == 2 + 9 + 5 + 5 + 7 + 5

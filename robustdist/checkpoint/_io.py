@@ -147,14 +147,6 @@ def checksum_entry(path: str) -> dict[str, Any]:
     return {"size": size, "crc32": digest}
 
 
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(path: str) -> None:
     """Make renames and creations inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

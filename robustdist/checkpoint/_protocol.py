@@ -11,11 +11,11 @@ import traceback
 import uuid
 from typing import Any
 
+from robustdist._dist import default_store
 from robustdist.checkpoint import _faults, _layout
 from robustdist.checkpoint._io import fsync_dir
 from robustdist.errors import CheckpointError, ranks_phrase
 from robustdist.log import get_logger
-from robustdist.process_group import default_store
 
 log = get_logger(__name__)
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from robustdist import _dist
 from robustdist.checkpoint._io import checksum_entry
 from robustdist.checkpoint._pickle_scan import scan
 from robustdist.checkpoint._safeio import check_torch_zip, open_in, read_in
@@ -212,13 +213,12 @@ def _state_dicts(entries: dict[str, Any]) -> dict[str, Any]:
 
 def save_sharded(entries: dict[str, Any], path: str, group: Any) -> dict[str, Any]:
     """Write ``entries`` with DCP into ``path``; return this rank's files (``sharded/<name>``) with size/sha."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     os.makedirs(path, exist_ok=True)
     dcp.save(_state_dicts(entries), storage_writer=dcp.FileSystemWriter(path), process_group=group,
-             no_dist=not dist.is_initialized())
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
+             no_dist=not _dist.is_up())
+    rank = _dist.rank(group)
     mine = [f for f in os.listdir(path) if f.startswith(f"__{rank}_") or (rank == 0 and f == ".metadata")]
     files = {}
     for name in mine:
@@ -295,7 +295,6 @@ def _safe_classes() -> tuple[type, type, type]:
 def load_sharded(entries: dict[str, Any], step_dir: str, metadata: Any, group: Any) -> None:
     """Load DCP-saved entries into the live objects in ``entries`` (resharding as needed), from validated
     ``metadata`` (:func:`read_metadata`), reading only inside ``step_dir``."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -303,7 +302,7 @@ def load_sharded(entries: dict[str, Any], step_dir: str, metadata: Any, group: A
 
     _, reader_cls, planner_cls = _safe_classes()
     templates = _state_dicts(entries)
-    distributed = dist.is_initialized()
+    distributed = _dist.is_up()
     with warnings.catch_warnings():  # DCP warns that a single process "assumes" single-process loading: we mean it
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:

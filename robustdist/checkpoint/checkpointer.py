@@ -46,9 +46,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from robustdist import _dist
 from robustdist._version import __version__
 from robustdist.checkpoint import _faults, _layout, _payload, _protocol
-from robustdist.checkpoint._collective import Collectives
+from robustdist.checkpoint._collective import checkpoint_collectives
 from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir
 from robustdist.checkpoint._schema import MAX_STEP, is_int
 from robustdist.checkpoint._sharded import is_sharded_stateful, save_sharded
@@ -118,7 +119,7 @@ class AtomicCheckpointer:
         self.keep_last, self.async_save = keep_last, async_save
         self.timeout = float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S
         self.config_fingerprint = config_fingerprint
-        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.distributed = _dist.is_multi()
         if self.distributed and group is None:
             from datetime import timedelta
 
@@ -127,8 +128,8 @@ class AtomicCheckpointer:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.arrival_timeout = float(arrival_timeout) if arrival_timeout is not None else DEFAULT_ARRIVAL_TIMEOUT_S
-        self.collectives = Collectives(group, self.rank, self.world_size, timeout=self.timeout,
-                                       arrival_timeout=self.arrival_timeout)
+        self.collectives = checkpoint_collectives(group, self.rank, self.world_size, timeout=self.timeout,
+                                                    arrival_timeout=self.arrival_timeout)
         self._lock = DirLock(self.directory)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
