@@ -4,6 +4,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: most tests wait on the processes they start. Ray tests share one worker (conftest.py).
+PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 
 .PHONY: demo test bench bench-check venv clean
 
@@ -19,7 +21,7 @@ demo: venv
 		examples/resilient_training.py --workdir $(DEMO_DIR)
 
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # Every benchmark, side by side with the plain torch/Ray way; writes benchmarks/results.json and RESULTS.md.
 # `make bench BENCH="bench_bf16 bench_step"` re-runs only those. Timing is not a test: not part of `make test`.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from targets import TARGETS, judge  # noqa: E402
+from targets import evaluate, missed, summary  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,21 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     if not path.exists():
         print(f"make bench-check: {path} does not exist; run `make bench` first.")
         return 1
-    results = json.loads(path.read_text())["benchmarks"]
-    misses = 0
-    for bench_id, key, op, threshold, meaning in TARGETS:
-        value = results.get(bench_id, {}).get("metrics", {}).get(key)
-        if value is None:
-            print(f"MISSING {bench_id} {key}: not in results.json ({meaning})")
-            misses += 1
+    verdicts = evaluate(json.loads(path.read_text())["benchmarks"])
+    for v in verdicts:
+        if v.value is None:
+            print(f"MISSING {v.bench_id} {v.key}: not in results.json ({v.meaning})")
             continue
-        verdict = judge(op, value, threshold)
-        label = "REPORT " if verdict is None else "MET    " if verdict else "MISSED "
-        target = "" if verdict is None else f" (target {op} {threshold:g})"
-        print(f"{label}{bench_id} {key} = {value:.4g}{target}: {meaning}")
-        misses += verdict is False
-    print(f"make bench-check: {misses} target(s) missed" if misses else "make bench-check: every target met")
-    return 1 if misses else 0
+        label = {"report": "REPORT ", "met": "MET    ", "missed": "MISSED "}[v.status]
+        target = "" if v.met is None else f" (target {v.op} {v.threshold:g})"
+        print(f"{label}{v.bench_id} {v.key} = {v.value:.4g}{target}: {v.meaning}")
+    print(summary(verdicts))
+    return 1 if missed(verdicts) else 0
 
 
 if __name__ == "__main__":

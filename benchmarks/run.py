@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from targets import TARGETS, judge  # noqa: E402
+from targets import evaluate, summary  # noqa: E402
 
 
 def _machine() -> dict[str, str]:
@@ -72,16 +72,18 @@ def render(results: dict) -> str:
              "and noisy: read ratios, not absolute times.", "",
              f"- date: {results['date']}", f"- command: `{results['command']}`"]
     lines += [f"- {k}: {v}" for k, v in results["machine"].items()]
-    lines += ["", "## Targets", "", "| id | metric | value | target | verdict | meaning |", "|---|---|---|---|---|---|"]
-    for bench_id, key, op, threshold, meaning in TARGETS:
-        value = results["benchmarks"].get(bench_id, {}).get("metrics", {}).get(key)
-        if value is None:
-            lines.append(f"| {bench_id} | `{key}` | not measured | {op} {threshold} | MISSING | {meaning} |")
+    verdicts = evaluate(results["benchmarks"])
+    lines += ["", "## Targets", "",
+              f"**{summary(verdicts)}** (the line `make bench-check` ends with: both come from "
+              "`benchmarks/targets.py`'s `evaluate` and `summary`, and a test compares this page with it).", "",
+              "| id | metric | value | target | verdict | meaning |", "|---|---|---|---|---|---|"]
+    for v in verdicts:
+        if v.value is None:
+            lines.append(f"| {v.bench_id} | `{v.key}` | not measured | {v.op} {v.threshold} | MISSING | {v.meaning} |")
             continue
-        verdict = judge(op, value, threshold)
-        shown = "report" if verdict is None else "met" if verdict else "**missed**"
-        target = "-" if threshold is None else f"{op} {threshold:g}"
-        lines.append(f"| {bench_id} | `{key}` | {value:.4g} | {target} | {shown} | {meaning} |")
+        shown = {"report": "report", "met": "met", "missed": "**missed**"}[v.status]
+        target = "-" if v.threshold is None else f"{v.op} {v.threshold:g}"
+        lines.append(f"| {v.bench_id} | `{v.key}` | {v.value:.4g} | {target} | {shown} | {v.meaning} |")
     for bench_id in sorted(results["benchmarks"]):
         record = results["benchmarks"][bench_id]
         unit = record.get("unit", "s")

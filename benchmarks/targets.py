@@ -6,6 +6,8 @@ A comparison of "report" has no threshold: the number is recorded, never judged.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 TARGETS: list[tuple[str, str, str, float | None, str]] = [
     ("P1", "mlp_step_ratio", "<=", 1.02, "hardened DDP step time / plain DDP step time, small MLP, 2 gloo ranks"),
     ("P1", "convnet_step_ratio", "report", None, "the same, small convnet with BatchNorm (SyncBN when hardened)"),
@@ -28,3 +30,46 @@ def judge(op: str, value: float, threshold: float | None) -> bool | None:
     if op == "report" or threshold is None:
         return None
     return {"<=": value <= threshold, "<": value < threshold, ">=": value >= threshold, ">": value > threshold}[op]
+
+
+class Verdict(NamedTuple):
+    """One target judged against one results file."""
+
+    bench_id: str
+    key: str
+    op: str
+    threshold: float | None
+    meaning: str
+    value: float | None  # None: the metric is not in the results
+    met: bool | None  # None for report-only metrics and for missing ones
+
+    @property
+    def status(self) -> str:
+        """``missing``, ``report``, ``met`` or ``missed``."""
+        if self.value is None:
+            return "missing"
+        return "report" if self.met is None else "met" if self.met else "missed"
+
+
+def evaluate(benchmarks: dict) -> list[Verdict]:
+    """Judge every target against ``results.json``'s ``"benchmarks"`` mapping, in ``TARGETS`` order.
+
+    ``make bench-check`` (check.py) and the results page (run.py) both use this, so they cannot disagree.
+    """
+    verdicts = []
+    for bench_id, key, op, threshold, meaning in TARGETS:
+        value = benchmarks.get(bench_id, {}).get("metrics", {}).get(key)
+        met = None if value is None else judge(op, value, threshold)
+        verdicts.append(Verdict(bench_id, key, op, threshold, meaning, value, met))
+    return verdicts
+
+
+def missed(verdicts: list[Verdict]) -> int:
+    """How many targets are missed; a metric absent from the results counts as missed."""
+    return sum(v.status in ("missed", "missing") for v in verdicts)
+
+
+def summary(verdicts: list[Verdict]) -> str:
+    """The one line ``make bench-check`` ends with and ``RESULTS.md`` states."""
+    n = missed(verdicts)
+    return f"make bench-check: {n} target(s) missed" if n else "make bench-check: every target met"

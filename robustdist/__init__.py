@@ -1,7 +1,7 @@
 """robustdist: drop-in wrappers that harden PyTorch distributed training and Ray.
 
 Importing robustdist changes no global state and imports neither torch nor ray: the public names below are
-loaded on first use. See the README for the failure modes each part handles.
+loaded on first use. See docs/failure-modes.md for the failure modes each part handles.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         CheckpointConfig,
         DataConfig,
         DistributedConfig,
+        FsdpConfig,
         HardenConfig,
         HealthConfig,
         resolve_config,
@@ -49,12 +50,13 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         StateDictMismatchError,
         TopologyError,
     )
-    from robustdist.fsdp import Calibration, fsdp_calibrate
+    from robustdist.fsdp import Calibration, fsdp_calibrate, wrap_fsdp
     from robustdist.harden import Hardened, harden
     from robustdist.health import HANG_EXIT_CODE, HangReport, StepDecision, StepGuard, Watchdog
     from robustdist.log import get_logger
     from robustdist.process_group import (
         InitReport,
+        adopt_group,
         destroy_process_group_if_owned,
         distributed,
         safe_init_process_group,
@@ -65,10 +67,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from robustdist.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
     from robustdist.testing import run_ranks
     from robustdist.topology import Topology, detect_topology
+    from robustdist.train_state import Stateful, TrainState
 
 _LAZY: dict[str, str] = {
     **dict.fromkeys(
-        ["CheckpointConfig", "DataConfig", "DistributedConfig", "HardenConfig", "HealthConfig", "resolve_config"],
+        ["CheckpointConfig", "DataConfig", "DistributedConfig", "FsdpConfig", "HardenConfig", "HealthConfig",
+         "resolve_config"],
         "robustdist.config",
     ),
     **dict.fromkeys(
@@ -79,11 +83,11 @@ _LAZY: dict[str, str] = {
         "robustdist.errors",
     ),
     "get_logger": "robustdist.log",
-    **dict.fromkeys(["Calibration", "fsdp_calibrate"], "robustdist.fsdp"),
+    **dict.fromkeys(["Calibration", "fsdp_calibrate", "wrap_fsdp"], "robustdist.fsdp"),
     **dict.fromkeys(["Hardened", "harden"], "robustdist.harden"),
     **dict.fromkeys(["HANG_EXIT_CODE", "HangReport", "StepDecision", "StepGuard", "Watchdog"], "robustdist.health"),
     **dict.fromkeys(
-        ["InitReport", "destroy_process_group_if_owned", "distributed", "safe_init_process_group"],
+        ["InitReport", "adopt_group", "destroy_process_group_if_owned", "distributed", "safe_init_process_group"],
         "robustdist.process_group",
     ),
     "run_ranks": "robustdist.testing",
@@ -98,6 +102,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["LoadReport", "load_model_state_dict", "model_state_dict", "unwrap_model"],
                     "robustdist.state_dict"),
     **dict.fromkeys(["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"], "robustdist.syncbn"),
+    **dict.fromkeys(["Stateful", "TrainState"], "robustdist.train_state"),
     "Topology": "robustdist.topology",
     "detect_topology": "robustdist.topology",
 }

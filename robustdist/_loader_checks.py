@@ -1,14 +1,39 @@
-"""Probes used by ``safe_dataloader``: CUDA state, picklability, batch size in bytes, /dev/shm space."""
+"""Probes used by ``safe_dataloader``: CUDA state, picklability, batch size in bytes, /dev/shm space; and
+:func:`warn_user`, the loader modules' warning, blamed on the user's line."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
+import sys
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from robustdist.errors import ConfigError
+from robustdist.log import user_stacklevel, warn
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _in_package(depth: int) -> bool:
+    """Whether the frame ``depth`` levels above the caller (0: the caller itself) is robustdist's own code."""
+    try:
+        frame = sys._getframe(depth + 1)
+    except ValueError:  # the stack ends inside robustdist
+        return False
+    return os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
+
+
+def warn_user(message: str, *, once: Hashable | None = None) -> bool:
+    """:func:`robustdist.log.warn`, pointing at the first frame outside robustdist (the user's line that called
+    ``safe_dataloader``, ``harden``, ``iter(loader)``, ...), wherever in robustdist it is called from."""
+    level = user_stacklevel()
+    if _in_package(level - 1):  # warn(stacklevel=level) would still blame robustdist: one frame further
+        level += 1
+    return warn(message, once=once, stacklevel=level)
 
 
 def cuda_initialized() -> bool:

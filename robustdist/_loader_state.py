@@ -1,18 +1,23 @@
-"""Where a :class:`~robustdist.dataloader.SafeDataLoader` is, and how to put a new one back there.
+"""Saving and restoring where a :class:`~robustdist.dataloader.SafeDataLoader` is (its epochs and iterations are
+:mod:`robustdist._loader_epochs`).
 
-``state_dict()`` records the epoch, how many iterations were started, how many batches of the current
-iteration were consumed (the iterator's own counter: no per-batch cost), and the RNG state the index sampler
-saw when the iteration began (the global torch RNG and the loader's ``generator``). ``load_state_dict()``
-makes the *next* ``iter(loader)`` yield exactly the batches the interrupted iteration had not yet yielded:
+``state_dict()`` records the epoch, the epochs started (field ``iterations``), how many batches of
+the open epoch were consumed, and the RNG state the index sampler saw when that iteration began (the global
+torch RNG and the loader's ``generator``). Consumed means: by the live iterator, when it is still referenced
+(the training loop is in it); by none, when the iteration was abandoned (the next ``iter()`` replays from the
+epoch's start, or from the restored position after a resume). ``load_state_dict()`` makes the *next*
+``iter(loader)`` yield exactly the batches the interrupted iteration had not yet yielded:
 
 * indices are skipped at the sampler level, before any worker fetches them, so skipping costs no data
   loading;
 * the skipped iteration's sampler runs with the RNG state it saw originally, so a shuffling sampler without
   a seed (a single process's ``RandomSampler``) replays the same order; a ``DistributedSampler`` is seeded by
-  ``data.seed`` and the epoch anyway;
+  its seed and the epoch anyway;
 * the global RNG is left as it was before ``iter()``, so training code after a resume draws the same
   random numbers as the uninterrupted run did (with the RNG state the checkpoint restored); the loader's own
-  ``generator`` ends where the interrupted run's was after the same draws, so later epochs match too.
+  ``generator`` ends where the interrupted run's was after the same draws, so later epochs match too;
+* an iteration abandoned before the restored epoch ends does not use the restored position up: the next one
+  starts there again.
 
 Not restored: the progress of an ``IterableDataset`` stream (the epoch restarts, with a warning), and the
 RNG state *inside* worker processes part-way through an epoch (workers are re-seeded from
@@ -27,16 +32,21 @@ field and leaves the loader as it was.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
 
+from robustdist._loader_checks import warn_user
+from robustdist._loader_epochs import (
+    EpochSampler,
+    PositionedLoader,
+    batches_per_epoch,
+    capture_rng,
+    epoch_length,
+)
 from robustdist._validate import show
 from robustdist.errors import CheckpointError
-from robustdist.log import warn
 
 STATE_VERSION = 1
 FIELDS = ("version", "iterations", "epoch", "num_batches", "batches", "in_flight", "rng")
@@ -46,82 +56,27 @@ _FIX = ("Fix: pass the dict SafeDataLoader.state_dict() returned, unmodified (ch
         "loader's state), or skip load_state_dict() to start the loader fresh.")
 
 
-def capture_rng(generator: torch.Generator | None) -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "generator": generator.get_state() if generator is not None else None}
-
-
-def restore_rng(state: dict[str, Any], generator: torch.Generator | None) -> None:
-    torch.set_rng_state(state["torch"])
-    if generator is not None and state.get("generator") is not None:
-        generator.set_state(state["generator"])
-
-
-class PositionedSampler:
-    """Wraps the loader's index sampler: records the RNG each iteration starts from, and applies a pending
-    resume (RNG replay, then skipping the indices already consumed)."""
-
-    def __init__(self, loader: Any, inner: Any):
-        self.loader, self.inner = loader, inner
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __iter__(self) -> Iterator[Any]:
-        loader = self.loader
-        resume, loader._active_resume = loader._active_resume, None
-        if resume is None:
-            loader._epoch_rng = capture_rng(loader.generator)
-            yield from self.inner
-            return
-        skip, rng = resume
-        now = torch.get_rng_state()
-        restore_rng(rng, loader.generator)
-        loader._epoch_rng = rng
-        try:
-            it = iter(self.inner)
-            for _ in range(skip):
-                next(it)
-            first = next(it)
-        except StopIteration:
-            return
-        finally:  # the global RNG goes back to the checkpoint's; the loader's generator moves on as it did
-            torch.set_rng_state(now)
-        yield first
-        yield from it
-
-
-def iteration_started(loader: Any, iterator: Any) -> None:
-    """Called by ``SafeDataLoader.__iter__`` with the iterator it returns."""
-    loader._current = weakref.ref(iterator)
-
-
-def consumed(loader: Any) -> int | None:
-    """Batches of the current iteration consumed so far, or None when no iteration is in flight."""
-    iterator = loader._current() if loader._current is not None else None
-    if iterator is None:
-        return None
-    return loader._offset + int(getattr(iterator, "_num_yielded", 0))
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
-def state_dict(loader: Any, sampler: Any) -> dict[str, Any]:
-    done = consumed(loader)
-    length = _length(loader)
-    in_flight = done is not None and loader._iterations > 0 and (length is None or done < length)
+def state_dict(loader: PositionedLoader, sampler: EpochSampler | None) -> dict[str, Any]:
+    pos, length = loader._pos, batches_per_epoch(loader)
+    in_flight = pos.open and not pos.ended(epoch_length(loader, pos))
+    if not in_flight:
+        batches, rng = 0, None
+    elif pos.alive() and pos.progress is not None:  # the loop is in this iteration: its own position
+        batches, rng = pos.offset + pos.progress.batches, pos.rng
+    elif pos.start is not None:  # abandoned, or not iterated since a resume: the next iteration starts here
+        batches, rng = pos.start
+    else:  # abandoned: the next iteration replays the epoch from its beginning
+        batches, rng = 0, pos.rng
+    if in_flight and rng is None:  # the iteration has not drawn its order yet: the current RNG state draws it
+        rng = capture_rng(loader.generator)
     return {
         "version": STATE_VERSION,
-        "iterations": loader._iterations,
+        "iterations": pos.epochs,
         "epoch": int(sampler.epoch) if sampler is not None else None,
         "num_batches": length,
-        "batches": done if in_flight else 0,
+        "batches": batches,
         "in_flight": bool(in_flight),
-        "rng": loader._epoch_rng if in_flight else None,
+        "rng": rng,
     }
 
 
@@ -217,27 +172,27 @@ def _copy_rng(rng: dict[str, Any]) -> dict[str, Any]:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in rng.items()}
 
 
-def load_state_dict(loader: Any, sampler: Any, state: Any) -> None:
+def load_state_dict(loader: PositionedLoader, sampler: EpochSampler | None, state: Any) -> None:
     validate_state(state, loader.generator)
     epoch, iterations = state["epoch"], state["iterations"]
     if sampler is not None and epoch is not None:
         sampler.set_epoch(epoch)
-    loader._resume = None
+    pos = loader._pos
+    pos.epochs, pos.epoch_seen = iterations, int(sampler.epoch) if sampler is not None else None
+    pos.open, pos.start, pos.offset = state["in_flight"], None, 0
+    pos.progress = pos.iterator = pos.pending = None
     if not state["in_flight"]:
-        loader._iterations, loader._epoch_seen = iterations, epoch
         return
     if isinstance(loader.dataset, IterableDataset):
-        warn("the loader reads an IterableDataset: its position inside the interrupted epoch cannot be restored, "
-             f"so that epoch restarts from the beginning of the stream ({state['batches']} batches are read again). "
-             "Shard and resume the stream inside the dataset if that matters.", once=("loader-state", "iterable"))
-        loader._iterations, loader._epoch_seen = iterations - 1, None
+        warn_user("the loader reads an IterableDataset: its position inside the interrupted epoch cannot be restored, "
+                  f"so that epoch restarts from the beginning of the stream ({state['batches']} batches are read "
+                  "again). Shard and resume the stream inside the dataset if that matters.",
+                  once=("loader-state", "iterable"))
         return
-    length = _length(loader)
+    length = batches_per_epoch(loader)
     if length != state["num_batches"]:
-        warn(f"the loader has {length} batches per epoch but the saved state was taken with {state['num_batches']} "
-             "(a different dataset, batch size or world size); the interrupted epoch restarts from its beginning.",
-             once=("loader-state", "length"))
-        loader._iterations, loader._epoch_seen = iterations - 1, None
+        warn_user(f"the loader has {length} batches per epoch but the saved state was taken with "
+                  f"{state['num_batches']} (a different dataset, batch size or world size); the interrupted epoch "
+                  "restarts from its beginning.", once=("loader-state", "length"))
         return
-    loader._iterations, loader._epoch_seen = iterations - 1, None
-    loader._resume = (state["batches"], _copy_rng(state["rng"]))
+    pos.start = (state["batches"], _copy_rng(state["rng"]))

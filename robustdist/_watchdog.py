@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -10,9 +11,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+import torch
 
 from robustdist import _dist
 from robustdist.errors import ConfigError, ranks_phrase
@@ -80,8 +84,18 @@ class Watchdog:
         self._stop = threading.Event()
         self._tick = min(1.0, self.hang_timeout / 10)
         self._publish_every = min(30.0, self.hang_timeout / 4)
+        self._hooks: list[Any] = []
+        self._allowance = 0.0  # extra seconds while a bounded long operation (a checkpoint save) runs
         self._thread = threading.Thread(target=self._run, name=f"robustdist-watchdog-rank{self.rank}", daemon=True)
         self._thread.start()
+
+    def attach(self, model: Any) -> Watchdog:
+        """Beat at every forward start and backward start of ``model`` (a hook on its first output that needs a
+        gradient), so a rank stuck between them is told apart from ranks already waiting in the next
+        collective. :meth:`close` removes the hooks. Returns ``self``."""
+        self._hooks += [model.register_forward_pre_hook(_ForwardBeat(self)),
+                        model.register_forward_hook(_OutputBeat(self))]
+        return self
 
     # ------------------------------------------------------------------ the training loop's side
     def beat(self, step: int | None = None) -> None:
@@ -91,8 +105,25 @@ class Watchdog:
         self._seq += 1
         self._last = time.monotonic()
 
+    @contextlib.contextmanager
+    def allow(self, seconds: float, what: str) -> Iterator[None]:
+        """Within this block, a silence of up to ``seconds`` (the operation's own bound, e.g. the checkpoint
+        timeout) is not a hang: a healthy save of a large model on slow storage must not be reported, or
+        killed with ``hang_action="abort"``. Beats on entry and exit."""
+        self.beat()
+        previous, self._allowance = self._allowance, max(self._allowance, float(seconds))
+        log.debug("watchdog: allowing up to %g s for %s", self.hang_timeout + self._allowance, what)
+        try:
+            yield
+        finally:
+            self._allowance = previous
+            self.beat()
+
     def close(self) -> None:
-        """Stop the thread (bounded wait)."""
+        """Stop the thread (bounded wait) and remove the hooks :meth:`attach` installed. Idempotent."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self._tick + 10)
@@ -117,7 +148,7 @@ class Watchdog:
         if self.store is not None and seq != self._published[0] and now - self._published[1] >= self._publish_every:
             self._publish(seq, last)
         idle = now - last
-        if idle < self.hang_timeout:
+        if idle < self.hang_timeout + self._allowance:
             if self._fired_seq is not None and seq != self._fired_seq:
                 log.warning("beats resumed at step %s after the hang reported above", self._step, all_ranks=True)
                 self._fired_seq = None
@@ -227,6 +258,37 @@ def summarise(records: dict[int, dict[str, Any]], world_size: int, now: float) -
     suspects = behind + missing
     verdict = f"Suspect: {ranks_phrase(suspects)}. " if suspects else ""
     return f"hang report: {'; '.join(parts)}. {verdict}Their stack dumps show where each rank is."
+
+
+class _ForwardBeat:
+    def __init__(self, watchdog: Watchdog):
+        self.watchdog = watchdog
+
+    def __call__(self, module: Any, args: Any) -> None:
+        self.watchdog.beat()
+
+
+class _OutputBeat(_ForwardBeat):
+    def __call__(self, module: Any, args: Any, output: Any) -> None:  # type: ignore[override]
+        tensor = _first_grad_tensor(output)
+        if tensor is not None:
+            tensor.register_hook(_BackwardBeat(self.watchdog))
+
+
+class _BackwardBeat(_ForwardBeat):
+    def __call__(self, grad: Any) -> None:  # type: ignore[override]
+        self.watchdog.beat()
+
+
+def _first_grad_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    for value in values:
+        found = _first_grad_tensor(value)
+        if found is not None:
+            return found
+    return None
 
 
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

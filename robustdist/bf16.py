@@ -2,9 +2,9 @@
 
 What is true on current torch (verified on 2.13): bf16 tensors already pickle; what fails is
 ``tensor.numpy()`` ("Got unsupported ScalarType BFloat16"), which metric logging and Ray's numpy paths hit,
-and the default tensor pickle embeds a whole legacy ``torch.save`` blob per storage, at about half memcpy
-speed. And ``torch.save`` consults the global ``copyreg`` dispatch table, so a careless global patch changes
-what checkpoints contain.
+and the default tensor pickle embeds a whole legacy ``torch.save`` blob per storage, well below memcpy
+speed (``benchmarks/RESULTS.md``, P3). And ``torch.save`` consults the global ``copyreg`` dispatch table,
+so a careless global patch changes what checkpoints contain.
 
 * :func:`patch_bf16_pickle` registers a ``copyreg`` reducer for ``torch.Tensor`` and ``nn.Parameter``. For
   bfloat16 and the float8 dtypes it pickles the raw bits as a ``uint16``/``uint8`` numpy array (bit-exact,

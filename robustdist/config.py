@@ -1,7 +1,7 @@
 """``HardenConfig``: one keyword-only, frozen, validated configuration for every robustdist part.
 
 Sections (each a dataclass of its own): ``distributed``, ``data``, ``checkpoint``, ``health``, ``fsdp``. Every field
-carries a one-line doc in its metadata; :func:`config_reference` renders them as the README's table.
+carries a one-line doc in its metadata; :func:`config_reference` renders them as the table in docs/configuration.md.
 
 Ways in, all validated up front; any bad input raises :class:`~robustdist.errors.ConfigError` naming the
 field path, the bad value and what is accepted (never ``TypeError``/``KeyError``/``AttributeError``):
@@ -319,7 +319,7 @@ def section_of(cfg: Any, cls: type[S], caller: str) -> S:
 
 
 def config_reference() -> str:
-    """The Markdown table of every field (path, default, env var, doc) that the README's config reference shows."""
+    """The Markdown table of every field (path, default, env var, doc) that docs/configuration.md shows."""
     rows = ["| field | default | environment variable | meaning |", "|---|---|---|---|"]
     for name, cls in _SECTIONS.items():
         for f in dataclasses.fields(cls):

@@ -7,11 +7,10 @@ its raw bytes, copied to the host in chunks for accelerator tensors), one
 ``all_gather_object`` carries the fingerprints, and on any difference every rank raises the same
 :class:`RankDivergenceError` naming the tensors and which ranks hold which variant.
 
-CRC-32 (zlib, several GB/s) rather than a cryptographic hash: it detects every change confined to 32
+CRC-32 (zlib) rather than a cryptographic hash, for speed: it detects every change confined to 32
 consecutive bits (so any single changed fp32/bf16 value, guaranteed) and any other change with probability
-1 - 2**-32 per tensor; real drift touches many tensors. Measured on this project's 2-core CI machine, 2 gloo
-ranks, 100.7M fp32 parameters: 0.065 s per call (BLAKE2b took 0.29 s; broadcasting rank 0's tensors and
-comparing took 0.35 s); see benchmarks/bench_consistency.py.
+1 - 2**-32 per tensor; real drift touches many tensors. What a call costs, against a cryptographic hash and
+against broadcasting rank 0's tensors and comparing, is benchmark P7 (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations

@@ -17,11 +17,18 @@ how to silence it); with ``data.strict=True`` it raises :class:`~robustdist.erro
    the dataset pickles (else an error naming the attribute that does not).
 4. Many loaders with ``pin_memory`` and ``persistent_workers`` in one process leak descriptors (torch
    #91252): past a threshold, a warning with the count and ``RLIMIT_NOFILE``.
-5. Distributed, map-style, no ``DistributedSampler``: one is inserted keeping shuffle, ``drop_last`` and
-   ``data.seed``. A custom sampler or batch sampler cannot be sharded safely: ``ConfigError``. An
-   ``IterableDataset`` is not sharded: a warning.
-6. Epochs: each new iteration calls ``sampler.set_epoch(n)``; a user's own ``set_epoch`` is respected. The
-   position (epoch and batches consumed) saves and restores mid-epoch: ``state_dict()``/``load_state_dict()``.
+5. Samplers (with ``data.auto_sampler``; see :mod:`robustdist._sampler`): a loader's own ``DistributedSampler``
+   (built before any process group exists with explicit ``num_replicas=``/``rank=``) is kept with its shuffle,
+   seed and ``drop_last`` once its rank and world size match the job's (else ``ConfigError`` with the fix).
+   Distributed, map-style, no sampler of its own: a ``DistributedSampler`` is inserted keeping the loader's
+   shuffle intent (``shuffle=True`` shuffles, ``shuffle=False`` shards in order), ``drop_last`` and
+   ``data.seed``. A custom sampler or batch sampler cannot be sharded safely: ``ConfigError`` saying what to
+   change. An ``IterableDataset`` is not sharded: a warning.
+6. Epochs (see :mod:`robustdist._loader_epochs` and :mod:`robustdist._loader_state`): each new epoch calls ``sampler.set_epoch(n)``; a user's own
+   ``set_epoch`` is respected. An iteration abandoned before the epoch ends (a batch-size peek
+   ``next(iter(loader))``) does not advance the epoch: the next iteration replays the same order, as a plain
+   ``DataLoader`` with ``set_epoch`` does. The position (epoch and batches consumed) saves and restores
+   mid-epoch: ``state_dict()``/``load_state_dict()``.
 7. Worker seeding: python ``random``, numpy and torch are seeded from (``data.seed``, rank, worker id,
    epoch), then the user's ``worker_init_fn`` runs.
 8. ``/dev/shm``: the bytes in flight (workers x prefetch_factor x one measured batch) must fit its free
@@ -43,15 +50,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from robustdist import _dist, _sampler
 from robustdist import _loader_checks as checks
+from robustdist import _loader_epochs as epochs
 from robustdist import _loader_state as loader_state
-from robustdist.config import resolve_config
+from robustdist._loader_checks import warn_user
+from robustdist.config import DataConfig, HardenConfig, section_of
 from robustdist.errors import ConfigError
-from robustdist.log import get_logger, warn
-from robustdist.topology import detect_topology
+from robustdist.log import get_logger
+from robustdist.topology import Topology, detect_topology
 
 __all__ = ["SafeDataLoader", "safe_dataloader"]
 
@@ -69,7 +79,7 @@ class WorkerSeeder:
     """``worker_init_fn`` seeding python ``random``, numpy and torch from (seed, rank, worker id, epoch),
     then calling the user's function. Picklable, so it works with spawn and forkserver workers."""
 
-    def __init__(self, seed: int, rank: int, user_fn: Callable[[int], Any] | None):
+    def __init__(self, seed: int, rank: int, user_fn: Callable[[int], object] | None):
         self.seed, self.rank, self.user_fn, self.epoch = seed, rank, user_fn, 0
 
     def worker_seed(self, worker_id: int) -> int:
@@ -86,46 +96,41 @@ class WorkerSeeder:
 
 
 class SafeDataLoader(DataLoader):
-    """A ``DataLoader`` that advances its sampler's epoch at each new iteration (unless the user did), and
-    whose position can be saved and restored mid-epoch (``state_dict``/``load_state_dict``; see
-    :mod:`robustdist._loader_state` for exactly what is restored)."""
+    """A real ``DataLoader`` that starts a new sampler epoch at each new epoch (unless the user did), replays an
+    epoch whose iteration was abandoned, and whose position can be saved and restored mid-epoch
+    (``state_dict``/``load_state_dict``; see :mod:`robustdist._loader_state` for exactly what is restored)."""
 
     _seeder: WorkerSeeder | None = None
-    _iterations = 0
-    _epoch_seen: int | None = None
-    _resume: tuple[int, Any] | None = None  # (batches to skip, RNG at that epoch's start), for the next iter()
-    _active_resume: tuple[int, Any] | None = None
-    _offset = 0
-    _current: Any = None
-    _epoch_rng: dict[str, Any] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._pos = epochs.Position()
 
     @property
-    def _index_sampler(self) -> Any:
-        return loader_state.PositionedSampler(self, DataLoader._index_sampler.fget(self))  # type: ignore[attr-defined]
+    def _index_sampler(self) -> epochs.PositionedSampler:  # type: ignore[override]
+        inner = DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+        return epochs.PositionedSampler(self._pos, self.generator, inner)
 
-    def __iter__(self):  # type: ignore[override]
+    def _get_iterator(self) -> _BaseDataLoaderIter:
+        return epochs.new_iterator(self)
+
+    def __iter__(self) -> _BaseDataLoaderIter:
         sampler = _epoch_sampler(self)
-        if sampler is not None:
-            if self._iterations > 0 and sampler.epoch == self._epoch_seen:  # the user did not set_epoch since
-                sampler.set_epoch(sampler.epoch + 1)
-            self._epoch_seen = sampler.epoch
+        start = epochs.begin_iteration(self, sampler)
         if self._seeder is not None:
-            self._seeder.epoch = sampler.epoch if sampler is not None else self._iterations
-        self._iterations += 1
-        self._active_resume, self._resume = self._resume, None
-        self._offset = self._active_resume[0] if self._active_resume is not None else 0
-        if self._active_resume is None:
+            self._seeder.epoch = sampler.epoch if sampler is not None else self._pos.epochs - 1
+        if start is None:
             iterator = super().__iter__()
         else:  # creating the iterator draws its base seed: keep the global RNG where the checkpoint put it
             rng = torch.get_rng_state()
             iterator = super().__iter__()
             torch.set_rng_state(rng)
-        loader_state.iteration_started(self, iterator)
+        epochs.iteration_started(self._pos, iterator)
         return iterator
 
     def state_dict(self) -> dict[str, Any]:
-        """The loader's position: epoch, iterations started, batches consumed in the current one, and the
-        RNG state that iteration's sampler started from. Plain tensors and data (checkpoint-safe)."""
+        """The loader's position: epoch, epochs started, batches consumed in the current one, and the RNG
+        state that iteration's sampler started from. Plain tensors and data (checkpoint-safe)."""
         return loader_state.state_dict(self, _epoch_sampler(self))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,14 +139,14 @@ class SafeDataLoader(DataLoader):
         loader_state.load_state_dict(self, _epoch_sampler(self), state)
 
 
-def _epoch_sampler(loader: DataLoader) -> Any:
+def _epoch_sampler(loader: DataLoader[Any]) -> epochs.EpochSampler | None:
     for candidate in (loader.sampler, getattr(loader.batch_sampler, "sampler", None), loader.batch_sampler):
         if candidate is not None and hasattr(candidate, "set_epoch") and hasattr(candidate, "epoch"):
-            return candidate
+            return candidate  # type: ignore[no-any-return]
     return None
 
 
-def _settings(source: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _settings(source: DataLoader[Any] | Dataset[Any], overrides: dict[str, Any]) -> tuple[Dataset[Any], dict[str, Any]]:
     """The dataset and the DataLoader keyword arguments to rebuild with (the user's, overrides applied)."""
     unknown = sorted(set(overrides) - set(_KEYS))
     if unknown:
@@ -154,13 +159,13 @@ def _settings(source: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, An
     kw: dict[str, Any] = {k: getattr(source, k) for k in _KEYS if k not in ("shuffle", "sampler", "batch_sampler")
                           and hasattr(source, k)}
     auto_batch = type(source.batch_sampler) is BatchSampler and source.batch_sampler.sampler is source.sampler
-    auto_sampler = _is_auto_sampler(source.sampler, source.dataset)
+    intent = _sampler.shuffle_intent(source.sampler, source.dataset)
     if source.batch_sampler is not None and not auto_batch:
         kw.update(batch_sampler=source.batch_sampler, batch_size=1, drop_last=False)
-    elif not auto_sampler:
+    elif intent is None:
         kw["sampler"] = source.sampler
-    else:
-        kw["shuffle"] = isinstance(source.sampler, RandomSampler)
+    else:  # DataLoader built this sampler from shuffle=True/False: rebuilding from the flag loses nothing
+        kw["shuffle"] = intent
     if source.num_workers == 0:
         kw.pop("prefetch_factor", None)
     kw.update(overrides)
@@ -172,42 +177,42 @@ def _settings(source: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, An
     return source.dataset, kw
 
 
-def _is_auto_sampler(sampler: Any, dataset: Any) -> bool:
-    if isinstance(dataset, IterableDataset):  # DataLoader's own placeholder sampler; it refuses any other
-        return True
-    if type(sampler) is SequentialSampler:
-        return sampler.data_source is dataset
-    if type(sampler) is RandomSampler:
-        return sampler.data_source is dataset and not sampler.replacement and sampler._num_samples is None
-    return False
-
-
 def _fix(strict: bool, cause: str, message: str) -> None:
     if strict:
         raise ConfigError(message + " (data.strict=True: robustdist raises instead of fixing)")
-    warn(message, once=("dataloader", cause), stacklevel=4)
+    warn_user(message, once=("dataloader", cause))
 
 
-def safe_dataloader(loader_or_dataset: DataLoader | Dataset, cfg: Any = None, *, shm_path: str = "/dev/shm",
-                    shm_free_bytes: int | None = None, **dataloader_kwargs: Any) -> DataLoader:
+def safe_dataloader(loader_or_dataset: DataLoader[Any] | Dataset[Any],
+                    config: DataConfig | HardenConfig | None = None, *, cfg: DataConfig | HardenConfig | None = None,
+                    shm_path: str = "/dev/shm", shm_free_bytes: int | None = None,
+                    **dataloader_kwargs: Any) -> SafeDataLoader:
     """Rebuild ``loader_or_dataset`` as a :class:`SafeDataLoader` (see the module docstring).
 
     Args:
         loader_or_dataset: a ``DataLoader``, or a ``Dataset`` (then ``dataloader_kwargs`` as for ``DataLoader``).
-        cfg: anything ``resolve_config`` takes; the ``data`` section is used.
+        config: a :class:`~robustdist.config.DataConfig`, or a :class:`~robustdist.config.HardenConfig` (its
+            ``data`` section is used), or None for the defaults. A dict or YAML path still works, with a
+            ``DeprecationWarning``.
+        cfg: the same as ``config`` (this argument's earlier name).
         shm_path: where workers' shared memory lives (for the capacity check).
         shm_free_bytes: free bytes to assume there instead of measuring (tests, unusual mounts).
         dataloader_kwargs: ``DataLoader`` arguments; they override the given loader's.
     """
-    data = resolve_config(cfg).data
+    if cfg is not None:
+        if config is not None:
+            raise ConfigError("safe_dataloader got both config= (the second argument) and cfg=; expected one. Fix: "
+                              "pass the config once, e.g. safe_dataloader(loader, cfg.data).")
+        config = cfg
+    data = section_of(config, DataConfig, "safe_dataloader")
     dataset, kw = _settings(loader_or_dataset, dataloader_kwargs)
     strict = data.strict
     _fix_worker_args(kw, strict)
     _fix_pinning(kw, data.pin_memory, strict, explicit="pin_memory" in dataloader_kwargs)
     topo = detect_topology()
     _fix_start_method(dataset, kw, strict)
-    if data.auto_sampler and topo.world_size > 1:
-        _insert_distributed_sampler(dataset, kw, topo.rank, topo.world_size, data.seed)
+    if data.auto_sampler:
+        _sampler.choose(dataset, kw, rank=topo.rank, world=topo.world_size, seed=data.seed, source=_source(topo))
     seeder = WorkerSeeder(data.seed, topo.rank, kw.get("worker_init_fn"))
     if kw.get("num_workers", 0) > 0:
         kw["worker_init_fn"] = seeder
@@ -217,6 +222,15 @@ def safe_dataloader(loader_or_dataset: DataLoader | Dataset, cfg: Any = None, *,
     loader._seeder = seeder if kw.get("num_workers", 0) > 0 else None
     _count_leak_prone(loader)
     return loader
+
+
+def _source(topo: Topology) -> str:
+    """Where this process's rank and world size come from, for messages."""
+    if _dist.is_up():
+        return "from the process group"
+    if topo.launcher == "single":
+        return "a single process: no process group and no launcher environment"
+    return f"from the {topo.launcher} launcher's environment; no process group exists yet"
 
 
 def _fix_worker_args(kw: dict[str, Any], strict: bool) -> None:
@@ -236,7 +250,7 @@ def _accelerator_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _fix_pinning(kw: dict[str, Any], mode: Any, strict: bool, *, explicit: bool) -> None:
+def _fix_pinning(kw: dict[str, Any], mode: bool | str, strict: bool, *, explicit: bool) -> None:
     if not explicit:  # an explicit pin_memory= argument wins over data.pin_memory
         if mode == "auto":
             kw["pin_memory"] = bool(kw.get("pin_memory")) or torch.cuda.is_available()
@@ -248,7 +262,7 @@ def _fix_pinning(kw: dict[str, Any], mode: Any, strict: bool, *, explicit: bool)
         kw["pin_memory"] = False
 
 
-def _fix_start_method(dataset: Any, kw: dict[str, Any], strict: bool) -> None:
+def _fix_start_method(dataset: Dataset[Any], kw: dict[str, Any], strict: bool) -> None:
     if kw.get("num_workers", 0) == 0 or not checks.cuda_initialized():
         return
     ctx = kw.get("multiprocessing_context")
@@ -262,30 +276,7 @@ def _fix_start_method(dataset: Any, kw: dict[str, Any], strict: bool) -> None:
     kw["multiprocessing_context"] = "forkserver"
 
 
-def _insert_distributed_sampler(dataset: Any, kw: dict[str, Any], rank: int, world: int, seed: int) -> None:
-    if isinstance(dataset, IterableDataset):
-        warn("an IterableDataset is not sharded automatically, so every rank would read the whole stream. Shard "
-             "inside the dataset by rank (torch.distributed.get_rank(), and get_worker_info() for workers), and "
-             "give every rank the same number of batches: uneven shards leave ranks waiting in DDP's all-reduce "
-             "(a hang).", once=("dataloader", "iterable"), stacklevel=4)
-        return
-    sampler, batch_sampler = kw.get("sampler"), kw.get("batch_sampler")
-    if isinstance(sampler, DistributedSampler) or isinstance(getattr(batch_sampler, "sampler", None), DistributedSampler):
-        return
-    if sampler is not None or batch_sampler is not None:
-        what = "batch_sampler" if batch_sampler is not None else "sampler"
-        raise ConfigError(
-            f"[rank {rank}] the loader has a custom {what} ({type(batch_sampler or sampler).__name__}) and the job "
-            f"has {world} ranks; robustdist cannot shard a custom {what} safely, and without sharding every rank "
-            "trains on the whole dataset. Fix: make the sampler yield only this rank's indices (e.g. build it on "
-            "a DistributedSampler), or set data.auto_sampler=False to keep it unsharded on purpose."
-        )
-    kw["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=bool(kw.pop("shuffle", False)),
-                                       seed=seed, drop_last=bool(kw.get("drop_last", False)))
-    log.info("inserted a DistributedSampler (rank %d of %d, seed %d)", rank, world, seed)
-
-
-def _fix_shm(dataset: Any, kw: dict[str, Any], strict: bool, path: str, free: int | None) -> None:
+def _fix_shm(dataset: Dataset[Any], kw: dict[str, Any], strict: bool, path: str, free: int | None) -> None:
     batch_bytes = checks.batch_bytes(dataset, kw)
     if batch_bytes is None:
         return
@@ -325,6 +316,6 @@ def _count_leak_prone(loader: DataLoader) -> None:
         count = _pinned_persistent
     if count > LEAK_WARN_THRESHOLD:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        warn(f"{count} DataLoaders with pin_memory=True and persistent_workers=True were created in this process "
-             f"(pid {os.getpid()}); each recreation leaks file descriptors (torch #91252) and RLIMIT_NOFILE is "
-             f"{soft}. Fix: create the loader once and reuse it across epochs.", once=("dataloader", "fd-leak"))
+        warn_user(f"{count} DataLoaders with pin_memory=True and persistent_workers=True were created in this process "
+                  f"(pid {os.getpid()}); each recreation leaks file descriptors (torch #91252) and RLIMIT_NOFILE is "
+                  f"{soft}. Fix: create the loader once and reuse it across epochs.", once=("dataloader", "fd-leak"))

@@ -28,11 +28,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from robustdist import _dist
-from robustdist.config import resolve_config
+from robustdist.config import DistributedConfig, HardenConfig, section_of
 from robustdist.errors import RobustDistError
 from robustdist.log import get_logger, warn
-from robustdist.state_dict import is_compiled, unwrap_model
-from robustdist.syncbn import convert_sync_batchnorm
+from robustdist.state_dict import is_compiled
+from robustdist.syncbn import convert_batchnorm_for
 from robustdist.topology import detect_topology
 
 __all__ = ["DistributedDataParallel", "reducer_parameter_names", "wrap_ddp"]
@@ -87,14 +87,14 @@ def _contains_ddp(model: nn.Module) -> bool:
         is_compiled(model) and _contains_ddp(model._orig_mod))
 
 
-def wrap_ddp(model: nn.Module, cfg: Any = None, *, device: torch.device | str | int | None = None,
+def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = None, *, device: torch.device | str | int | None = None,
              sync_batchnorm: bool | str | None = None, **ddp_kwargs: Any) -> nn.Module:
     """Move ``model`` to this rank's device and wrap it in a real DDP (see the module docstring).
 
     Args:
         model: a bare module, or a ``torch.compile``'d one.
-        cfg: anything ``resolve_config`` takes; ``distributed.find_unused_parameters``,
-            ``broadcast_buffers`` and ``sync_batchnorm`` are used.
+        cfg: the ``distributed`` section (or a whole HardenConfig); ``find_unused_parameters``,
+            ``broadcast_buffers`` and ``sync_batchnorm`` are used. A dict still works, with a DeprecationWarning.
         device: overrides the topology's device.
         sync_batchnorm: overrides ``distributed.sync_batchnorm`` ("auto", True or False).
         ddp_kwargs: passed to DDP, overriding the config.
@@ -104,7 +104,7 @@ def wrap_ddp(model: nn.Module, cfg: Any = None, *, device: torch.device | str | 
             f"{type(model).__name__} is already wrapped in DistributedDataParallel; expected a bare module. "
             "Fix: call wrap_ddp once, on the unwrapped model (robustdist.unwrap_model(model) gives it back)."
         )
-    config = resolve_config(cfg).distributed
+    config = section_of(cfg, DistributedConfig, "wrap_ddp")
     target = torch.device(device) if device is not None and not isinstance(device, int) else (
         torch.device("cuda", device) if isinstance(device, int) else detect_topology().device)
     distributed = _dist.is_multi()
@@ -115,7 +115,7 @@ def wrap_ddp(model: nn.Module, cfg: Any = None, *, device: torch.device | str | 
     if mode not in ("auto", True, False):
         raise RobustDistError(f"sync_batchnorm={mode!r}; expected 'auto', True or False. Fix: pass one of those.")
     if mode in ("auto", True):
-        model = _convert_bn(model, target)
+        model = convert_batchnorm_for(model, target)
     if is_compiled(model):
         warn("wrap_ddp got a torch.compile'd module: wrapping it as it is works, but compiling after wrapping "
              "(torch.compile(wrap_ddp(model))) lets DDP split the graph at bucket boundaries and overlap "
@@ -136,15 +136,4 @@ def wrap_ddp(model: nn.Module, cfg: Any = None, *, device: torch.device | str | 
         return DistributedDataParallel(model, **kwargs)
 
 
-def _convert_bn(model: nn.Module, device: torch.device) -> nn.Module:
-    inner = unwrap_model(model)
-    if device.type == "cuda":
-        converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(inner)
-    else:
-        converted = convert_sync_batchnorm(inner)
-    if converted is not inner:  # the model itself was a BatchNorm
-        if inner is not model:
-            raise RobustDistError("cannot convert a compiled bare BatchNorm in place; expected a model that contains "
-                                  "it. Fix: wrap the BatchNorm in an nn.Sequential before torch.compile.")
-        return converted
-    return model
+_convert_bn = convert_batchnorm_for  # the name robustdist < 0.3 used

@@ -1,4 +1,5 @@
-"""``fsdp_calibrate``: the numbers FSDP is built from, checked against the real world before sharding.
+"""FSDP2 for real scripts: ``fsdp_calibrate`` (the numbers FSDP is built from, checked against the real world
+before sharding) and ``wrap_fsdp`` (per-layer ``fully_shard``, meta-device init, mixed precision, offload).
 
 FSDP sizes its shards from the process group and its device from the process. Inside Ray Train a worker
 granted k GPUs is *one* process, so FSDP uses one GPU of the k while ``world_size`` counts workers (the
@@ -13,7 +14,14 @@ within a node. Checks, each a :class:`~robustdist.errors.TopologyError` whose me
 ``strategy="auto"``: one node -> FULL_SHARD over all ranks (mesh ``(world,)``, names ``("shard",)``);
 several nodes -> HYBRID_SHARD (mesh ``(num_nodes, local_world_size)``, names ``("replicate", "shard")``);
 world 1 -> NO_SHARD. HYBRID_SHARD requested on one node degrades to FULL_SHARD with a warning.
-FSDP2 (``fully_shard``) runs on CPU/gloo; FSDP1 needs an accelerator.
+FSDP2 (``fully_shard``) runs on CPU/gloo; FSDP1 needs an accelerator. Without a process group the world is
+one process, unless ``WORLD_SIZE`` or the detected topology says more: then the group was forgotten, and
+``fsdp_calibrate`` raises instead of calibrating a 1-rank world.
+
+:func:`wrap_fsdp` shards a model the way the FSDP2 examples do (its docstring has the steps). Protocol: it
+runs on every rank, in the same order; ``fully_shard`` itself does not communicate, ``fsdp_calibrate`` does one
+``all_gather_object``, building the mesh is collective, and materialising a meta model does one
+``all_gather_object`` per init check (so every rank raises, or none does).
 """
 
 from __future__ import annotations
@@ -27,12 +35,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch import nn
+
 from robustdist import _dist
+from robustdist import _fsdp_wrap as _w
+from robustdist.config import FsdpConfig, HardenConfig, section_of
 from robustdist.errors import ConfigError, TopologyError
-from robustdist.log import warn
+from robustdist.log import get_logger, warn
+from robustdist.syncbn import SyncBatchNorm, convert_batchnorm_for
 from robustdist.topology import Topology, detect_topology
 
-__all__ = ["Calibration", "fsdp_calibrate"]
+__all__ = ["Calibration", "fsdp_calibrate", "wrap_fsdp"]
+
+log = get_logger(__name__)
 
 STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")
 
@@ -107,6 +122,7 @@ def fsdp_calibrate(*, topology: Topology | None = None, strategy: str = "auto", 
         raise ConfigError(f"strategy={strategy!r}; expected 'auto' or one of {STRATEGIES}. Fix: pass one of those.")
     if not _dist.is_up():
         topo = topology or detect_topology()
+        _check_no_group(topo)
         return Calibration(1, 0, 1, 1, 0, topo.device, len(_visible_gpus(visible_devices)), (1,), ("shard",),
                            "NO_SHARD")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -130,6 +146,20 @@ def fsdp_calibrate(*, topology: Topology | None = None, strategy: str = "auto", 
         shape, names = (world,), ("shard",)
     return Calibration(world, rank, local_world, num_nodes, topo.local_rank, topo.device, len(visible), shape, names,
                        chosen, notes)
+
+
+def _check_no_group(topo: Topology) -> None:
+    """Without a group the world is one process; refuse when the launcher says otherwise."""
+    env_world = os.environ.get("WORLD_SIZE", "").strip()
+    claimed = [(f"WORLD_SIZE={env_world} in the environment", int(env_world))] if env_world.isdigit() else []
+    claimed.append((f"the detected topology ({topo.launcher})", topo.world_size))
+    for source, world in claimed:
+        if world > 1:
+            raise TopologyError(
+                f"fsdp_calibrate() found no process group, but {source} says the world has {world} ranks; expected "
+                f"the group of {world} ranks to exist first, or FSDP is calibrated for a 1-rank world and fails "
+                "later (an IndexError in device_mesh). Fix: call robustdist.safe_init_process_group() (or harden(), "
+                "which creates it) before fsdp_calibrate() and wrap_fsdp().", rank=topo.rank)
 
 
 def _gather_nodes(mine: tuple[str, int, list[str]], group: Any, world: int) -> list[tuple[str, int, list[str]]]:
@@ -185,3 +215,138 @@ def _strategy(wanted: str, world: int, num_nodes: int, notes: list[str]) -> str:
         warn(message, once="hsdp-one-node", stacklevel=3)
         return "FULL_SHARD"
     return wanted
+
+
+# ---------------------------------------------------------------------------------------------- wrap_fsdp
+def wrap_fsdp(model: nn.Module, config: FsdpConfig | HardenConfig | None = None, *, shard_policy: Any = None,
+              init_weights: Any = None, device: torch.device | str | int | None = None,
+              sync_batchnorm: bool | str | None = None, calibration: Calibration | None = None) -> nn.Module:
+    """Shard ``model`` with FSDP2 the way the FSDP2 examples do: per layer, bottom-up, then the root.
+
+    Returns the model itself (``fully_shard`` turns it into an ``FSDPModule`` in place). Steps:
+
+    1. the modules picked by ``shard_policy`` (module classes, class names, or a callable ``module -> bool``)
+       or else ``fsdp.shard_modules`` ("auto": the elements of every ``nn.ModuleList``) each get their own
+       ``fully_shard``, children before parents, then the root (see :mod:`robustdist._fsdp_wrap`);
+    2. with the mesh of ``calibration`` (default: :func:`fsdp_calibrate` with ``fsdp.sharding``; NO_SHARD
+       is a ``(world, 1)`` replicate mesh), ``fsdp.mixed_precision`` as a ``MixedPrecisionPolicy``
+       (fp32 reductions), ``fsdp.cpu_offload`` as a ``CPUOffloadPolicy`` and ``fsdp.reshard_after_forward``;
+    3. a model built on the meta device is sharded there, then ``to_empty(device=...)`` and initialised with
+       ``init_weights(model)`` or its own ``reset_parameters()``; a tensor left uninitialised is an error;
+    4. BatchNorm is converted to a SyncBatchNorm that works on the device when ``sync_batchnorm`` (default:
+       ``distributed.sync_batchnorm`` of a HardenConfig, else "auto") is True, or "auto" with world > 1.
+
+    A model whose root is already an ``FSDPModule`` is left as it is (meta tensors are still materialised);
+    one whose submodules are sharded gets only its root sharded, on their mesh. Without a group of more than
+    one rank the model is returned on ``device``, unsharded (materialised if on meta).
+
+    Args:
+        model: the bare model, on any device or on meta.
+        config: the ``fsdp`` section (or a whole HardenConfig); None for defaults.
+        shard_policy: overrides ``fsdp.shard_modules``.
+        init_weights: ``init_weights(model)`` initialises a meta-device model in place, under ``no_grad``,
+            after sharding (its parameters are then DTensor shards; ``torch.nn.init`` functions work on them).
+        device: the compute device (default: the topology's).
+        sync_batchnorm: "auto", True or False.
+        calibration: a :class:`Calibration` (``harden`` passes its own).
+    """
+    cfg = section_of(config, FsdpConfig, "wrap_fsdp")
+    bn_mode = sync_batchnorm if sync_batchnorm is not None else (
+        config.distributed.sync_batchnorm if isinstance(config, HardenConfig) else "auto")
+    if bn_mode not in ("auto", True, False):
+        raise ConfigError(f"sync_batchnorm={bn_mode!r}; expected 'auto', True or False. Fix: pass one of those.",
+                          rank=_dist.error_rank())
+    target = _device(device)
+    on_meta = _w.meta_state(model)
+    policy, described = _w.resolve_policy(shard_policy, cfg.shard_modules, model)
+    if calibration is None:
+        calibration = fsdp_calibrate(strategy=cfg.sharding)
+    if not _dist.is_multi():
+        log.info("no process group of more than one rank: %s on %s, unsharded", _w.class_name(model), target)
+        if on_meta:
+            _w.materialise(model, target, init_weights)
+            return model
+        return model.to(target)
+    if calibration.world_size != _dist.world_size():
+        raise TopologyError(f"the calibration is for {calibration.world_size} rank(s) but the process group has "
+                            f"{_dist.world_size()}; expected the same world. Fix: call fsdp_calibrate() after the "
+                            "group exists, or pass calibration=None.", rank=_dist.error_rank())
+    if _w.is_fsdp(model):
+        _adopt(model, calibration, bn_mode)
+    else:
+        model = _shard(model, cfg, calibration, policy, described, target, bn_mode, on_meta)
+    if on_meta:
+        _w.materialise(model, target, init_weights, cpu_offload=cfg.cpu_offload)
+    return model
+
+
+def _device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return detect_topology().device
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def _mesh(calibration: Calibration) -> Any:
+    if calibration.sharding_strategy == "NO_SHARD" and calibration.world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh  # FSDP2's NO_SHARD: replicate, shards of 1
+
+        return init_device_mesh(calibration.device.type, (calibration.world_size, 1),
+                                mesh_dim_names=("replicate", "shard"))
+    return calibration.device_mesh()
+
+
+def _adopt(model: nn.Module, calibration: Calibration, bn_mode: bool | str) -> None:
+    mesh = _w.mesh_of(model)
+    log.info("%s is already sharded (its root is an FSDPModule): left as it is (mesh %s)", _w.class_name(model),
+             None if mesh is None else tuple(mesh.shape))
+    if mesh is not None and mesh.size() != calibration.world_size:
+        warn(f"{_w.class_name(model)} was sharded over a mesh of {mesh.size()} rank(s) {tuple(mesh.shape)}, but "
+             f"the world has {calibration.world_size}; expected the whole world unless a sub-mesh is meant (e.g. "
+             "with tensor parallelism). Fix: pass the mesh from fsdp_calibrate().device_mesh() to fully_shard, or "
+             "let wrap_fsdp shard the bare model.", once=("fsdp-adopted-mesh", id(model)))
+    _convert_bn(model, calibration.device, bn_mode, sharded=True)
+
+
+def _shard(model: nn.Module, cfg: FsdpConfig, calibration: Calibration, policy: Any, described: str,
+           target: torch.device, bn_mode: bool | str, on_meta: bool) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    inner = [name for name, m in model.named_modules() if m is not model and _w.is_fsdp(m)]
+    model = _convert_bn(model, target, bn_mode, sharded=bool(inner))
+    if inner:
+        mesh = _w.mesh_of(model) or _mesh(calibration)
+        chosen: list[tuple[str, nn.Module]] = []
+        log.info("%d submodule(s) of %s are already sharded (%s): sharding only the root, on their mesh %s",
+                 len(inner), _w.class_name(model), ", ".join(inner[:8]), tuple(mesh.shape))
+    else:
+        if not on_meta:
+            model = model.to(target)
+        mesh = _mesh(calibration)
+        chosen = _w.select_modules(model, policy)
+    kwargs = _w.fully_shard_kwargs(mesh, mixed_precision=cfg.mixed_precision, cpu_offload=cfg.cpu_offload,
+                                   reshard_after_forward=cfg.reshard_after_forward)
+    for _, module in chosen:
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    log.info("fully_shard (%s, mesh %s, mixed_precision %s, cpu_offload %s) on %d submodule(s) by %s, then the root "
+             "%s", calibration.sharding_strategy, tuple(mesh.shape), cfg.mixed_precision, cfg.cpu_offload,
+             len(chosen), described, _w.class_name(model))
+    return model
+
+
+def _convert_bn(model: nn.Module, device: torch.device, mode: bool | str, *, sharded: bool) -> nn.Module:
+    if mode is False:
+        return model
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    plain = [n for n, m in model.named_modules()
+             if isinstance(m, _BatchNorm) and not isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))]
+    if not plain:
+        return model
+    if sharded:
+        warn(f"{_w.class_name(model)} is already (partly) sharded, so its BatchNorm ({', '.join(plain[:8])}) cannot "
+             f"be converted to SyncBatchNorm (sync_batchnorm={mode!r}): each rank normalises with its own batch. "
+             "Fix: convert before your own fully_shard (robustdist.convert_sync_batchnorm), or pass "
+             "sync_batchnorm=False to silence this.", once=("fsdp-bn-sharded", id(model)))
+        return model
+    return convert_batchnorm_for(model, device)

@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,9 @@ from robustdist.errors import CheckpointError, ConfigError, NonFiniteLossError, 
 from robustdist.log import get_logger
 
 __all__ = ["HANG_EXIT_CODE", "HangReport", "StepDecision", "StepGuard", "Watchdog"]
+
+if TYPE_CHECKING:
+    from robustdist.checkpoint import AtomicCheckpointer
 
 log = get_logger(__name__)
 POLICIES = ("raise", "skip", "rollback", "warn")
@@ -120,9 +123,10 @@ class StepGuard:
         divergence_interval: run the cross-rank parameter check every this many steps (None: never).
     """
 
-    def __init__(self, nan_policy: str = "raise", *, model: nn.Module | None = None, optimizer: Any = None,
-                 checkpointer: Any = None, restore: Callable[[], int] | None = None, group: Any = None,
-                 agreement: str = "auto", max_rollbacks: int = 3, divergence_interval: int | None = None):
+    def __init__(self, nan_policy: str = "raise", *, model: nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, checkpointer: AtomicCheckpointer | None = None,
+                 restore: Callable[[], int | None] | None = None, group: Any = None, agreement: str = "auto",
+                 max_rollbacks: int = 3, divergence_interval: int | None = None):
         if nan_policy not in POLICIES:
             raise ConfigError(f"nan_policy={nan_policy!r}; expected one of {POLICIES}. Fix: pass one of those.")
         if agreement not in AGREEMENTS:
@@ -320,7 +324,7 @@ def _grads_finite(params: list[torch.Tensor], *, per_tensor: bool | None = None)
     # NaN/Inf anywhere makes a sum non-finite (inf + -inf is NaN); low precision sums in float32
     if per_tensor is None:
         per_tensor = grads[0].device.type == "cpu"  # one look, not one per tensor: this runs every step
-    if per_tensor:  # no stacking, no temporaries: 74 vs 119 us per step for the P1 benchmark's MLP
+    if per_tensor:  # no stacking, no temporaries (faster in the P1 benchmark: see benchmarks/RESULTS.md)
         return math.isfinite(sum(g.sum(dtype=_accumulator(g.dtype)).item() for g in grads))
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:

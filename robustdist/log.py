@@ -84,19 +84,38 @@ def get_logger(name: str) -> RankLoggerAdapter:
     return RankLoggerAdapter(logging.getLogger(name), {})
 
 
+def logging_configured() -> bool:
+    """Whether a record from a robustdist logger reaches a real handler (the script or a framework configured
+    logging). Without one, Python prints only WARNING and above, so INFO news a user must see is raised to
+    WARNING."""
+    logger: logging.Logger | None = logging.getLogger("robustdist")
+    while logger is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            return True
+        if not logger.propagate:
+            return False
+        logger = logger.parent
+    return False
+
+
 _warned: set[Hashable] = set()
 _warned_lock = threading.Lock()
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` for :func:`warn` that points at the first caller outside robustdist."""
+    """The ``stacklevel`` that points at the first caller outside robustdist, for a :func:`warn` (or a
+    ``warnings.warn``) made by the function that calls this one."""
     import sys
 
+    import contextlib
+
     frame, level = sys._getframe(1), 1
-    package = os.path.dirname(os.path.abspath(__file__))
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    passthrough = os.path.abspath(contextlib.__file__)  # `with robustdist.distributed():` enters through it
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(package)
+                                 or os.path.abspath(frame.f_code.co_filename) == passthrough):
         frame, level = frame.f_back, level + 1
-    return max(level - 1, 1)
+    return max(level - 1, 1) if frame is None else level
 
 
 def warn(message: str, *, once: Hashable | None = None, stacklevel: int = 2) -> bool:

@@ -14,7 +14,9 @@ every rank:
    enabled, the group gets a store of its own for each attempt (see :mod:`robustdist._elastic_store`: torch
    2.13 reuses the agent's store across restarts and re-init fails on stale keys). If a group already exists
    (Ray Train creates one), it is not re-initialised: it is validated by the steps below, and a warning says
-   that this call's settings did not take effect.
+   that this call's settings did not take effect. :func:`adopt_group` is the explicit form for a group the
+   script created itself: it validates it the same way and says loudly what robustdist cannot protect in it
+   (restart safety under torchrun ``--max-restarts``, see :mod:`robustdist._elastic_store`).
 4. **Named barrier**, bounded by ``distributed.barrier_timeout``: ``monitored_barrier(wait_all_ranks=True)``
    on gloo, on a gloo side group for NCCL. Each rank first records its arrival in the c10d store, so every
    rank that arrived, not only rank 0, raises an :class:`InitError` naming the ranks that did not.
@@ -33,6 +35,8 @@ import contextlib
 import os
 import re
 import time
+import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,15 +50,16 @@ from robustdist import _dist, _elastic_store, netenv
 from robustdist._dist import default_store
 from robustdist._validate import seconds
 from robustdist.agreement import check_agreement, local_fingerprint
-from robustdist.config import HardenConfig, resolve_config
+from robustdist.config import DistributedConfig, HardenConfig, resolve_config
 from robustdist.errors import InitError
-from robustdist.log import get_logger, warn
+from robustdist.log import get_logger, user_stacklevel, warn
 from robustdist.topology import Topology, detect_topology
 
-__all__ = ["InitReport", "destroy_process_group_if_owned", "distributed", "safe_init_process_group"]
+__all__ = ["InitReport", "adopt_group", "destroy_process_group_if_owned", "distributed", "safe_init_process_group"]
 
 log = get_logger(__name__)
 _barrier_generation = 0  # same sequence on every rank, so store keys of repeated calls never collide
+_created: weakref.WeakSet[Any] = weakref.WeakSet()  # default groups safe_init_process_group created
 
 
 @dataclass
@@ -112,7 +117,7 @@ def _check_env(backend: str, init_method: str, topo: Topology) -> None:
         raise InitError(" | ".join(problems), rank=topo.rank)
 
 
-def _init(backend: str, cfg: HardenConfig, timeout_s: float, topo: Topology, single: bool) -> None:
+def _init(backend: str, dcfg: DistributedConfig, timeout_s: float, topo: Topology, single: bool) -> None:
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
     if topo.device.type == "cuda":
         torch.cuda.set_device(topo.device)
@@ -120,12 +125,12 @@ def _init(backend: str, cfg: HardenConfig, timeout_s: float, topo: Topology, sin
             kwargs["device_id"] = topo.device
     if single:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    elif _elastic_store.needed(os.environ, cfg.distributed.init_method) and topo.master_addr and topo.master_port:
+    elif _elastic_store.needed(os.environ, dcfg.init_method) and topo.master_addr and topo.master_port:
         store = _elastic_store.attempt_store(topo.master_addr, topo.master_port, topo.rank, topo.world_size, timeout_s)
         kwargs.update(store=store, rank=topo.rank, world_size=topo.world_size)
     else:
-        kwargs["init_method"] = cfg.distributed.init_method
-        if not cfg.distributed.init_method.startswith("env://"):
+        kwargs["init_method"] = dcfg.init_method
+        if not dcfg.init_method.startswith("env://"):
             kwargs.update(rank=topo.rank, world_size=topo.world_size)
     try:
         dist.init_process_group(**kwargs)
@@ -147,7 +152,12 @@ def named_barrier(name: str, timeout_s: float, *, group: Any = None) -> float:
     prefix = f"robustdist/barrier/{name}/{_barrier_generation}"
     store = default_store()
     if store is not None:
-        store.set(f"{prefix}/{rank}", "1")
+        try:
+            store.set(f"{prefix}/{rank}", "1")
+        except Exception as e:  # only the naming of absent ranks needs it: the barrier still bounds the wait
+            log.warning("could not record this rank's arrival at barrier '%s' in the store (%s: %s); absent ranks "
+                        "will be named from the barrier's own error only", name, type(e).__name__, str(e)[:200])
+            store = None
     start = time.perf_counter()
     try:
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
@@ -177,7 +187,7 @@ def _missing_ranks(store: Any, prefix: str, world: int, error: str) -> list[int]
 def smoke_test(backend: str) -> float:
     """All-reduce on the backend's device and check every rank's contribution. Returns seconds."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = _dist.collective_device(backend)
     start = time.perf_counter()
     t = torch.zeros(world, dtype=torch.float64, device=device)
     t[rank] = rank + 1
@@ -203,10 +213,11 @@ def smoke_test(backend: str) -> float:
     return time.perf_counter() - start
 
 
-def agree(cfg: HardenConfig, backend: str, device: torch.device, *, group: Any = None) -> tuple[list[dict[str, Any]], list[str]]:
+def agree(config_fingerprint: str, backend: str, device: torch.device, *,
+          group: Any = None) -> tuple[list[dict[str, Any]], list[str]]:
     """Gather every rank's fingerprint and check them; raise the same InitError on every rank on a mismatch."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = local_fingerprint(rank=rank, backend=backend, device=device, config_fingerprint=cfg.fingerprint())
+    mine = local_fingerprint(rank=rank, backend=backend, device=device, config_fingerprint=config_fingerprint)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
     errors, warnings = check_agreement(gathered)
@@ -216,19 +227,32 @@ def agree(cfg: HardenConfig, backend: str, device: torch.device, *, group: Any =
     return gathered, warnings
 
 
-def safe_init_process_group(cfg: Any = None, *, backend: str | None = None, timeout: float | timedelta | None = None,
-                            topology: Topology | None = None, init_single: bool = False) -> InitReport:
+def _typed(cfg: HardenConfig | DistributedConfig | None, caller: str) -> tuple[DistributedConfig, str]:
+    """The ``distributed`` section and the fingerprint ranks compare (of the whole config when given one)."""
+    if isinstance(cfg, DistributedConfig):
+        return cfg, HardenConfig(distributed=cfg).fingerprint()
+    if cfg is not None and not isinstance(cfg, HardenConfig):
+        warnings.warn(f"{caller}(cfg=<{type(cfg).__name__}>): pass a HardenConfig or a DistributedConfig; a dict or "
+                      "YAML path is resolved on every call. Resolve it once with robustdist.resolve_config(cfg).",
+                      DeprecationWarning, stacklevel=user_stacklevel())
+    config = resolve_config(cfg)
+    return config.distributed, config.fingerprint()
+
+
+def safe_init_process_group(cfg: HardenConfig | DistributedConfig | None = None, *, backend: str | None = None,
+                            timeout: float | timedelta | None = None, topology: Topology | None = None,
+                            init_single: bool = False) -> InitReport:
     """Initialise (or validate) the default process group; see the module docstring for the sequence.
 
     Args:
-        cfg: anything :func:`~robustdist.config.resolve_config` takes; ``distributed.*`` is used.
+        cfg: a :class:`HardenConfig` (its ``distributed`` section is used, and its fingerprint compared across
+            ranks) or a :class:`DistributedConfig`; a dict or YAML path still works, with a DeprecationWarning.
         backend: overrides ``distributed.backend``.
         timeout: overrides ``distributed.timeout`` (seconds or a timedelta).
         topology: a pre-computed topology (default: :func:`detect_topology`).
         init_single: create a 1-rank group even for a single process with no launcher.
     """
-    config = resolve_config(cfg)
-    dcfg = config.distributed
+    dcfg, fingerprint = _typed(cfg, "safe_init_process_group")
     timeout_s = dcfg.timeout if timeout is None else seconds().check("timeout", timeout)
     topo = topology or detect_topology()
     existing = _dist.is_up()
@@ -238,42 +262,79 @@ def safe_init_process_group(cfg: Any = None, *, backend: str | None = None, time
     if not dist.is_available():
         raise InitError("torch.distributed is not available in this torch build; expected a build with "
                         "distributed support. Fix: install a standard torch wheel.", rank=topo.rank)
-    report = InitReport(distributed=True, created=not existing, backend=None, rank=topo.rank,
-                        world_size=topo.world_size, topology=topo)
     if existing:
-        report.backend = _dist.backend_kind()  # "cpu:gloo,cuda:nccl" counts as nccl
+        report = _adopt(dcfg, fingerprint, topo)
         _note(report, f"a process group already exists (backend {report.backend}, world size "
-                      f"{dist.get_world_size()}, launcher {topo.launcher}); robustdist did not re-initialise it, "
-                      "so this call's backend/timeout/init_method settings do not take effect. It validates the "
+                      f"{report.world_size}, launcher {topo.launcher}); robustdist did not re-initialise it, "
+                      "so this call's backend/timeout/init_method settings do not take effect. It validated the "
                       "existing group instead.", once="existing-group")
-    else:
-        report.backend = choose_backend(backend or dcfg.backend, topo.rank)
-        if topo.world_size > 1:
-            _check_env(report.backend, dcfg.init_method, topo)
-        start = time.perf_counter()
-        _init(report.backend, config, timeout_s, topo, single=topo.world_size == 1 and topo.launcher == "single")
-        report.timings["init"] = time.perf_counter() - start
+        return report
+    report = InitReport(distributed=True, created=True, backend=None, rank=topo.rank, world_size=topo.world_size,
+                        topology=topo)
+    report.backend = choose_backend(backend or dcfg.backend, topo.rank)
+    if topo.world_size > 1:
+        _check_env(report.backend, dcfg.init_method, topo)
+    start = time.perf_counter()
+    _init(report.backend, dcfg, timeout_s, topo, single=topo.world_size == 1 and topo.launcher == "single")
+    _created.add(dist.distributed_c10d._get_default_group())
+    report.timings["init"] = time.perf_counter() - start
     try:
-        _validate(report, config)
+        _validate(report, dcfg, fingerprint)
     except BaseException:
-        if report.created:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
         raise
     log.info("process group ready: backend %s, world size %d, timings %s", report.backend, report.world_size,
              {k: round(v, 3) for k, v in report.timings.items()})
     return report
 
 
-def _validate(report: InitReport, config: HardenConfig) -> None:
+def adopt_group(cfg: HardenConfig | DistributedConfig | None = None, *,
+                topology: Topology | None = None) -> InitReport:
+    """Validate a default group the script (or Ray Train) created, like :func:`safe_init_process_group` validates
+    its own: the named barrier, the smoke test and the cross-rank agreement. ``created`` is False, so
+    :func:`destroy_process_group_if_owned` leaves the group to its creator.
+
+    What robustdist cannot protect in such a group is said loudly (a :class:`RobustDistWarning` and a log
+    WARNING, on every rank): under torchrun with ``--max-restarts``, a group made by a plain
+    ``init_process_group`` reads the previous attempt's keys after a restart and the restarted job fails to
+    rendezvous (see :mod:`robustdist._elastic_store`).
+    """
+    if not _dist.is_up():
+        raise InitError("adopt_group() found no process group; expected one created by the script or the launcher. "
+                        "Fix: call safe_init_process_group() (or harden()) to create it instead.",
+                        rank=(topology or detect_topology()).rank)
+    dcfg, fingerprint = _typed(cfg, "adopt_group")
+    return _adopt(dcfg, fingerprint, topology or detect_topology())
+
+
+def _adopt(dcfg: DistributedConfig, fingerprint: str, topo: Topology) -> InitReport:
+    report = InitReport(distributed=True, created=False, backend=_dist.backend_kind(), rank=dist.get_rank(),
+                        world_size=dist.get_world_size(), topology=topo)
+    owned = dist.distributed_c10d._get_default_group() in _created
+    if not owned and _elastic_store.needed(os.environ, "env://"):
+        message = (f"the process group was created outside robustdist under torchrun with restarts enabled "
+                   f"(TORCHELASTIC_MAX_RESTARTS={os.environ.get('TORCHELASTIC_MAX_RESTARTS')}): torch reuses the "
+                   "agent's store across restarts, so after a worker fails the restarted dist.init_process_group "
+                   "finds the previous attempt's keys and the job does not recover. robustdist cannot protect a group "
+                   "it did not create. Fix: remove dist.init_process_group(...) and let harden() create the group, "
+                   "or call robustdist.safe_init_process_group() in its place (it gives each attempt a fresh store).")
+        report.warnings.append(message)
+        log.warning("%s", message, all_ranks=True)
+        warn(message, once="adopted-group-restarts", stacklevel=user_stacklevel())
+    _validate(report, dcfg, fingerprint)
+    log.info("adopted the existing process group: backend %s, world size %d", report.backend, report.world_size)
+    return report
+
+
+def _validate(report: InitReport, dcfg: DistributedConfig, fingerprint: str) -> None:
     report.rank, report.world_size = dist.get_rank(), dist.get_world_size()
-    dcfg = config.distributed
-    if report.backend == "nccl" and report.world_size > 1:
+    if report.backend != "gloo" and report.world_size > 1:  # monitored_barrier exists only on gloo
         report.side_group = dist.new_group(backend="gloo")
     report.timings["barrier"] = named_barrier("init", dcfg.barrier_timeout, group=report.side_group)
     report.timings["smoke"] = smoke_test(str(report.backend)) if dcfg.smoke_test else 0.0
     start = time.perf_counter()
-    device = torch.device("cuda", torch.cuda.current_device()) if report.backend == "nccl" else torch.device("cpu")
-    report.fingerprints, warnings = agree(config, str(report.backend), device, group=report.side_group)
+    device = _dist.collective_device(report.backend)
+    report.fingerprints, warnings = agree(fingerprint, str(report.backend), device, group=report.side_group)
     report.timings["agreement"] = time.perf_counter() - start
     for message in warnings:
         _note(report, message)
@@ -281,19 +342,27 @@ def _validate(report: InitReport, config: HardenConfig) -> None:
 
 def _note(report: InitReport, message: str, *, once: Any = None) -> None:
     report.warnings.append(message)
-    warn(message, once=once, stacklevel=3)
+    warn(message, once=once, stacklevel=user_stacklevel())
 
 
 def destroy_process_group_if_owned(report: InitReport) -> bool:
-    """Destroy the default group only if ``report`` says this process created it. Returns whether it did."""
+    """Destroy the default group only if ``report`` says this process created it. Returns whether it did.
+
+    A group robustdist only adopted is left to its creator; the gloo side group robustdist made to validate
+    it (for a non-gloo backend) is destroyed, so repeated adopt/close cycles leak nothing."""
     if report.created and _dist.is_up():
         dist.destroy_process_group()
+        report.side_group = None
         return True
+    if report.side_group is not None and _dist.is_up():
+        with contextlib.suppress(Exception):  # a group torch already tore down
+            dist.destroy_process_group(report.side_group)
+        report.side_group = None
     return False
 
 
 @contextlib.contextmanager
-def distributed(cfg: Any = None, **kwargs: Any) -> Iterator[InitReport]:
+def distributed(cfg: HardenConfig | DistributedConfig | None = None, **kwargs: Any) -> Iterator[InitReport]:
     """``with distributed(cfg) as report:`` init (or validate) on entry; destroy on exit only if created here."""
     report = safe_init_process_group(cfg, **kwargs)
     try:

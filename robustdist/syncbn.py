@@ -32,8 +32,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from robustdist import _dist
+from robustdist.errors import RobustDistError
+from robustdist.state_dict import unwrap_model
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+__all__ = ["SyncBatchNorm", "convert_batchnorm_for", "convert_sync_batchnorm", "revert_sync_batchnorm"]
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
@@ -41,8 +43,8 @@ _HOST_MATH = True  # tests turn it off to exercise the device path on CPU
 
 
 def _on_host(x: torch.Tensor) -> bool:
-    """Per-channel statistics of a CPU float tensor are combined in numpy: about a microsecond per operation
-    on vectors this small, where each torch operation costs several (some 0.2 ms per layer and step)."""
+    """Per-channel statistics of a CPU float tensor are combined in numpy: on vectors this small a numpy
+    operation costs a fraction of a torch operation's dispatch (benchmarks/findings.md, P5)."""
     return _HOST_MATH and x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES
 
 
@@ -65,9 +67,9 @@ def _local_stats(x: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tenso
     """Per-channel mean and biased variance of this rank's batch.
 
     Up to 16 MiB of (accumulator-precision) input, by the two-pass algorithm (as accurate as Welford's): on
-    the CPU 2 to 4.7x faster than torch's fused ``batch_norm_update_stats``, which updates a Welford state
-    per element. Above that the two-pass temporary no longer stays in cache and the fused kernel is faster
-    (measured on this project's CI machine, 1 thread). Low-precision inputs accumulate in float32."""
+    the CPU faster than torch's fused ``batch_norm_update_stats``, which updates a Welford state per element.
+    Above that the two-pass temporary no longer stays in cache and the fused kernel is faster (see
+    benchmarks/findings.md, P5). Low-precision inputs accumulate in float32."""
     channels = x.size(1)
     acc = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     if not count:
@@ -239,3 +241,20 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         if reverted is not child:
             setattr(module, name, reverted)
     return module
+
+
+def convert_batchnorm_for(model: nn.Module, device: torch.device) -> nn.Module:
+    """Convert every BatchNorm in ``model`` (or its compiled/wrapped inner module) to the SyncBatchNorm that works
+    on ``device``: torch's on CUDA, :class:`SyncBatchNorm` elsewhere (torch's raises on CPU). Used by
+    ``wrap_ddp`` and ``wrap_fsdp``; returns the model (a new module only when ``model`` itself is a BatchNorm)."""
+    inner = unwrap_model(model)
+    if device.type == "cuda":
+        converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(inner)
+    else:
+        converted = convert_sync_batchnorm(inner)
+    if converted is not inner:  # the model itself was a BatchNorm
+        if inner is not model:
+            raise RobustDistError("cannot convert a compiled bare BatchNorm in place; expected a model that contains "
+                                  "it. Fix: wrap the BatchNorm in an nn.Sequential before torch.compile.")
+        return converted
+    return model

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from robustdist import _dist
 from robustdist.errors import RanksFailed, RanksTimeout, ranks_phrase
 
 __all__ = ["free_port", "run_ranks"]
@@ -285,7 +286,7 @@ def _rank_main(rank: int, payload: bytes, backend: str, init: bool, timeout: flo
     finally:
         # free what fn built (a DDP reducer holds threads on the group) while the group still exists
         gc.collect()
-        if init and dist.is_initialized():
+        if init and _dist.is_up():
             dist.destroy_process_group()
     try:  # plain pickle, not multiprocessing's: torch's shared-memory tensor handles die with this process
         payload = pickle.dumps(message)

@@ -7,6 +7,10 @@ Autouse, per test:
 
 Session: ``ray_cluster``, one local Ray cluster (``num_cpus=2``) shared by every test that asks for it,
 skipped when ray is not installed, shut down (and checked for survivors) at the end of the session.
+
+``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): most tests wait on
+processes they started, not on a core. Every test that uses ``ray_cluster`` goes to one worker (the
+``xdist_group`` "ray"), so there is still one Ray cluster per run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ from tests import _procs
 # The machine is shared and noisy: property tests check behaviour, never per-example speed.
 settings.register_profile("robustdist", deadline=None)
 settings.load_profile("robustdist")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +78,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     before = _procs.descendants(os.getpid())
-    # Every worker installs robustdist's bf16 serializers, as the README tells users to (the bf16 tests need it).
+    # Every worker installs robustdist's bf16 serializers, as docs/ray.md tells users to (the bf16 tests need it).
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"worker_process_setup_hook": "robustdist.bf16.ray_worker_setup"})
     started = _procs.new_descendants(os.getpid(), before)

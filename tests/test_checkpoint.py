@@ -95,6 +95,27 @@ def test_bad_arguments(tmp_path):
         ckpt.save(2, {})
 
 
+def test_close_releases_the_lock_and_leaves_no_holder_named(tmp_path):
+    import subprocess
+    import sys
+
+    ckpt = AtomicCheckpointer(tmp_path)
+    ckpt.save(1, {"x": torch.zeros(1)})
+    lock = tmp_path / ".lock"
+    assert lock.read_text().startswith(f"pid {os.getpid()} on host ")  # held: it names its holder
+    with pytest.raises(CheckpointError, match="already being written by another AtomicCheckpointer in this process"):
+        AtomicCheckpointer(tmp_path).save(2, {"x": torch.ones(1)})
+    ckpt.close()
+    assert lock.is_file() and str(os.getpid()) not in lock.read_text() and lock.read_text() == ""
+    child = ("import sys, torch; from robustdist.checkpoint import AtomicCheckpointer\n"
+             "with AtomicCheckpointer(sys.argv[1]) as c:\n    c.save(2, {'x': torch.ones(1)})\n")
+    out = subprocess.run([sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr  # another process takes the released lock
+    with AtomicCheckpointer(tmp_path) as again:  # and so does this one, again
+        assert again.save(3, {"x": torch.ones(1)}).step == 3 and again.steps() == [1, 2, 3]
+    assert lock.read_text() == ""
+
+
 def test_resaving_a_step_replaces_it_atomically(tmp_path):
     with AtomicCheckpointer(tmp_path) as ckpt:
         ckpt.save(1, {"x": torch.zeros(1)})

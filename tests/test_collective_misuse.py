@@ -114,7 +114,7 @@ def _dies_after_arriving(rank, directory):
 
     ckpt = AtomicCheckpointer(directory, arrival_timeout=ARRIVAL, timeout=20)
     if rank == 1:
-        ckpt._begin = lambda step: os._exit(3)  # arrives, then dies before the save's first collective
+        ckpt._committer.begin = lambda step: os._exit(3)  # arrives, then dies before the save's first collective
     start = time.monotonic()
     try:
         ckpt.save(1, {"x": torch.ones(1)})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import inspect
+import logging
 import os
 import random
 import threading
@@ -13,11 +15,21 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
+from torch import nn
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 from robustdist import dataloader as dl
-from robustdist import log
+from robustdist import harden, log
+from robustdist.config import DataConfig, HardenConfig, HealthConfig
 from robustdist.dataloader import SafeDataLoader, WorkerSeeder, safe_dataloader
 from robustdist.errors import ConfigError, RobustDistWarning
 from robustdist.testing import run_ranks
@@ -114,7 +126,7 @@ def test_keeps_every_user_setting():
     source = DataLoader(Squares(), batch_size=3, shuffle=True, num_workers=2, collate_fn=_collate_pairs,
                         drop_last=True, timeout=30, worker_init_fn=_user_init, generator=gen, prefetch_factor=3,
                         persistent_workers=True, multiprocessing_context="spawn", in_order=False)
-    safe = safe_dataloader(source, cfg={"data": {"pin_memory": False}})
+    safe = safe_dataloader(source, DataConfig(pin_memory=False))
     assert isinstance(safe, SafeDataLoader)
     assert (safe.batch_size, safe.drop_last, safe.timeout, safe.num_workers, safe.prefetch_factor) == (3, True, 30, 2, 3)
     assert safe.collate_fn is _collate_pairs and safe.generator is gen and safe.persistent_workers
@@ -202,7 +214,7 @@ def test_fit_in_flight():
 
 def test_strict_raises_instead_of_fixing():
     with pytest.raises(ConfigError, match=r"dropped persistent_workers: they need num_workers > 0 .*data.strict=True"):
-        safe_dataloader(Squares(), cfg={"data": {"strict": True}}, persistent_workers=True)
+        safe_dataloader(Squares(), DataConfig(strict=True), persistent_workers=True)
 
 
 def test_descriptor_leak_warning(monkeypatch):
@@ -214,7 +226,7 @@ def test_descriptor_leak_warning(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(dl.LEAK_WARN_THRESHOLD + 1):
-            safe_dataloader(Squares(), {"data": {"check_shm": False}}, num_workers=1, pin_memory=True,
+            safe_dataloader(Squares(), DataConfig(check_shm=False), num_workers=1, pin_memory=True,
                                 persistent_workers=True)
     leaks = [str(w.message) for w in caught if "leaks file descriptors" in str(w.message)]
     assert leaks == [f"{dl.LEAK_WARN_THRESHOLD + 1} DataLoaders with pin_memory=True and persistent_workers=True were "
@@ -229,7 +241,7 @@ def test_unknown_keyword_is_a_config_error():
 
 # ----------------------------------------------------------------------------- real ranks
 def _shards(rank, world, shuffle, seed):
-    loader = safe_dataloader(Squares(10), cfg={"data": {"seed": seed}}, batch_size=2, shuffle=shuffle)
+    loader = safe_dataloader(Squares(10), DataConfig(seed=seed), batch_size=2, shuffle=shuffle)
     epochs = [[i for b in loader for i in b[:, 0].tolist()] for _ in range(2)]
     gathered = [None] * world
     dist.all_gather_object(gathered, epochs)
@@ -255,7 +267,7 @@ def _worker_seeds(rank):
     return [(int(w), int(t)) for b in loader for w, t in zip(b["worker"], b["torch"])]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2])  # 3 ranks x 2 workers added nothing 2 x 2 does not show, at 45 s
 def test_worker_seeds_differ_across_ranks_and_workers(world):
     per_rank = run_ranks(_worker_seeds, world, timeout=90)
     draws = {(rank, w): t for rank, pairs in enumerate(per_rank) for w, t in pairs}
@@ -271,7 +283,7 @@ def _custom_batch_sampler(rank):
         return str(e)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2])
 def test_custom_batch_sampler_raises_when_distributed(world):
     for rank, message in enumerate(run_ranks(_custom_batch_sampler, world, timeout=60)):
         assert message.startswith(f"[rank {rank}] the loader has a custom batch_sampler (BatchSampler) and the job has "
@@ -295,3 +307,178 @@ def test_iterable_dataset_warns_with_guidance():
     for messages, batches in run_ranks(_iterable, 2, timeout=60):
         assert any("an IterableDataset is not sharded automatically" in m and "(a hang)" in m for m in messages)
         assert batches == [[0, 1], [2, 3]]
+
+
+# ----------------------------------------------------------------------------- config forms, warnings
+def test_config_forms():
+    for config in (DataConfig(strict=True), HardenConfig(data=DataConfig(strict=True))):
+        with pytest.raises(ConfigError, match="data.strict=True"):
+            safe_dataloader(Squares(), config, persistent_workers=True)
+        with pytest.raises(ConfigError, match="data.strict=True"):  # the argument's earlier name still works
+            safe_dataloader(Squares(), cfg=config, persistent_workers=True)
+    deprecated = r"safe_dataloader\(cfg=<dict>\): pass a DataConfig or a HardenConfig"
+    with pytest.warns(DeprecationWarning, match=deprecated), pytest.raises(ConfigError, match="data.strict=True"):
+        safe_dataloader(Squares(), {"data": {"strict": True}}, persistent_workers=True)
+    with pytest.raises(ConfigError, match=r"got both config= \(the second argument\) and cfg=; expected one\. Fix: "):
+        safe_dataloader(Squares(), DataConfig(), cfg=DataConfig())
+
+
+NO_WATCHDOG = HardenConfig(health=HealthConfig(hang_timeout=None))
+
+
+def _ours(caught):
+    return [(w.filename, w.lineno) for w in caught if w.category is RobustDistWarning]
+
+
+def test_warnings_point_at_the_users_line():
+    log._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        safe_dataloader(Squares(), persistent_workers=True)
+        harden(nn.Linear(2, 2), DataLoader(Squares(), pin_memory=True), NO_WATCHDOG).close()
+    assert _ours(caught) == [(__file__, line), (__file__, line + 1)]  # directly, and through harden()
+
+
+# ----------------------------------------------------------------------------- epochs
+def _epoch_sampler():
+    return DistributedSampler(Squares(), num_replicas=1, rank=0, shuffle=True, seed=1)
+
+
+def _peek_then_loop(loader, epochs, set_epoch):
+    """The tutorial's epoch: a batch-size peek, ``set_epoch`` (after or before the peek, or never), a full loop."""
+    out = []
+    for epoch in range(epochs):
+        if set_epoch == "before":
+            loader.sampler.set_epoch(epoch)
+        peek = next(iter(loader)).tolist()
+        if set_epoch == "after":
+            loader.sampler.set_epoch(epoch)
+        out.append((peek, [b.tolist() for b in loader]))
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("set_epoch", ["after", "before", "never"])
+def test_an_abandoned_iteration_replays_the_epoch_like_plain_set_epoch(set_epoch, workers):
+    kw = {"batch_size": 3, "num_workers": workers, "persistent_workers": workers > 0}  # one iterator, reset
+    plain = DataLoader(Squares(), sampler=_epoch_sampler(), **kw)
+    expected = []
+    for epoch in range(3):
+        plain.sampler.set_epoch(epoch)
+        batches = [b.tolist() for b in plain]
+        expected.append((batches[0], batches))
+    assert expected[0] != expected[1] != expected[2]
+    safe = safe_dataloader(DataLoader(Squares(), sampler=_epoch_sampler(), **kw), DataConfig(check_shm=False))
+    assert _peek_then_loop(safe, 3, set_epoch) == expected
+    del plain, safe
+    gc.collect()
+
+
+def test_an_epoch_ends_when_every_batch_was_yielded():
+    loader = safe_dataloader(Squares(), sampler=_epoch_sampler(), batch_size=3)
+    for i, _ in enumerate(loader):
+        if i == len(loader) - 1:
+            break  # no StopIteration was seen, but the epoch is complete
+    first = next(iter(loader))
+    assert loader.sampler.epoch == 1
+    it = iter(loader)
+    next(it), next(it)
+    del it  # abandoned: epoch 1 is replayed
+    assert next(iter(loader)).tolist() == first.tolist() and loader.sampler.epoch == 1
+
+
+def test_a_single_process_shuffle_draws_like_a_plain_dataloader():
+    def run(loader):
+        torch.manual_seed(0)
+        return [(next(iter(loader)).tolist(), [b.tolist() for b in loader]) for _ in range(2)]
+
+    assert run(safe_dataloader(DataLoader(Squares(), batch_size=3, shuffle=True))) == run(
+        DataLoader(Squares(), batch_size=3, shuffle=True))
+
+
+# ----------------------------------------------------------------------------- samplers
+def test_a_prebuilt_distributed_sampler_is_kept_with_its_settings(caplog):
+    sampler = DistributedSampler(Squares(), num_replicas=1, rank=0, shuffle=False, seed=5, drop_last=True)
+    with caplog.at_level(logging.INFO, logger="robustdist"):
+        safe = safe_dataloader(DataLoader(Squares(), batch_size=2, shuffle=False, sampler=sampler))
+    assert safe.sampler is sampler
+    assert "kept the loader's DistributedSampler (rank 0 of 1, shuffle=False, seed 5, drop_last=True)" in caplog.text
+
+
+def test_a_prebuilt_sampler_for_another_job_is_refused_with_the_fix():
+    sampler = DistributedSampler(Squares(), num_replicas=2, rank=1)
+    with pytest.raises(ConfigError) as info:
+        safe_dataloader(DataLoader(Squares(), sampler=sampler))
+    assert str(info.value) == (
+        "the loader's DistributedSampler was built with num_replicas=2, rank=1, but this process is rank 0 of 1 (a "
+        "single process: no process group and no launcher environment); expected num_replicas=1, rank=0, else "
+        "ranks read the wrong or overlapping shards. Fix: build it as DistributedSampler(dataset, "
+        "num_replicas=int(os.environ['WORLD_SIZE']), rank=int(os.environ['RANK'])) (torchrun's env; "
+        "DistributedSampler(dataset) alone needs a process group, so build it after harden()/init_process_group), "
+        "or drop sampler= and let robustdist insert one (DataLoader(dataset, shuffle=True) shuffles); or set "
+        "data.auto_sampler=False if this shard is on purpose.")
+    assert safe_dataloader(DataLoader(Squares(), sampler=sampler), DataConfig(auto_sampler=False)).sampler is sampler
+    with pytest.raises(ConfigError, match=r"built on a dataset of 5 samples, but the loader's dataset has 11; "
+                                          r"expected the same dataset.*Fix: pass the loader's own dataset"):
+        safe_dataloader(DataLoader(Squares(), sampler=DistributedSampler(Squares(5), num_replicas=1, rank=0)))
+
+
+class Reversed(DistributedSampler):
+    """A user's DistributedSampler subclass."""
+
+    def __iter__(self):
+        return reversed(list(super().__iter__()))
+
+
+class Evens(Sampler):
+    """A custom sampler that does not shard."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(0, self.n, 2))
+
+    def __len__(self):
+        return (self.n + 1) // 2
+
+
+def _sampler_cases(rank):
+    """Built before any process group exists: rank and world come from the launcher's env."""
+    out = {"group": dist.is_initialized()}
+    own = DistributedSampler(Squares(), num_replicas=2, rank=rank, shuffle=True, seed=3)
+    out["kept"] = safe_dataloader(DataLoader(Squares(), batch_size=2, sampler=own)).sampler is own
+    sub = Reversed(Squares(), num_replicas=2, rank=rank, shuffle=False)
+    out["subclass"] = [i for b in safe_dataloader(DataLoader(Squares(), batch_size=2, sampler=sub)) for i in b[:, 0]]
+    for name, sampler in (("swapped", DistributedSampler(Squares(), num_replicas=2, rank=1 - rank)),
+                          ("bigger", DistributedSampler(Squares(), num_replicas=4, rank=rank)), ("custom", Evens(N))):
+        try:
+            safe_dataloader(DataLoader(Squares(), sampler=sampler))
+            out[name] = None
+        except ConfigError as e:
+            out[name] = str(e)
+    for shuffle, plain in ((True, RandomSampler), (False, SequentialSampler)):  # safe_dataloader(ds, sampler=...)
+        ds = Squares()
+        loader = safe_dataloader(ds, sampler=plain(ds), batch_size=2)
+        out[f"kwargs {shuffle}"] = (type(loader.sampler).__name__, loader.sampler.shuffle)
+    return out
+
+
+def test_prebuilt_samplers_on_real_ranks_before_the_group():
+    for rank, out in enumerate(run_ranks(_sampler_cases, 2, init=False, timeout=90)):
+        assert out["group"] is False and out["kept"]
+        expected = list(reversed(list(DistributedSampler(Squares(), num_replicas=2, rank=rank, shuffle=False))))
+        assert [int(i) for i in out["subclass"]] == expected
+        source = "from the manual launcher's environment; no process group exists yet"
+        assert out["swapped"].startswith(
+            f"[rank {rank}] the loader's DistributedSampler was built with num_replicas=2, rank={1 - rank}, but this "
+            f"process is rank {rank} of 2 ({source}); expected num_replicas=2, rank={rank}, else ranks read the wrong "
+            "or overlapping shards. Fix: build it as DistributedSampler(dataset, num_replicas=")
+        assert f"built with num_replicas=4, rank={rank}," in out["bigger"]
+        assert out["custom"].startswith(f"[rank {rank}] the loader has a custom sampler (Evens) and the job has 2 "
+                                        "ranks; robustdist cannot shard a custom sampler safely")
+        assert ("Fix: make the sampler yield only this rank's indices, the way a DistributedSampler does: subclass "
+                "torch.utils.data.distributed.DistributedSampler") in out["custom"]
+        assert out["kwargs True"] == ("DistributedSampler", True)
+        assert out["kwargs False"] == ("DistributedSampler", False)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
+from robustdist.config import DataConfig
 from robustdist.dataloader import safe_dataloader
 from robustdist.errors import CheckpointError, RobustDistWarning
 from robustdist.testing import run_ranks
@@ -88,8 +91,9 @@ def test_bad_state_and_changed_length():
         _fresh().load_state_dict([])
     _, _, (state, _) = _run(_fresh(), 4, stop_after=4)
     other = safe_dataloader(DataLoader(DATA, batch_size=5, shuffle=True))
-    with pytest.warns(RobustDistWarning, match="8 batches per epoch but the saved state was taken with 14"):
+    with pytest.warns(RobustDistWarning, match="8 batches per epoch but the saved state was taken with 14") as record:
         other.load_state_dict(state)
+    assert record[0].filename == __file__  # the user's line, not robustdist's
     assert len([b for b in other]) == 8  # the interrupted epoch restarts whole
 
 
@@ -111,7 +115,7 @@ def test_iterable_datasets_restart_the_epoch_with_a_warning():
 
 def _distributed_resume(rank):
     def fresh():
-        return safe_dataloader(DataLoader(DATA, batch_size=3, shuffle=True), {"data": {"seed": 4}})
+        return safe_dataloader(DataLoader(DATA, batch_size=3, shuffle=True), DataConfig(seed=4))
 
     reference, _, _ = _run(fresh(), 16)  # 20 samples per rank: 7 batches per epoch
     _, _, (state, rng) = _run(fresh(), 9, stop_after=9)
@@ -126,3 +130,74 @@ def _distributed_resume(rank):
 
 def test_distributed_sampler_resumes_mid_epoch_on_every_rank():
     assert run_ranks(_distributed_resume, 2, timeout=60) == [(True, 1, 2), (True, 1, 2)]
+
+
+# ----------------------------------------------------------------------------- abandoned iterations
+def _same_state(a, b):
+    rng_a, rng_b = a.pop("rng"), b.pop("rng")
+    same_rng = (rng_a is None and rng_b is None) or (rng_a.keys() == rng_b.keys() and all(
+        (rng_a[k] is None and rng_b[k] is None) or torch.equal(rng_a[k], rng_b[k]) for k in rng_a))
+    return a == b and same_rng
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_abandoned_iteration_after_a_resume_starts_again_at_the_restored_position(num_workers):
+    torch.manual_seed(0)
+    reference, ref_draws, _ = _run(_fresh(), 28)
+    torch.manual_seed(0)
+    _, _, (state, rng) = _run(_fresh(), 5, stop_after=5)
+    loader = _fresh(num_workers)
+    loader.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert _same_state(loader.state_dict(), dict(state))  # a save before iterating keeps the position
+    it = iter(loader)
+    assert next(it)[0].tolist() == reference[5]  # the batch-size peek
+    del it  # abandoned
+    assert _same_state(loader.state_dict(), dict(state))  # still the restored position, not "epoch done"
+    rest, draws, _ = _run(loader, 23)
+    assert rest == reference[5:] and draws == ref_draws[5:]  # the peek changed neither the data nor the RNG
+
+
+def _epoch_loader():
+    sampler = DistributedSampler(DATA, num_replicas=1, rank=0, shuffle=True, seed=2)
+    return safe_dataloader(DataLoader(DATA, batch_size=3, sampler=sampler))
+
+
+def test_a_checkpoint_after_an_abandoned_iteration_replays_that_epoch():
+    loader = _epoch_loader()
+    list(loader)  # epoch 0
+    peek = next(iter(loader))[0]  # epoch 1 starts, and is abandoned
+    state = loader.state_dict()
+    assert (state["epoch"], state["iterations"], state["in_flight"], state["batches"]) == (1, 2, True, 0)
+    live = [b.tolist() for (b,) in loader]  # the live loader replays epoch 1
+    assert live[0] == peek.tolist() and len(live) == 14
+    restored = _epoch_loader()
+    restored.load_state_dict(state)
+    assert [b.tolist() for (b,) in restored] == live
+    assert restored.sampler.epoch == 1
+    next(iter(restored))
+    assert restored.sampler.epoch == 2  # epoch 1 ran out: the next iteration is epoch 2
+
+
+def test_set_epoch_to_another_epoch_after_a_resume_starts_that_epoch_whole():
+    loader = _epoch_loader()
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    state = loader.state_dict()
+    restored = _epoch_loader()
+    restored.load_state_dict(state)
+    restored.sampler.set_epoch(3)  # the user's own epoch counter disagrees with the restored epoch 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        batches = [b.tolist() for (b,) in restored]
+    plain = DistributedSampler(DATA, num_replicas=1, rank=0, shuffle=True, seed=2)
+    plain.set_epoch(3)
+    assert batches == [b.tolist() for (b,) in DataLoader(DATA, batch_size=3, sampler=plain)]
+    ours = [w for w in caught if w.category is RobustDistWarning]
+    assert [(w.filename, w.lineno) for w in ours] == [(__file__, line)]
+    assert str(ours[0].message) == (
+        "set_epoch(3) was called on a loader restored to epoch 0, batch 4, before that epoch ended: epoch 3 starts "
+        "from its beginning and the restored position is not used. Fix: continue your epoch counter from "
+        "loader.sampler.epoch after a resume.")

@@ -1,8 +1,8 @@
 """File primitives for crash-safe checkpoints: checksum-while-writing, fsync, directory fsync, the job lock.
 
 Checksums are CRC-32 (zlib): they detect corruption and truncation (every error burst up to 32 bits, any
-other change with probability 1 - 2**-32 per file) at about 7 GB/s here, where SHA-256 ran at 2 GB/s and
-was the slowest part of a save on this project's 2-core CI machine (benchmarks/RESULTS.md, P2). They are
+other change with probability 1 - 2**-32 per file) several times faster than SHA-256, which was the slowest
+part of a save on this project's CI machine (figures: benchmarks/RESULTS.md, P2). They are
 not a defence against tampering: whoever can rewrite a checkpoint file can rewrite its manifest too; the
 boundary is how files are read (docs/security.md: confined, bounded, ``weights_only=True``). Manifests
 written with SHA-256 (robustdist 0.1.0) still verify.
@@ -23,7 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from robustdist.errors import CheckpointError
+from robustdist.log import get_logger
 
+log = get_logger(__name__)
 _CHUNK = 8 << 20
 _OVERLAP_MIN = 1 << 20  # writes this large are hashed on a helper thread while the file write runs
 
@@ -192,7 +194,8 @@ class DirLock:
     """An exclusive ``fcntl`` lock on ``<dir>/.lock``, naming its holder (pid, host) in the file.
 
     The kernel drops the lock when the holder dies, so a stale lock from a crashed job is recovered simply
-    by taking it again.
+    by taking it again. :meth:`release` empties the file while still holding the lock, so a released lock
+    names no holder (the file itself stays: removing it would race with a process that has just opened it).
     """
 
     def __init__(self, directory: str):
@@ -232,9 +235,16 @@ class DirLock:
             self.acquire()
 
     def release(self) -> None:
+        """Empty the lock file (under the lock: nobody else can be writing it), then unlock and close it."""
         if self._fh is not None:
             _held.pop(os.path.realpath(self.path), None)
             try:
+                try:
+                    self._fh.seek(0)
+                    self._fh.truncate()
+                    self._fh.flush()
+                except OSError as e:  # the lock is still released; only the holder line may stay
+                    log.warning("could not clear the lock file %s: %s", self.path, e)
                 fcntl.lockf(self._fh, fcntl.LOCK_UN)
             finally:
                 self._fh.close()

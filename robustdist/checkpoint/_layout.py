@@ -5,7 +5,9 @@ A checkpoint is *committed* when its directory (a real directory, not a link) ha
 re-save of an existing step moves the committed copy aside to ``.old-step_<step>-<token>`` for the instant
 between its two renames: if a crash lands there, that copy is still the committed one (readers use it, and
 the next writer renames it back), so a re-save never leaves zero committed copies. Step numbers have at
-least ten digits, more when they need them (``step_12345678901``).
+least ten digits, more when they need them (``step_12345678901``). A ``.rejected-step_<step>-<token>``
+directory is a step whose files a ``load()`` found corrupt, moved aside by a later save of a lower step (see
+:mod:`._protocol`, step 6): it is not a step (not listed, loaded, verified or rotated) and is never deleted.
 
 Every file is read through :mod:`._safeio` (confined to the step directory, regular files only, sizes
 checked first) and every manifest is validated by :mod:`._schema` before use.
@@ -13,6 +15,7 @@ checked first) and every manifest is validated by :mod:`._schema` before use.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -35,11 +38,13 @@ from robustdist.checkpoint._schema import (
 from robustdist.errors import CheckpointCorruptError
 
 __all__ = ["DCP_METADATA", "FORMAT_VERSION", "MANIFEST", "REPLICATED", "SHARDED_DIR", "committed_steps",
-           "files_for_rank", "rank_file", "read_manifest", "step_dirname", "step_dirs", "verify", "verify_all"]
+           "files_for_rank", "identity", "rank_file", "read_manifest", "step_dirname", "step_dirs", "verify",
+           "verify_all"]
 
 _STEP_RE = re.compile(r"^step_(\d{10,})$")
 _OLD_RE = re.compile(r"^\.old-step_(\d{10,})-[0-9a-f]+$")
 STALE_PREFIXES = (".tmp-step_", ".old-step_", ".trash-step_")
+REJECTED_PREFIX = ".rejected-"  # a step a load found corrupt, set aside by a later save: kept, never a step
 _CHUNK = 8 << 20
 
 
@@ -82,6 +87,22 @@ def committed_steps(directory: str) -> list[int]:
     return out
 
 
+def identity(step_dir: str) -> tuple[Any, ...] | None:
+    """What tells this step directory from one put under its name later (a re-save, a copy): the directory's
+    device and inode, and its manifest's inode, mtime and size (an inode number freed by a deletion can be
+    reused). None when the directory is gone."""
+    try:
+        st = os.lstat(step_dir)
+    except OSError:
+        return None
+    try:
+        m = os.lstat(os.path.join(step_dir, MANIFEST))
+        manifest: tuple[int, int, int] | None = (m.st_ino, m.st_mtime_ns, m.st_size)
+    except OSError:
+        manifest = None
+    return st.st_dev, st.st_ino, manifest
+
+
 def read_manifest(step_dir: str, step: int | None = None) -> dict[str, Any]:
     """Read and validate ``<step_dir>/manifest.json`` (bounded, confined); CheckpointCorruptError otherwise."""
     path = os.path.join(step_dir, MANIFEST)
@@ -107,8 +128,6 @@ def open_verified(step_dir: str, name: str, expected: dict[str, Any]) -> BinaryI
     """Open one file, check its size and checksum against the manifest entry, and return it at offset 0.
 
     The caller deserialises from this same open file, so what was verified is what is read."""
-    import hashlib
-
     fh = open_in(step_dir, name, size=expected["size"])
     try:
         algorithm = "crc32" if "crc32" in expected else "sha256"

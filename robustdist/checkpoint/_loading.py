@@ -1,25 +1,46 @@
-"""``AtomicCheckpointer.load``: agree on a valid step across ranks, verify before deserialising, restore.
+"""The load protocol of ``AtomicCheckpointer.load``: agree on a valid step across ranks, verify before
+deserialising, restore. This module knows the checkpointer only through a :class:`._types.Context`.
 
-Protocol (every rank calls ``load``; after the arrival check):
+Every rank calls ``load``; with no multi-rank group every collective below is a no-op.
 
-1. Rank 0 lists the committed step directories, newest first, and broadcasts the list.
-   **Collective: broadcast.** (Or the caller names one step, or a ``ray.train.Checkpoint``.)
+0. Every rank *arrives* (:mod:`._collective`, in ``AtomicCheckpointer.load``), as for ``save``.
+   **Store only, no collective.**
+1. Rank 0's listing of the step directories (committed, damaged or links alike), newest first, is broadcast.
+   **Collective: broadcast.** (Or the caller names one step, or a ``ray.train.Checkpoint``: no listing.)
 2. For each candidate, every rank *checks* it without touching any live object: reads and validates the
    manifest, verifies each file it needs (size, then checksum, from the same open file it then
    deserialises), deserialises with ``torch.load(weights_only=True)``, validates what it got against the
-   manifest, and reads and validates the DCP metadata of sharded entries. **Collective: all_gather** of
-   the problems: a candidate any rank finds wrong is skipped on every rank, with a warning naming the rank,
-   the file and the reason.
-3. Every rank restores the checked payload into the live objects; sharded entries load through DCP with
-   robustdist's confined reader and safe planner (**collective: DCP's own**). **Collective: all_gather** of
-   the problems: a restore that failed anywhere falls back to the next candidate too (which restores every
-   entry again).
-4. The RNG states are restored last.
+   manifest, reads and validates the DCP metadata of sharded entries, and checks each entry against the live
+   object it goes into (:mod:`._live`: a module's keys, shapes and dtypes; an optimizer's layout, groups and
+   state; a scheduler's or scaler's keys and value kinds). **Collective: all_gather** of the problems (and of
+   whether the rank restores any object step 2 cannot check): a candidate any rank finds wrong is skipped on
+   every rank, with a warning naming the rank, the file and the reason.
+3. Every rank restores the checked payload into the live objects (:mod:`._restore`):
+
+   a. only if some rank restores an object step 2 cannot check (a user's stateful object or data loader, a
+      module with ``_extra_state``, a sharded entry): every rank copies the live state of those objects and
+      of its sharded entries, restores them, and the sharded entries through DCP with robustdist's confined
+      reader and safe planner (**collective: DCP's own**). **Collective: all_gather** of the problems.
+   b. if nothing failed: every rank restores the entries step 2 checked (modules, optimizers, schedulers,
+      grad scalers: this cannot fail). **Collective: all_gather** of the problems.
+
+   A restore that failed anywhere puts the copies of 3a back on every rank (so a failed candidate leaves
+   the live objects as they were) and falls back to the next candidate.
+4. Only now each rank restores its saved RNG state (checked on scratch generators in step 2); a rank with none
+   (the job grew since the save) warns and reseeds its RNGs from ``(step, rank)``. ``AtomicCheckpointer``
+   then protects the loaded step from rotation.
 
 A candidate that disappears while it is read (a writer rotated it away) is not corrupt: the listing is
 retried (up to three times) and then :class:`~robustdist.errors.CheckpointBusyError` says to retry.
+A candidate that does not fit the live objects (another model, optimizer or set of entries) is skipped too,
+but it is not corrupt: when no candidate loads, a :class:`~robustdist.errors.CheckpointError` says so.
 Every other problem with the files is a :class:`~robustdist.errors.CheckpointCorruptError`, raised only
-when no candidate is valid (or at once for an explicitly requested step).
+when no candidate is valid (or at once for an explicitly requested step); the steps whose files were
+corrupt are reported to ``AtomicCheckpointer``, which stops counting them as newer committed steps (see
+:mod:`._protocol`, step 1). When ``load()`` raises, the live objects are as they were (unless a restore of 3b
+failed anyway, which its error names). The trust model (what is read
+from an untrusted directory, and how) is in ``docs/security.md`` and in :mod:`._safeio`, :mod:`._schema`,
+:mod:`._live` and :mod:`._sharded`.
 """
 
 from __future__ import annotations
@@ -28,22 +49,27 @@ import contextlib
 import os
 import pickle
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
 
-from robustdist.checkpoint import _layout, _payload, _schema
+from robustdist.checkpoint import _layout, _live, _payload, _restore, _schema
 from robustdist.checkpoint._safeio import check_torch_zip
 from robustdist.checkpoint._schema import weights_only_reason
-from robustdist.checkpoint._sharded import load_sharded, read_metadata
+from robustdist.checkpoint._sharded import read_metadata
+from robustdist.checkpoint._types import Context, LoadedCheckpoint
 from robustdist.errors import CheckpointBusyError, CheckpointCorruptError, CheckpointError
 from robustdist.log import user_stacklevel, warn
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.serialization import MAP_LOCATION
+
+__all__ = ["is_ray_checkpoint", "load_checkpoint", "torch_load"]
+
 _RETRIES = 3
-# torch's stateful classes whose load_state_dict copies the saved dict into __dict__
-_DICT_UPDATERS = (torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
 
 
 def is_ray_checkpoint(obj: Any) -> bool:
@@ -59,10 +85,11 @@ class _Checked:
     manifest: dict[str, Any]
     replicated: dict[str, Any]
     mine: dict[str, Any] | None
-    dcp_metadata: Any
+    dcp_metadata: Metadata | None
+    plan: _restore.Plan
 
 
-def torch_load(step_dir: str, name: str, manifest: dict[str, Any], map_location: Any) -> Any:
+def torch_load(step_dir: str, name: str, manifest: dict[str, Any], map_location: MAP_LOCATION) -> Any:
     """Verify one file against the manifest and deserialise it from the same open file, weights only."""
     path = os.path.join(step_dir, name)
     with _layout.open_verified(step_dir, name, manifest["files"][name]) as fh:
@@ -83,51 +110,30 @@ def torch_load(step_dir: str, name: str, manifest: dict[str, Any], map_location:
 
 
 @contextlib.contextmanager
-def _candidates(ckpt: Any, step: Any) -> Iterator[list[tuple[int | None, str]]]:
+def _candidates(ctx: Context, step: Any) -> Iterator[list[tuple[int | None, str]]]:
     """``[(step or None for a Ray checkpoint, step directory)]``, newest first, the same on every rank."""
     if is_ray_checkpoint(step):
         with step.as_directory() as path:
             yield [(None, path)]
         return
     if step is not None:
-        name = _layout.step_dirs(ckpt.directory).get(step, _layout.step_dirname(step))
-        yield [(step, os.path.join(ckpt.directory, name))]
+        name = _layout.step_dirs(ctx.directory).get(step, _layout.step_dirname(step))
+        yield [(step, os.path.join(ctx.directory, name))]
         return
-    listed = [(s, name) for s, name in reversed(_layout.step_dirs(ckpt.directory).items())]
-    listed = ckpt.collectives.broadcast(listed, "load listing")
-    yield [(s, os.path.join(ckpt.directory, name)) for s, name in listed]
+    listed = [(s, name) for s, name in reversed(_layout.step_dirs(ctx.directory).items())]
+    listed = ctx.collectives.broadcast(listed, "load listing")
+    yield [(s, os.path.join(ctx.directory, name)) for s, name in listed]
 
 
-def _load_payload(step_dir: str, name: str, manifest: dict[str, Any], map_location: Any) -> Any:
+def _load_payload(step_dir: str, name: str, manifest: dict[str, Any], map_location: MAP_LOCATION) -> Any:
     payload = torch_load(step_dir, name, manifest, map_location)
     _schema.check_size(os.path.join(step_dir, name), payload, _schema.MAX_VALUES + 16)
     return payload
 
 
-def _check(ckpt: Any, step: int | None, step_dir: str, state: dict[str, Any], map_location: Any) -> _Checked:
-    manifest = _layout.read_manifest(step_dir, step)
-    kinds: dict[str, str] = manifest.get("entries", {})
-    where = f"checkpoint step {manifest['step']}"
-    for name in state:
-        if name not in kinds:
-            raise CheckpointCorruptError(f"state[{name!r}] is not in {where} (it holds {sorted(kinds)}); expected the "
-                                         "same entries as when saving. Fix: drop it or load a checkpoint that has it.")
-    replicated, mine, dcp_metadata = {}, None, None
-    if _layout.REPLICATED in manifest["files"]:
-        replicated = _schema.check_replicated(os.path.join(step_dir, _layout.REPLICATED),
-                                              _load_payload(step_dir, _layout.REPLICATED, manifest, map_location), kinds)
-    own = _layout.rank_file(ckpt.rank)
-    if own in manifest["files"]:
-        mine = _schema.check_rank_payload(os.path.join(step_dir, own),
-                                          _load_payload(step_dir, own, manifest, map_location))
-    if any(kinds.get(name) == "sharded" for name in state):
-        _layout.verify(step_dir, manifest, [f for f in manifest["files"] if f.startswith(_layout.SHARDED_DIR + "/")])
-        dcp_metadata = read_metadata(step_dir, manifest["files"])
-    return _Checked(manifest["step"], step_dir, manifest, replicated, mine, dcp_metadata)
-
-
-def _restore_local(checked: _Checked, state: dict[str, Any], per_rank: dict[str, Any]) -> None:
-    kinds = checked.manifest.get("entries", {})
+def _check_entries(step_dir: str, kinds: dict[str, str], replicated: dict[str, Any], state: dict[str, Any],
+                   saved_per_rank: dict[str, Any], per_rank: dict[str, Any]) -> None:
+    """Each saved entry against the live object it is restored into, touching none (:mod:`._live`)."""
     for name, live in state.items():
         kind = kinds[name]
         if kind == "sharded":
@@ -138,16 +144,53 @@ def _restore_local(checked: _Checked, state: dict[str, Any], per_rank: dict[str,
         if kind == "data" and (isinstance(live, nn.Module) or hasattr(live, "load_state_dict")):
             raise CheckpointError(f"state[{name!r}] was saved as plain data, not as the state of a "
                                   f"{type(live).__name__}")
-        where = f"{os.path.join(checked.step_dir, _layout.REPLICATED)} entry {name!r}"
-        if isinstance(live, torch.optim.Optimizer):
-            _schema.check_optimizer(where, live, checked.replicated[name])
-        elif isinstance(live, _DICT_UPDATERS):
-            _schema.check_same_keys(where, live, checked.replicated[name])
-        _payload.restore_entry(name, live, checked.replicated[name], kind)
-    saved = (checked.mine or {}).get("per_rank", {})
+        _check_live(f"{os.path.join(step_dir, _layout.REPLICATED)} entry {name!r}", live, replicated[name], kind)
     for name, live in per_rank.items():
-        if name in saved:
-            live.load_state_dict(saved[name])
+        if name in saved_per_rank:
+            if not hasattr(live, "load_state_dict"):
+                raise CheckpointError(f"per_rank[{name!r}] is a {type(live).__name__}, which has no load_state_dict")
+            kind = "module" if isinstance(live, nn.Module) else "stateful"
+            _check_live(f"{step_dir} per-rank entry {name!r}", live, saved_per_rank[name], kind)
+
+
+def _check_live(where: str, live: Any, saved: Any, kind: str) -> None:
+    if kind == "module" and not isinstance(live, nn.Module):
+        raise CheckpointError(f"{where} was saved as a module's state; the live value is a {type(live).__name__}")
+    if isinstance(live, nn.Module):
+        if kind != "module" or not isinstance(saved, dict):
+            raise CheckpointError(f"{where} was saved as a {kind}, not as a module's state; the live value is a "
+                                  f"{type(live).__name__}")
+        _live.check_module(where, live, saved)
+    elif isinstance(live, torch.optim.Optimizer):
+        _live.check_optimizer(where, live, saved)
+    elif isinstance(live, _live.DICT_UPDATERS):
+        _live.check_same_keys(where, live, saved)
+
+
+def _check(rank: int, step: int | None, step_dir: str, state: dict[str, Any], per_rank: dict[str, Any],
+           map_location: MAP_LOCATION) -> _Checked:
+    manifest = _layout.read_manifest(step_dir, step)
+    kinds: dict[str, str] = manifest.get("entries", {})
+    where = f"checkpoint step {manifest['step']}"
+    for name in state:
+        if name not in kinds:
+            raise CheckpointError(f"state[{name!r}] is not in {where} (it holds {sorted(kinds)}); expected the "
+                                  "same entries as when saving. Fix: drop it or load a checkpoint that has it.")
+    replicated, mine, dcp_metadata = {}, None, None
+    if _layout.REPLICATED in manifest["files"]:
+        payload = _load_payload(step_dir, _layout.REPLICATED, manifest, map_location)
+        replicated = _schema.check_replicated(os.path.join(step_dir, _layout.REPLICATED), payload, kinds)
+    own = _layout.rank_file(rank)
+    if own in manifest["files"]:
+        mine = _schema.check_rank_payload(os.path.join(step_dir, own),
+                                          _load_payload(step_dir, own, manifest, map_location))
+    if any(kinds.get(name) == "sharded" for name in state):
+        _layout.verify(step_dir, manifest, [f for f in manifest["files"] if f.startswith(_layout.SHARDED_DIR + "/")])
+        dcp_metadata = read_metadata(step_dir, manifest["files"])
+    saved_per_rank = (mine or {}).get("per_rank", {})
+    _check_entries(step_dir, kinds, replicated, state, saved_per_rank, per_rank)
+    plan = _restore.plan(kinds, replicated, state, saved_per_rank, per_rank)
+    return _Checked(manifest["step"], step_dir, manifest, replicated, mine, dcp_metadata, plan)
 
 
 def _problem_of(e: BaseException) -> str:
@@ -155,95 +198,132 @@ def _problem_of(e: BaseException) -> str:
     return text[:2000]
 
 
-def _restore(ckpt: Any, checked: _Checked, state: dict[str, Any], per_rank: dict[str, Any]) -> str | None:
-    """Step 3 on this rank: the problem, or None. Sharded entries load on every rank (DCP is collective)."""
-    problem = None
-    try:
-        _restore_local(checked, state, per_rank)
-        if checked.mine is not None:
-            _payload.restore_rng(checked.mine["rng"])
-    except Exception as e:
-        problem = _problem_of(e)
-    sharded = {name: live for name, live in state.items() if checked.manifest["entries"].get(name) == "sharded"}
-    if sharded:
-        try:
-            load_sharded(sharded, checked.step_dir, checked.dcp_metadata, ckpt.group)
-        except Exception as e:
-            problem = problem or _problem_of(e)
-    return problem
+def _agree(ctx: Context, mine: tuple[Any, ...], what: str) -> list[tuple[Any, ...]]:
+    return ctx.collectives.all_gather(mine, what)
 
 
-def _agree(ckpt: Any, problem: str | None, gone: bool, what: str) -> tuple[dict[int, str], bool]:
-    everyone = ckpt.collectives.all_gather((problem, gone), what)
-    return {r: p for r, (p, _) in enumerate(everyone) if p}, any(g for _, g in everyone)
+def _bad(everyone: list[tuple[Any, ...]]) -> dict[int, str]:
+    return {r: row[0] for r, row in enumerate(everyone) if row[0]}
 
 
-def _finish(ckpt: Any, checked: _Checked) -> Any:
-    from robustdist.checkpoint.checkpointer import LoadedCheckpoint
-
-    if checked.mine is None:  # (a saved RNG state was restored with the rest, in _restore)
-        warn(f"rank {ckpt.rank} has no saved RNG state in checkpoint step {checked.step} (saved by "
-             f"{checked.manifest['world_size']} rank(s), loaded by {ckpt.world_size}); its RNGs are reseeded "
+def _finish(ctx: Context, checked: _Checked) -> LoadedCheckpoint:
+    if checked.mine is not None:  # checked on scratch generators in step 2: restoring it cannot fail
+        _payload.restore_rng(checked.mine["rng"])
+    else:
+        warn(f"rank {ctx.rank} has no saved RNG state in checkpoint step {checked.step} (saved by "
+             f"{checked.manifest['world_size']} rank(s), loaded by {ctx.world_size}); its RNGs are reseeded "
              "deterministically from (step, rank).", stacklevel=user_stacklevel())
-        _payload.reseed(checked.step, ckpt.rank)
+        _payload.reseed(checked.step, ctx.rank)
     return LoadedCheckpoint(step=checked.step, path=checked.step_dir, state=checked.replicated,
                             per_rank=(checked.mine or {}).get("per_rank", {}),
                             metadata=checked.manifest.get("metadata", {}), manifest=checked.manifest)
 
 
-def _try(ckpt: Any, step: int | None, step_dir: str, state: dict[str, Any], per_rank: dict[str, Any],
-         map_location: Any, *, listed: bool) -> tuple[Any, dict[int, str], bool]:
-    """``(LoadedCheckpoint or None, problems by rank, whether the candidate vanished while read)``."""
-    checked, problem, gone = None, None, False
+@dataclass
+class _Outcome:
+    """One candidate on this rank: loaded, or the problems by rank, whether it vanished while read, and
+    whether a rank found its files corrupt (not just unfit for the live objects)."""
+
+    loaded: LoadedCheckpoint | None = None
+    bad: dict[int, str] = field(default_factory=dict)
+    gone: bool = False
+    corrupt: bool = False
+
+
+def _check_here(ctx: Context, step: int | None, step_dir: str, state: dict[str, Any], per_rank: dict[str, Any],
+                map_location: MAP_LOCATION, listed: bool) -> tuple[_Checked | None, tuple[Any, ...]]:
+    """Step 2 on this rank: the checked candidate (or None) and ``(problem, gone, corrupt, needs copies)``."""
     try:
-        checked = _check(ckpt, step, step_dir, state, map_location)
+        checked = _check(ctx.rank, step, step_dir, state, per_rank, map_location)
+        return checked, (None, False, False, checked.plan.needs_copies)
     except CheckpointError as e:  # a listed candidate that no longer exists was rotated away, not damaged
-        problem, gone = _problem_of(e), step is not None and listed and not os.path.lexists(step_dir)
+        gone = step is not None and listed and not os.path.lexists(step_dir)
+        return None, (_problem_of(e), gone, isinstance(e, CheckpointCorruptError), False)
     except Exception as e:  # a check that itself failed on a crafted value: still this candidate's problem
-        problem = f"{step_dir}: could not be checked ({_problem_of(e)})"
-    bad, gone = _agree(ckpt, problem, gone, "load check")
+        return None, (f"{step_dir}: could not be checked ({_problem_of(e)})", False, True, False)
+
+
+def _try(ctx: Context, step: int | None, step_dir: str, state: dict[str, Any], per_rank: dict[str, Any],
+         map_location: MAP_LOCATION, *, listed: bool) -> _Outcome:
+    """Steps 2 and 3 for one candidate. A restore that fails on any rank puts every copied object back."""
+    checked, mine = _check_here(ctx, step, step_dir, state, per_rank, map_location, listed)
+    everyone = _agree(ctx, mine, "load check")
+    bad = _bad(everyone)
     if bad or checked is None:
-        return None, bad, gone
-    bad, _ = _agree(ckpt, _restore(ckpt, checked, state, per_rank), False, "load restore")
+        return _Outcome(bad=bad, gone=any(row[1] for row in everyone), corrupt=any(row[2] for row in everyone))
+    copies: list[Any] = []
+    if any(row[3] for row in everyone):  # some rank restores an object step 2 could not check: copy first
+        copies, problem = _restore.restore_unchecked(checked.plan, step_dir, checked.dcp_metadata, ctx.group)
+        bad = _bad(_agree(ctx, (problem,), "load restore"))
+    if not bad:
+        bad = _bad(_agree(ctx, (_restore.restore_checked(checked.plan),), "load apply"))
     if bad:
-        return None, bad, False
-    return _finish(ckpt, checked), {}, False
+        failed = _restore.put_back(copies)
+        if failed:
+            warn(f"rank {ctx.rank} could not put back the live state of {'; '.join(failed)} after checkpoint step "
+                 f"{checked.step} failed to restore", stacklevel=user_stacklevel())
+        return _Outcome(bad=bad)
+    return _Outcome(loaded=_finish(ctx, checked))
 
 
-def load_checkpoint(ckpt: Any, step: Any, state: dict[str, Any] | None, per_rank: dict[str, Any] | None,
-                    map_location: Any, *, missing_ok: bool = False) -> Any:
+def load_checkpoint(ctx: Context, step: Any, state: dict[str, Any] | None, per_rank: dict[str, Any] | None,
+                    map_location: MAP_LOCATION, *, missing_ok: bool = False,
+                    rejected: dict[int, tuple[Any, ...]] | None = None) -> LoadedCheckpoint | None:
+    """Steps 1 to 4 of the load protocol (module docstring) on this rank. ``step``: None (the newest valid
+    one, falling back), a committed step, or a ``ray.train.Checkpoint``. ``rejected`` (filled in, the same on
+    every rank): step -> identity of the directory of each candidate whose files some rank found corrupt."""
     state, per_rank = dict(state or {}), dict(per_rank or {})
     tried: list[str] = []
+    corrupt = False
     for _ in range(_RETRIES):
         vanished = False
-        with _candidates(ckpt, step) as candidates:
+        with _candidates(ctx, step) as candidates:
             if not candidates and missing_ok:
                 return None
             for candidate, step_dir in candidates:
-                loaded, bad, gone = _try(ckpt, candidate, step_dir, state, per_rank, map_location,
-                                         listed=step is None)
-                if loaded is not None:
-                    return loaded
-                shown = candidate if candidate is not None else step_dir
-                if gone:
+                out = _try(ctx, candidate, step_dir, state, per_rank, map_location, listed=step is None)
+                if out.loaded is not None:
+                    return out.loaded
+                if out.gone:
                     vanished = True
                     continue
-                reason = "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items()))
+                shown = candidate if candidate is not None else step_dir
+                identity = _layout.identity(step_dir) if out.corrupt and candidate is not None else None
+                if rejected is not None and identity is not None:
+                    rejected[candidate] = identity
+                corrupt = corrupt or out.corrupt
+                reason = "; ".join(f"rank {r}: {p}" for r, p in sorted(out.bad.items()))
                 tried.append(f"step {shown}: {reason}")
                 if step is not None:
-                    raise CheckpointCorruptError(f"checkpoint step {shown} failed verification ({reason}); expected "
-                                                 "intact files. Fix: load another step (steps() lists them).",
-                                                 rank=ckpt.err_rank, ranks=sorted(bad))
+                    _raise_failed(ctx, f"checkpoint step {shown}", reason, out.corrupt, sorted(out.bad))
                 warn(f"checkpoint step {shown} failed verification ({reason}); falling back to the previous "
                      "committed checkpoint.", stacklevel=user_stacklevel())
         if not vanished:
             break
     else:
         raise CheckpointBusyError(
-            f"the checkpoints in {ckpt.directory} were rotated away while being read, {_RETRIES} times; expected a "
+            f"the checkpoints in {ctx.directory} were rotated away while being read, {_RETRIES} times; expected a "
             "committed step to stay while it is read. A writer is saving and rotating fast (keep_last is small). "
-            "Fix: retry the load, or raise checkpoint.keep_last on the writer.", rank=ckpt.err_rank)
-    raise CheckpointCorruptError(
-        f"no valid checkpoint in {ckpt.directory} ({'; '.join(tried) or 'no committed checkpoint'}); expected at "
-        "least one committed checkpoint whose files match its manifest. Fix: check the directory, or start from "
-        "scratch.", rank=ckpt.err_rank)
+            "Fix: retry the load, or raise checkpoint.keep_last on the writer.", rank=ctx.err_rank)
+    _raise_failed(ctx, None, "; ".join(tried) or "no committed checkpoint", corrupt or not tried, None)
+
+
+def _raise_failed(ctx: Context, what: str | None, reason: str, corrupt: bool, ranks: list[int] | None) -> NoReturn:
+    """The error of a load that restored nothing (every live object is as it was before ``load()``)."""
+    if what is not None and corrupt:
+        raise CheckpointCorruptError(f"{what} failed verification ({reason}); expected intact files. Fix: load "
+                                     "another step (steps() lists them).", rank=ctx.err_rank, ranks=ranks)
+    if what is not None:
+        raise CheckpointError(f"{what} could not be restored into the live objects ({reason}); it was not found "
+                              "corrupt. Expected the entries, model and optimizer it was saved from. Nothing was "
+                              "restored. Fix: build the same objects as when saving, or load another step.",
+                              rank=ctx.err_rank, ranks=ranks)
+    if corrupt:
+        raise CheckpointCorruptError(
+            f"no valid checkpoint in {ctx.directory} ({reason}); expected at least one committed checkpoint whose "
+            "files match its manifest. Nothing was restored. Fix: check the directory, or start from scratch.",
+            rank=ctx.err_rank)
+    raise CheckpointError(
+        f"no checkpoint in {ctx.directory} could be restored into the live objects ({reason}); none was found "
+        "corrupt. Expected the entries, model and optimizer they were saved from. Nothing was restored. Fix: build "
+        "the same objects as when saving (or pass only entries the checkpoints hold).", rank=ctx.err_rank)

@@ -12,12 +12,12 @@ or ``sharded/__<r>_<n>.distcp``, and the files the entries need are listed. A pa
 ``rank_<r>.pt``) must be a dict holding what the manifest promises, and a saved RNG state must have the shape
 :func:`robustdist.checkpoint._payload.capture_rng` gives it. Anything else is a
 :class:`~robustdist.errors.CheckpointCorruptError` naming the file and the problem, so ``load()`` falls back
-to the previous step instead of failing deep inside with a ``TypeError``.
+to the previous step instead of failing deep inside with a ``TypeError``. What a payload's entries must be to
+fit the live objects they are restored into (a module, an optimizer, a scheduler) is checked by :mod:`._live`.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -227,80 +227,10 @@ def check_size(where: str, value: Any, limit: int) -> None:
             stack.extend(item)
 
 
-def _overlapping(t: torch.Tensor) -> bool:
-    """True when ``t`` has more elements than the storage its strides span (an expanded view)."""
+def overlapping(t: torch.Tensor) -> bool:
+    """True when ``t`` has more elements than the storage its strides span (an expanded view): casting or
+    copying it (as an optimizer's ``load_state_dict`` does) would materialise a few bytes into gigabytes."""
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.numel() <= 1:
         return False
     span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
     return t.numel() > span
-
-
-def check_optimizer(where: str, live: Any, saved: Any) -> None:
-    """An optimizer state dict must match the live optimizer's groups and parameter counts, hold state only for
-    listed parameters, and hold no expanded (overlapping) tensor views: ``load_state_dict`` casts each state
-    tensor to its parameter's dtype, which would materialise a few-byte view into gigabytes."""
-    groups = live.param_groups
-    if not (isinstance(saved, dict) and set(saved) == {"state", "param_groups"} and isinstance(saved["state"], dict)
-            and isinstance(saved["param_groups"], list) and len(saved["param_groups"]) == len(groups)):
-        raise _bad(where, f"is not the state dict of an optimizer with {len(groups)} parameter group(s)")
-    listed: set[Any] = set()
-    for saved_group, group in zip(saved["param_groups"], groups):
-        ids = saved_group.get("params") if isinstance(saved_group, dict) else None
-        if not (isinstance(ids, list) and len(ids) == len(group["params"])):
-            raise _bad(where, "a parameter group does not list the live group's parameter count")
-        listed.update(i for i in ids if isinstance(i, (int, str)))
-    stack: list[Any] = []
-    for key, state in saved["state"].items():
-        if key not in listed:
-            raise _bad(where, f"holds state for parameter {key!r:.40}, which no parameter group lists")
-        stack.append(state)
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor) and (item.layout != torch.strided or item.is_quantized or item.is_nested):
-            raise _bad(where, f"holds a {item.layout} {'quantized ' if item.is_quantized else ''}tensor; expected "
-                              "dense optimizer state")
-        if isinstance(item, torch.Tensor) and _overlapping(item):
-            raise _bad(where, f"holds an expanded tensor view (shape {tuple(item.shape)[:8]}, strides "
-                              f"{item.stride()[:8]}); expected densely stored optimizer state")
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-
-
-def _kind(value: Any) -> str:
-    for kind, types in (("number", (int, float)), ("tensor", torch.Tensor), ("text", (str, bytes)),
-                        ("sequence", (list, tuple)), ("mapping", dict)):
-        if isinstance(value, types):
-            return kind
-    return "none" if value is None else type(value).__name__
-
-
-def check_same_keys(where: str, live: Any, saved: Any) -> None:
-    """For torch's own stateful objects whose ``load_state_dict`` updates ``__dict__`` (LR schedulers, grad
-    scalers): the saved state may only hold keys the live state has (fewer is fine: another torch version),
-    each of the same kind, so it cannot replace a method or an attribute of another type."""
-    current = live.state_dict()
-    if not isinstance(saved, dict) or not set(saved) <= set(current):
-        extra = sorted(map(str, set(saved) - set(current))) if isinstance(saved, dict) else []
-        raise _bad(where, f"does not have the keys of a {type(live).__name__} state dict"
-                          + (f" (unexpected: {', '.join(extra)[:200]})" if extra else ""))
-    for key, value in saved.items():
-        if _kind(value) != _kind(current[key]) and "none" not in (_kind(value), _kind(current[key])):
-            raise _bad(where, f"key {key!r:.40} is a {_kind(value)}; the live {type(live).__name__} has a "
-                              f"{_kind(current[key])}")
-        if isinstance(value, float) and not math.isfinite(value) and math.isfinite(current[key]):
-            raise _bad(where, f"key {key!r:.40} is {value}; the live {type(live).__name__} has a finite number")
-    if "lr_lambdas" in saved:  # LambdaLR & co. update each callable object's __dict__ with its saved dict
-        lambdas, live_lambdas = saved["lr_lambdas"], current["lr_lambdas"]
-        if not (isinstance(lambdas, list) and isinstance(live_lambdas, list) and len(lambdas) == len(live_lambdas)
-                and all(a is None or (isinstance(a, dict) and isinstance(b, dict) and set(a) <= set(b))
-                        for a, b in zip(lambdas, live_lambdas))):
-            raise _bad(where, "lr_lambdas does not match the live scheduler's (it may only restore attributes "
-                              "its callable objects have)")
-    inner = getattr(live, "_schedulers", None)  # SequentialLR, ChainedScheduler: one state per inner scheduler
-    if isinstance(inner, list) and "_schedulers" in saved:
-        if not (isinstance(saved["_schedulers"], list) and len(saved["_schedulers"]) == len(inner)):
-            raise _bad(where, f"holds a different number of inner schedulers than the live {type(live).__name__}")
-        for i, (child, child_saved) in enumerate(zip(inner, saved["_schedulers"])):
-            check_same_keys(f"{where} inner scheduler {i}", child, child_saved)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from robustdist._loader_epochs import Position
 from robustdist._loader_state import FIELDS, MAX_COUNT
 from robustdist.dataloader import safe_dataloader
 from robustdist.errors import CheckpointError
@@ -135,8 +136,27 @@ def test_malformed_state_is_refused_and_the_loader_is_unchanged(name):
     message = str(info.value)
     assert named in message and "expected" in message and "Fix: " in message
     assert len(message) < 600
-    assert loader._resume is None and loader._iterations == 0 and loader.sampler.epoch == 0
+    assert loader._pos == Position() and loader.sampler.epoch == 0
     assert _epochs(loader) == expected  # same batches as a fresh loader: no field was applied
+
+
+@pytest.mark.parametrize("name", ["batches past num_batches", "rng torch garbage", "epoch negative", "version future"])
+def test_a_refused_state_leaves_a_loader_mid_epoch_where_it_was(name):
+    torch.manual_seed(0)
+    reference = [b for epoch in _epochs(_fresh(), 2) for b in epoch]
+    loader = _fresh()
+    list(loader)  # epoch 0
+    it = iter(loader)
+    first = [next(it)[0].tolist() for _ in range(3)]
+    before = loader.state_dict()
+    with pytest.raises(CheckpointError):
+        loader.load_state_dict(HOSTILE[name][0])
+    after = loader.state_dict()
+    assert {k: v for k, v in after.items() if k != "rng"} == {k: v for k, v in before.items() if k != "rng"}
+    assert all(torch.equal(after["rng"][k], before["rng"][k]) for k in ("torch", "generator"))
+    assert first == reference[BATCHES:BATCHES + 3]
+    del it
+    assert [b.tolist() for (b,) in loader] == reference[BATCHES:]  # abandoned: epoch 1 replays, not epoch 2
 
 
 def test_rng_refusals_chain_torchs_error():

@@ -1,0 +1,194 @@
+"""``Hardened``: what :func:`robustdist.harden` returns (the model, the loader, and the per-step, checkpoint and
+lifecycle calls). Exported as ``robustdist.harden.Hardened``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint
+from robustdist.config import HardenConfig
+from robustdist.errors import ConfigError
+from robustdist.health import StepDecision, StepGuard, Watchdog
+from robustdist.log import get_logger, logging_configured
+from robustdist.process_group import InitReport, destroy_process_group_if_owned
+from robustdist.topology import Topology
+from robustdist.train_state import Stateful, TrainState
+
+__all__ = ["Hardened"]
+
+log = get_logger("robustdist.harden")
+
+
+class Hardened:
+    """What :func:`~robustdist.harden.harden` returns. Unpacks as ``model, loader = harden(...)``.
+
+    Attributes: ``model``, ``loader``, ``state`` (the :class:`~robustdist.train_state.TrainState` that ``save``
+    and ``resume`` checkpoint), ``topology``, ``init_report``, ``checkpointer`` (or None), ``config``,
+    ``watchdog`` (or None), ``guard`` (the :class:`~robustdist.health.StepGuard`), ``optimizer`` and
+    ``scheduler`` (settable: used by skip and rollback, and as the default for ``save``/``resume``).
+    """
+
+    def __init__(self, *, state: TrainState, topology: Topology, init_report: InitReport,
+                 checkpointer: AtomicCheckpointer | None, config: HardenConfig,
+                 watchdog: Watchdog | None = None):
+        self.state, self.topology, self.init_report = state, topology, init_report
+        self.checkpointer, self.config, self.watchdog = checkpointer, config, watchdog
+        self.last_loaded: LoadedCheckpoint | None = None
+        self._step = 0
+        self._closed = False
+        health = config.health
+        ddp = init_report.distributed and config.distributed.strategy == "ddp"
+        self.guard = StepGuard(health.nan_policy, model=state.model, optimizer=state.optimizer,
+                               restore=self._load if checkpointer is not None else None,
+                               max_rollbacks=health.max_rollbacks,
+                               divergence_interval=health.interval_steps if health.check_divergence and ddp else None)
+
+    # ------------------------------------------------------------------ drop-in shape
+    def __iter__(self) -> Any:
+        log.info("harden() unpacked as `model, loader`: the step guard (nan_policy %r) runs only through "
+                 "h.step_guard(loss, step), so non-finite losses are not checked in this form. Keep the Hardened "
+                 "object (h = harden(...)) and call h.step_guard after backward() to guard them.",
+                 self.config.health.nan_policy)
+        return iter((self.model, self.loader))
+
+    @property
+    def model(self) -> nn.Module:
+        return self.state.model
+
+    @property
+    def loader(self) -> Any:
+        return self.state.loader
+
+    @property
+    def optimizer(self) -> Optimizer | None:
+        return self.state.optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: Optimizer | None) -> None:
+        self.state.optimizer = value
+        self.guard.optimizer = value
+
+    @property
+    def scheduler(self) -> Stateful | None:
+        return self.state.scheduler
+
+    @scheduler.setter
+    def scheduler(self, value: Stateful | None) -> None:
+        self.state.scheduler = value
+
+    @property
+    def extras(self) -> dict[str, Stateful]:
+        return self.state.extras
+
+    # ------------------------------------------------------------------ per step
+    def step_guard(self, loss: Any, step: int) -> StepDecision:
+        """Call after ``backward()`` and before ``optimizer.step()``; step only if the result is true.
+
+        Beats the watchdog, checks the loss (and gradients) with ``health.nan_policy`` on every rank, and runs
+        the divergence check every ``health.interval_steps`` steps. After a rollback, ``decision.resume_step``
+        is the step to continue from and the loader must be iterated afresh (``break`` out of the loop over
+        it): the next iteration starts at the checkpoint's position.
+        """
+        self._beat(step)
+        decision = self.guard(loss, step)
+        self._step = decision.resume_step if decision.rolled_back and decision.resume_step is not None else step + 1
+        self._beat()
+        return decision
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int, *, optimizer: Optimizer | None = None, scheduler: Stateful | None = None,
+             force: bool = False, **extra: Any) -> CheckpointInfo | None:
+        """Save when ``checkpoint.every_n_steps`` divides ``step`` (or always with ``force=True``). Collective:
+        every rank calls it.
+
+        Saved: the model (prefix-free, or sharded for FSDP), the optimizer and scheduler (given here or
+        earlier), ``extra`` entries (stateful objects or plain data), every rank's RNG state and loader
+        position. Returns the :class:`CheckpointInfo`, or None when this step is not a saving step.
+        """
+        if self.checkpointer is None:
+            if force:
+                raise ConfigError("save(force=True) was called but checkpoint.dir is None; expected a checkpoint "
+                                  "directory. Fix: set checkpoint.dir in the config passed to harden().",
+                                  rank=self._err_rank())
+            return None
+        every = self.config.checkpoint.every_n_steps
+        if not force and (every is None or step % every):
+            return None
+        self._remember(optimizer, scheduler, extra)
+        with self._bounded("checkpoint save"):
+            return self.state.save(self.checkpointer, step, extra)
+
+    def resume(self, *, optimizer: Optimizer | None = None, scheduler: Stateful | None = None,
+               **extra: Any) -> int | None:
+        """Restore the newest valid checkpoint: model, optimizer, scheduler, stateful ``extra`` objects, RNG and
+        the loader's position. Collective: every rank calls it. Returns the step to continue from, or None
+        when there is nothing to resume.
+
+        Logged at INFO, or on rank 0 at WARNING while logging is not configured (so a resume is never silent)."""
+        if self.checkpointer is None:
+            return None
+        self._remember(optimizer, scheduler, extra)
+        step = self._load(missing_ok=True)
+        level = logging.INFO if logging_configured() or self.init_report.rank != 0 else logging.WARNING
+        if step is None:
+            log.log(level, "nothing to resume in %s: starting from step 0", self.checkpointer.directory)
+            return None
+        log.log(level, "resumed from checkpoint step %d in %s", step, self.checkpointer.directory)
+        return step
+
+    def _load(self, *, missing_ok: bool = False) -> int | None:
+        if self.checkpointer is None:  # rollback and resume only reach here with a checkpointer
+            raise ConfigError("no checkpointer to load from; expected checkpoint.dir to be set. Fix: set it.")
+        with self._bounded("checkpoint load"):
+            loaded = self.state.load(self.checkpointer, missing_ok=missing_ok)
+        if loaded is None:
+            return None
+        self.last_loaded, self._step = loaded, loaded.step
+        self.guard.state_restored()
+        self._beat()
+        return loaded.step
+
+    def _bounded(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """While a checkpoint operation runs, the watchdog allows its own bound (the checkpoint timeout plus the
+        arrival bound) instead of calling a slow, healthy save a hang."""
+        if self.watchdog is None or self.checkpointer is None:
+            return contextlib.nullcontext()
+        bound = self.checkpointer.timeout + self.checkpointer.arrival_timeout
+        return self.watchdog.allow(bound, what)
+
+    def _remember(self, optimizer: Optimizer | None, scheduler: Stateful | None, extra: dict[str, Any]) -> None:
+        self.state.remember(optimizer=optimizer, scheduler=scheduler, extra=extra)
+        self.guard.optimizer = self.state.optimizer
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop the watchdog (and its hooks), wait for an async save (re-raising its error), release the
+        checkpoint directory's lock, and destroy the process group only if ``harden`` created it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.watchdog is not None:
+                self.watchdog.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            destroy_process_group_if_owned(self.init_report)
+
+    def __enter__(self) -> Hardened:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _beat(self, step: int | None = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(self._step if step is None else step)
+
+    def _err_rank(self) -> int | None:
+        return self.init_report.rank if self.init_report.distributed else None
