@@ -6,7 +6,10 @@ reference to the loader). An epoch ends when its iterator runs out or has yielde
 loop that breaks after the last batch). A new ``iter(loader)``:
 
 * after an ended epoch, starts the next one: the sampler's ``set_epoch(epoch + 1)``, unless the user called
-  ``set_epoch`` since (a changed epoch is respected);
+  ``set_epoch`` since its last iteration began (with any value, the same one included: ``set_epoch(e)`` twice runs
+  epoch ``e`` twice, as with a plain ``DataLoader``) or changed ``sampler.epoch``. Calls are noticed by an
+  instance-level wrapper that :func:`watch_set_epoch` puts on the sampler's ``set_epoch`` (it counts, then calls
+  the sampler's own; a sampler that refuses the attribute falls back to noticing changed values only);
 * while the epoch is still open (an iteration abandoned part-way, e.g. a batch-size peek
   ``next(iter(loader))``), replays that epoch: no ``set_epoch``, so an epoch-seeded sampler
   (``DistributedSampler``) yields the same order, as a plain ``DataLoader`` with ``set_epoch(epoch)`` does;
@@ -81,13 +84,14 @@ class Position:
 
     epochs: int = 0  # epochs started; an abandoned epoch replayed by the next iteration counts once
     epoch_seen: int | None = None  # the sampler epoch the current epoch runs (None: no epoch sampler yet)
+    calls_seen: int | None = None  # the sampler's set_epoch calls when the current iteration began
     open: bool = False  # the current epoch started and has not ended
     start: Start | None = None  # where each iteration of the open epoch starts, after a resume
     offset: int = 0  # batches the current iteration skipped (its start)
     progress: Progress | None = None  # the current iteration's
     iterator: weakref.ref[_BaseDataLoaderIter] | None = None  # the current iteration's, while it lives
     rng: RngState | None = None  # what the current iteration's sampler started from
-    pending: Start | None = None  # the start the index sampler applies next
+    pending: Start | None = None  # the current iteration's start, taken by its index sampler's iter()
 
     def ended(self, length: int | None) -> bool:
         """Whether the current iteration finished its epoch (ran out, or yielded every batch)."""
@@ -99,6 +103,35 @@ class Position:
 
     def __getstate__(self) -> dict[str, Any]:  # a pickled loader (spawn, Ray) leaves its live iterator behind
         return {**self.__dict__, "iterator": None}
+
+
+class SetEpochWatch:
+    """Put on a sampler instance as its ``set_epoch``: counts the calls (a call with the epoch it already has is
+    still a call), then runs the sampler's own ``set_epoch``. Pickles and deep-copies with its sampler."""
+
+    def __init__(self, owner: Any, own: Any = None):
+        self.owner, self.own, self.calls = owner, own, 0  # own: an instance-level set_epoch it replaced, if any
+
+    def __call__(self, epoch: int) -> Any:
+        self.calls += 1
+        if self.own is not None:
+            return self.own(epoch)
+        return type(self.owner).set_epoch(self.owner, epoch)
+
+
+def watch_set_epoch(sampler: EpochSampler | None) -> int | None:
+    """The number of ``set_epoch`` calls on ``sampler`` since it was first watched (installing the watch);
+    None where it cannot be watched (no sampler, or one that refuses an instance attribute)."""
+    if sampler is None:
+        return None
+    current = getattr(sampler, "__dict__", {}).get("set_epoch")
+    if isinstance(current, SetEpochWatch) and current.owner is sampler:
+        return current.calls
+    try:
+        sampler.set_epoch = SetEpochWatch(sampler, current)  # type: ignore[method-assign]
+    except (AttributeError, TypeError):  # __slots__, a read-only property: compare values only
+        return None
+    return 0
 
 
 class _Tracked:
@@ -148,16 +181,27 @@ class PositionedSampler:
         return len(self.inner)
 
     def __iter__(self) -> Iterator[Any]:
+        # Taken now, when the iterator is created (torch calls iter() on its index sampler in the iterator's
+        # __init__ and again in its reset, which persistent workers also call at each epoch), not when the first
+        # index is drawn: two iterators of a restored epoch both start at the restored batch. Not cleared:
+        # begin_iteration sets it for each iteration.
         pos = self.position
-        start, pos.pending = pos.pending, None
+        start, progress = pos.pending, pos.progress
+        if start is not None:
+            pos.rng = start[1]
+        return self._indices(start, progress)
+
+    def _indices(self, start: Start | None, progress: Progress | None) -> Iterator[Any]:
+        pos = self.position
         if start is None:
-            pos.rng = capture_rng(self.generator)
+            rng = capture_rng(self.generator)
+            if pos.progress is progress:  # an older iterator drawing late does not overwrite the current one's
+                pos.rng = rng
             yield from self.inner
             return
         skip, rng = start
         now = torch.get_rng_state()
         restore_rng(rng, self.generator)
-        pos.rng = rng
         try:
             it = iter(self.inner)
             for _ in range(skip):
@@ -190,11 +234,14 @@ def begin_iteration(loader: PositionedLoader, sampler: EpochSampler | None) -> S
             log.debug("the previous iteration stopped before the epoch ended: replaying epoch %s", epoch)
     else:
         if sampler is not None:
-            if pos.epochs > 0 and epoch == pos.epoch_seen:  # the user did not set_epoch since the last epoch
+            calls = watch_set_epoch(sampler)
+            untouched = epoch == pos.epoch_seen and (calls is None or calls == pos.calls_seen)
+            if pos.epochs > 0 and untouched:  # no set_epoch since the last iteration began: the next epoch
                 sampler.set_epoch(epoch + 1)
             pos.epoch_seen = int(sampler.epoch)
         pos.epochs += 1
         pos.open, pos.start = True, None
+    pos.calls_seen = watch_set_epoch(sampler)  # calls from here on are the user's, for the next epoch
     pos.offset, pos.rng = (pos.start[0], pos.start[1]) if pos.start is not None else (0, None)
     pos.pending, pos.progress, pos.iterator = pos.start, Progress(), None
     return pos.start

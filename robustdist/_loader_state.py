@@ -32,6 +32,7 @@ field and leaves the loader as it was.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -42,8 +43,10 @@ from robustdist._loader_epochs import (
     EpochSampler,
     PositionedLoader,
     batches_per_epoch,
+    Position,
     capture_rng,
     epoch_length,
+    watch_set_epoch,
 )
 from robustdist._validate import show
 from robustdist.errors import CheckpointError
@@ -52,8 +55,22 @@ STATE_VERSION = 1
 FIELDS = ("version", "iterations", "epoch", "num_batches", "batches", "in_flight", "rng")
 MAX_UNSIZED_SKIP = 10_000_000  # batches a resume may skip when the loader has no length (each is a next())
 MAX_COUNT = 2**63 - 1  # counters are int64 in torch; a DistributedSampler seeds with seed + epoch (uint64)
+MAX_SEED = 2**64 - 1  # the largest seed torch's manual_seed accepts
+_LOADER_REFS = 3  # getrefcount's argument, in_use's local, the persistent-workers loader's own _iterator
 _FIX = ("Fix: pass the dict SafeDataLoader.state_dict() returned, unmodified (check that the checkpoint holds this "
         "loader's state), or skip load_state_dict() to start the loader fresh.")
+
+
+def in_use(loader: PositionedLoader, pos: Position) -> bool:
+    """Whether the current iteration's iterator is still referenced outside the loader (a training loop is in
+    it). A loader with persistent workers keeps its iterator (``_iterator``) for the next epoch, so that
+    reference does not count: after an abandoned ``next(iter(loader))`` only the loader holds it."""
+    it = pos.iterator() if pos.iterator is not None else None
+    if it is None:
+        return False
+    if getattr(loader, "_iterator", None) is not it or not hasattr(sys, "getrefcount"):
+        return True  # (without refcounts, as on PyPy: taken as in use, the iterator's own position)
+    return sys.getrefcount(it) > _LOADER_REFS
 
 
 def state_dict(loader: PositionedLoader, sampler: EpochSampler | None) -> dict[str, Any]:
@@ -61,7 +78,7 @@ def state_dict(loader: PositionedLoader, sampler: EpochSampler | None) -> dict[s
     in_flight = pos.open and not pos.ended(epoch_length(loader, pos))
     if not in_flight:
         batches, rng = 0, None
-    elif pos.alive() and pos.progress is not None:  # the loop is in this iteration: its own position
+    elif in_use(loader, pos) and pos.progress is not None:  # the loop is in this iteration: its own position
         batches, rng = pos.offset + pos.progress.batches, pos.rng
     elif pos.start is not None:  # abandoned, or not iterated since a resume: the next iteration starts here
         batches, rng = pos.start
@@ -148,15 +165,30 @@ def _check_rng(rng: Any, in_flight: bool, generator: torch.Generator | None) -> 
         _check_rng_state("rng['generator']", rng["generator"], trial)
 
 
-def validate_state(state: Any, generator: torch.Generator | None) -> None:
-    """Raise :class:`CheckpointError` naming the first malformed field of a saved loader state; change nothing."""
+def _check_epoch(state: dict[str, Any], seed: int | None) -> None:
+    epoch = state["epoch"]
+    if seed is None or type(epoch) is not int or epoch < 0:
+        _check_count(state, "epoch", optional=True)
+        return
+    high = min(MAX_COUNT, MAX_SEED - 1 - seed)  # the next epoch (epoch + 1) must seed too
+    if epoch > high:
+        raise CheckpointError(
+            f"loader state `epoch` is {epoch}; expected at most {high}: the sampler seeds each epoch with seed + "
+            f"epoch (its seed is {seed}), and torch's manual_seed accepts at most 2**64-1 = {MAX_SEED}, for this "
+            f"epoch and the next. {_FIX} If the checkpoint is right, build the sampler with the seed it was "
+            "saved with (a smaller one).")
+
+
+def validate_state(state: Any, generator: torch.Generator | None, seed: int | None = None) -> None:
+    """Raise :class:`CheckpointError` naming the first malformed field of a saved loader state; change nothing.
+    ``seed``: the epoch sampler's seed (``DistributedSampler.seed``), which bounds ``epoch``; None if none."""
     _check_dict(state)
     in_flight = state["in_flight"]
     if type(in_flight) is not bool:
         raise _refuse("in_flight", in_flight, "True or False")
     started = " (at least 1 while `in_flight` is True: the interrupted iteration had started)" if in_flight else ""
     _check_count(state, "iterations", 1 if in_flight else 0, why=started)
-    _check_count(state, "epoch", optional=True)
+    _check_epoch(state, seed)
     _check_count(state, "num_batches", optional=True)
     num_batches = state["num_batches"]
     if num_batches is None:  # a sampler without a length: skipping is bounded here, since no length bounds it
@@ -173,12 +205,14 @@ def _copy_rng(rng: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_state_dict(loader: PositionedLoader, sampler: EpochSampler | None, state: Any) -> None:
-    validate_state(state, loader.generator)
+    seed = getattr(sampler, "seed", None)
+    validate_state(state, loader.generator, seed if type(seed) is int else None)
     epoch, iterations = state["epoch"], state["iterations"]
     if sampler is not None and epoch is not None:
         sampler.set_epoch(epoch)
     pos = loader._pos
     pos.epochs, pos.epoch_seen = iterations, int(sampler.epoch) if sampler is not None else None
+    pos.calls_seen = watch_set_epoch(sampler)  # this set_epoch restores the epoch: not the user's
     pos.open, pos.start, pos.offset = state["in_flight"], None, 0
     pos.progress = pos.iterator = pos.pending = None
     if not state["in_flight"]:

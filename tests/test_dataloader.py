@@ -482,3 +482,33 @@ def test_prebuilt_samplers_on_real_ranks_before_the_group():
                 "torch.utils.data.distributed.DistributedSampler") in out["custom"]
         assert out["kwargs True"] == ("DistributedSampler", True)
         assert out["kwargs False"] == ("DistributedSampler", False)
+
+
+def test_set_epoch_with_the_same_value_twice_runs_that_epoch_twice():
+    # regression: a repeated value was taken for "no set_epoch since the last epoch" and auto-advanced (0,1,2,1)
+    plain = DataLoader(Squares(), sampler=_epoch_sampler(), batch_size=3)
+    safe = safe_dataloader(Squares(), sampler=_epoch_sampler(), batch_size=3)
+    ran = []
+    for epoch in (0, 0, 1, 1):
+        plain.sampler.set_epoch(epoch)
+        safe.sampler.set_epoch(epoch)
+        expected = [b.tolist() for b in plain]
+        assert [b.tolist() for b in safe] == expected
+        ran.append(safe.sampler.epoch)
+    assert ran == [0, 0, 1, 1]
+    for epoch in (2, 3):  # no more set_epoch calls: the loader advances by itself again, after whole epochs
+        next(iter(safe))  # an abandoned iteration does not advance
+        plain.sampler.set_epoch(epoch)
+        assert [b.tolist() for b in safe] == [b.tolist() for b in plain]
+        assert safe.sampler.epoch == epoch
+
+
+def test_the_set_epoch_watch_travels_with_a_copied_or_pickled_sampler():
+    import copy
+    import pickle
+
+    safe = safe_dataloader(Squares(), sampler=_epoch_sampler(), batch_size=3)
+    list(safe)
+    for clone in (copy.deepcopy(safe.sampler), pickle.loads(pickle.dumps(safe.sampler))):
+        clone.set_epoch(5)
+        assert (clone.epoch, safe.sampler.epoch) == (5, 0)

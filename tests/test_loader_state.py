@@ -201,3 +201,41 @@ def test_set_epoch_to_another_epoch_after_a_resume_starts_that_epoch_whole():
         "set_epoch(3) was called on a loader restored to epoch 0, batch 4, before that epoch ended: epoch 3 starts "
         "from its beginning and the restored position is not used. Fix: continue your epoch counter from "
         "loader.sampler.epoch after a resume.")
+
+
+def _plain_epoch(shuffle=False):
+    return [b.tolist() for (b,) in DataLoader(DATA, batch_size=3, shuffle=shuffle)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_peek_with_persistent_workers_is_not_checkpointed_as_consumed(num_workers):
+    # regression: the loader keeps a persistent-workers iterator, so a peek counted as a live loop (batches == 1)
+    def make():
+        return safe_dataloader(DataLoader(DATA, batch_size=3, num_workers=num_workers,
+                                          persistent_workers=num_workers > 0))
+    loader = make()
+    next(iter(loader))  # a batch-size peek, abandoned
+    state = loader.state_dict()
+    assert (state["in_flight"], state["batches"]) == (True, 0)
+    assert [b.tolist() for (b,) in loader] == _plain_epoch()  # the live loader replays the epoch
+    restored = make()
+    restored.load_state_dict(state)
+    assert [b.tolist() for (b,) in restored] == _plain_epoch()  # and so does a restored one
+    if num_workers:
+        it = iter(loader)  # a live loop with persistent workers still records its own position
+        next(it), next(it)
+        assert loader.state_dict()["batches"] == 2
+        del it
+
+
+def test_two_iterators_after_a_resume_both_start_at_the_restored_batch():
+    # regression: the restored start was one slot, taken by whichever iterator drew first
+    loader = safe_dataloader(DataLoader(DATA, batch_size=3))
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    del it
+    restored = safe_dataloader(DataLoader(DATA, batch_size=3))
+    restored.load_state_dict(state)
+    a, b = iter(restored), iter(restored)
+    assert [x.tolist() for (x,) in a] == [x.tolist() for (x,) in b] == _plain_epoch()[2:]

@@ -115,6 +115,24 @@ HOSTILE = {  # name: (state, what the message must name)
 }
 
 
+def test_an_epoch_that_would_overflow_the_samplers_seed_is_refused():
+    # regression: seed + epoch past 2**64-1 passed validation and raised torch's raw ValueError at iter()
+    def big_seed():
+        sampler = DistributedSampler(DATA, num_replicas=1, rank=0, shuffle=True, seed=2**63)
+        return safe_dataloader(DataLoader(DATA, batch_size=3, sampler=sampler))
+    limit = 2**64 - 2 - 2**63  # seed + epoch + 1 (the next epoch) must fit manual_seed's 2**64-1
+    for epoch in (2**63 - 1, limit + 1):
+        loader = big_seed()
+        with pytest.raises(CheckpointError) as info:
+            loader.load_state_dict(_with(IDLE, epoch=epoch))
+        assert f"loader state `epoch` is {epoch}; expected at most {limit}" in str(info.value)
+        assert "its seed is 9223372036854775808" in str(info.value) and "Fix:" in str(info.value)
+        assert loader._pos == Position() and loader.sampler.epoch == 0
+    loader = big_seed()
+    loader.load_state_dict(_with(IDLE, epoch=limit))  # the largest epoch whose next epoch still seeds
+    assert len(_epochs(loader, 1)[0]) == BATCHES and loader.sampler.epoch == limit + 1
+
+
 def test_the_valid_states_load_and_resume():
     torch.manual_seed(0)
     reference = [b for epoch in _epochs(_fresh(), 2) for b in epoch]
