@@ -20,6 +20,10 @@ Failure is always reported, never waited out:
 
 Each rank runs in its own process group and gets ``PR_SET_PDEATHSIG`` on Linux, so no rank outlives the
 caller even if the caller itself is killed.
+
+A test suite that calls ``run_ranks`` hundreds of times can call :func:`use_forkserver` once: ranks are then
+forked from a server process that has already imported torch, instead of each importing it (most of a small
+rank's cost). Each rank still gets exactly the caller's environment at the call, as with ``spawn``.
 """
 
 from __future__ import annotations
@@ -46,9 +50,20 @@ from typing import Any
 from robustdist import _dist
 from robustdist.errors import RanksFailed, RanksTimeout, ranks_phrase
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "run_ranks", "use_forkserver"]
 
 _DUMP_WAIT_S = 1.0  # how long a hung rank gets to write its stack dump before it is killed
+_start = {"method": "spawn", "preload": ()}  # what use_forkserver() changes, in this process only
+
+
+def use_forkserver(preload: Sequence[str] = ("torch", "torch.distributed")) -> None:
+    """Start later ranks from a ``forkserver`` that imports ``preload`` once (see the module docstring).
+
+    The server starts at the next ``run_ranks`` and lives until this process exits. Environment variables
+    read only when a library loads (``OMP_NUM_THREADS`` by OpenMP) take the value of that first call; each
+    rank re-applies ``OMP_NUM_THREADS`` with ``torch.set_num_threads``.
+    """
+    _start.update(method="forkserver", preload=tuple(preload))
 
 
 def free_port() -> int:
@@ -94,7 +109,10 @@ def run_ranks(
             f"run_ranks cannot send {fn!r} and its args to the ranks: {e}. Expected a module-level function and "
             "picklable args, since ranks are fresh interpreters (spawn). Fix: move fn to module top level."
         ) from e
-    ctx = mp.get_context("spawn")
+    ctx: Any = mp.get_context(str(_start["method"]))
+    forked = _start["method"] == "forkserver"
+    if forked:
+        ctx.set_forkserver_preload(list(_start["preload"]))
     port = free_port()
     dump_dir = tempfile.mkdtemp(prefix="robustdist-ranks-")
     procs: list[Any] = []
@@ -108,9 +126,11 @@ def run_ranks(
                 **per_rank_env[rank],
             }
             parent_conn, child_conn = ctx.Pipe(duplex=False)
+            child_env = _full_env(rank_env) if forked else None  # a forked rank has the server's environment
             proc = ctx.Process(
                 target=_rank_main,
-                args=(rank, payload, backend, init, timeout, child_conn, os.path.join(dump_dir, f"{rank}.txt"), os.getpid()),
+                args=(rank, payload, backend, init, timeout, child_conn, os.path.join(dump_dir, f"{rank}.txt"),
+                      os.getpid(), child_env),
                 name=f"robustdist-rank-{rank}",
                 daemon=False,  # ranks may start DataLoader workers; cleanup is ours (finally + PDEATHSIG)
             )
@@ -126,6 +146,16 @@ def run_ranks(
         for conn in conns:
             conn.close()
         shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def _full_env(overrides: Mapping[str, str | None]) -> dict[str, str]:
+    full = dict(os.environ)
+    for k, val in overrides.items():
+        if val is None:
+            full.pop(k, None)
+        else:
+            full[k] = str(val)
+    return full
 
 
 def _per_rank_env(env: Any, world_size: int) -> list[dict[str, str | None]]:
@@ -267,10 +297,17 @@ _dump_file: Any = None
 
 
 def _rank_main(rank: int, payload: bytes, backend: str, init: bool, timeout: float, conn: Any,
-               dump_path: str, parent_pid: int) -> None:
+               dump_path: str, parent_pid: int, env: dict[str, str] | None = None) -> None:
     global _dump_file
     os.setpgid(0, 0)  # own process group: the parent kills us and our children together
-    _die_with_parent(parent_pid)
+    _die_with_parent(parent_pid, forked=env is not None)
+    if env is not None:  # forked from the server: take the caller's environment, as spawn would
+        os.environ.clear()
+        os.environ.update(env)
+        with contextlib.suppress(ValueError, KeyError):
+            import torch
+
+            torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
     _dump_file = open(dump_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=_dump_file, all_threads=True)
     import torch.distributed as dist
@@ -299,11 +336,17 @@ def _rank_main(rank: int, payload: bytes, backend: str, init: bool, timeout: flo
         sys.exit(1)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this rank when its parent dies (no orphan survives a killed test run)."""
+def _die_with_parent(parent_pid: int, *, forked: bool = False) -> None:
+    """Ask Linux to SIGKILL this rank when its parent dies (no orphan survives a killed test run). A rank
+    forked by the forkserver has the server as its parent; the server exits when the caller does."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if forked:
+        try:
+            os.kill(parent_pid, 0)  # the caller is gone: nobody waits for this rank
+        except ProcessLookupError:
+            os._exit(1)
+    elif os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)

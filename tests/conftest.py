@@ -28,6 +28,13 @@ settings.register_profile("robustdist", deadline=None)
 settings.load_profile("robustdist")
 
 
+def pytest_configure(config):
+    # Ranks fork from a server that imported torch once, instead of importing it each (the suite's main cost).
+    from robustdist.testing import use_forkserver
+
+    use_forkserver(("torch", "torch.distributed", "robustdist.testing"))
+
+
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
