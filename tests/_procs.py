@@ -66,14 +66,20 @@ def new_descendants(root: int, before: set[int]) -> list[int]:
     out = []
     for pid in descendants(root) - before:
         up = parents.get(pid)
-        while up is not None and up != root and up not in before:
+        while up is not None and up != root and (up not in before or _is_helper(up)):
             up = parents.get(up)
-        if up in before:
+        if up in before and not _is_helper(up):
             continue
-        if any(tag in cmdline(pid) for tag in _ALLOWED):
+        if _is_helper(pid) and not _is_helper(parents.get(pid)):  # the helper itself, not what it forked
             continue
         out.append(pid)
     return sorted(out)
+
+
+def _is_helper(pid: int | None) -> bool:
+    """A multiprocessing helper. Ranks forked by the forkserver share its command line, so a process whose
+    parent is a helper too is a forked child (a rank), not a helper."""
+    return pid is not None and any(tag in cmdline(pid) for tag in _ALLOWED)
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:

@@ -24,6 +24,26 @@ def test_new_descendants_sees_a_leaked_child():
     assert child.pid not in _procs.new_descendants(os.getpid(), before)
 
 
+def test_a_process_leaked_from_the_forkserver_is_seen_but_the_server_is_not():
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("forkserver")
+    ctx.Process(target=time.sleep, args=(0,)).start()  # make sure the server runs before we look
+    time.sleep(0.5)
+    before = _procs.descendants(os.getpid())
+    leaked = ctx.Process(target=time.sleep, args=(60,))
+    leaked.start()
+    try:
+        found = _procs.new_descendants(os.getpid(), before)
+        assert leaked.pid in found
+        assert all(not _procs._is_helper(pid) or _procs._is_helper(_procs._ppid_map().get(pid)) for pid in found)
+    finally:
+        leaked.kill()
+        leaked.join(10)
+    assert leaked.pid not in _procs.new_descendants(os.getpid(), before)
+
+
 def test_a_leaking_test_fails_and_its_child_is_killed(tmp_path):
     (tmp_path / "conftest.py").write_text("pytest_plugins = [\"tests.conftest\"]\n")
     (tmp_path / "test_leak.py").write_text(textwrap.dedent("""
