@@ -135,12 +135,12 @@ def _init(config: HardenConfig, topo: Topology) -> InitReport:
 def _wrap(model: nn.Module, config: HardenConfig, topo: Topology, report: InitReport,
           optimizer: torch.optim.Optimizer | None, shard_policy: Any, init_weights: Any) -> nn.Module:
     if config.distributed.strategy == "ddp":
-        if not report.distributed and not _dist.is_up():
-            return model  # one process, no launcher: the model as it is
-        if shard_policy is not None or init_weights is not None:
+        if shard_policy is not None or init_weights is not None:  # refused the same way with or without a launcher
             raise ConfigError("harden(shard_policy=..., init_weights=...) apply to FSDP, but distributed.strategy is "
                               "'ddp'; expected strategy 'fsdp' with them. Fix: set distributed.strategy: fsdp, or "
                               "drop those arguments.", rank=_dist.error_rank())
+        if not report.distributed and not _dist.is_up():
+            return model  # one process, no launcher: the model as it is
         return wrap_ddp(model, config.distributed, device=topo.device)
     if optimizer is not None and (report.distributed or any(p.is_meta for p in model.parameters())):
         raise ConfigError(

@@ -249,3 +249,36 @@ def test_the_watchdog_allows_a_bounded_operation_its_own_bound():
         assert len(dog.reports) == 1
     finally:
         dog.close()
+
+
+def test_fsdp_only_arguments_with_ddp_are_refused_with_the_fix(single_process):
+    from robustdist.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"apply to FSDP, but distributed.strategy is 'ddp'.*Fix: set "
+                                          r"distributed.strategy: fsdp, or drop those arguments"):
+        harden(tr.make_model(), None, QUIET, shard_policy=lambda m: False)
+
+
+def test_an_optimizer_over_a_meta_model_is_refused_before_fsdp_materialises_it(single_process):
+    from robustdist.errors import ConfigError
+
+    with torch.device("meta"):
+        model = tr.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"distributed": {"strategy": "fsdp"}, **QUIET}
+    with pytest.raises(ConfigError, match=r"fully_shard replaces the model's parameters.*Fix: h = harden"):
+        harden(model, None, cfg, optimizer=opt)
+
+
+def _dict_config_warns(rank: int) -> list[tuple[str, str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        safe_init_process_group({"distributed": {"timeout": 60}})  # the group exists: adopted
+    return [(os.path.basename(w.filename), str(w.message)) for w in caught if w.category is DeprecationWarning]
+
+
+def test_a_dict_passed_to_safe_init_process_group_warns_at_the_callers_line():
+    for got in run_ranks(_dict_config_warns, 2, timeout=60):
+        assert len(got) == 1 and got[0][0] == "test_harden_shape.py"
+        assert "pass a HardenConfig or a DistributedConfig" in got[0][1]
+        assert "Resolve it once with robustdist.resolve_config(cfg)" in got[0][1]
