@@ -4,6 +4,7 @@ FSDP, and the resilient-training demo under torchrun with a real SIGKILL."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -199,7 +200,9 @@ def test_demo_resumes_bit_identically_after_a_real_sigkill_under_torchrun(tmp_pa
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert json.loads((work / "fault.json").read_text()) == {"rank": 1, "step": 21, "signal": "SIGKILL"}
-    assert "exitcode: -9" in out  # torchrun saw the kill and restarted
+    # torchrun saw a worker fail and restarted: it names the first failed worker it polls, which under load can be
+    # rank 0 (exit 1: its gloo peer vanished) rather than the SIGKILLed rank 1 (-9); fault.json proves the kill
+    assert re.search(r"failed \(exitcode: (-9|1)\) local_rank: [01]", out), out[-4000:]
     assert "resumed from step        16" in out and "torchrun attempts        2" in out
     assert "BITWISE EQUAL" in out
     final = torch.load(work / "final.pt", weights_only=True)
