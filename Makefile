@@ -7,18 +7,25 @@ PYTEST_ARGS ?=
 # Two pytest-xdist workers: most tests wait on the processes they start. Ray tests share one worker (conftest.py).
 PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 
-.PHONY: demo test bench bench-check venv clean
+.PHONY: demo demo-multinode test bench bench-check venv clean
 
 venv:
 	@VENV=$(VENV) bash scripts/ensure-venv.sh
 
 # The resilient-training demo: 2 CPU ranks, rank 1 SIGKILLs itself mid-run, torchrun restarts the group,
 # training resumes from the last committed checkpoint, and the result is checked bitwise against a
-# straight-through run. Exits non-zero if it is not bit-identical.
+# straight-through run. Exits non-zero if it is not bit-identical. The demo starts from an empty $(DEMO_DIR):
+# the script itself never deletes it (a restarted attempt must find its checkpoints there).
 DEMO_DIR ?= .demo-run
 demo: venv
+	rm -rf $(DEMO_DIR)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 --max-restarts=1 \
 		examples/resilient_training.py --workdir $(DEMO_DIR)
+
+# The same demo across 2 simulated nodes (network namespaces, one torchrun agent each; needs root and
+# iproute2): rank 1 on node 1 SIGKILLs itself, both nodes restart, the result is checked bitwise.
+demo-multinode: venv
+	$(PY) scripts/demo_multinode.py --workdir .demo-multinode
 
 test: venv
 	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
@@ -34,4 +41,4 @@ bench-check: venv
 	$(PY) benchmarks/check.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info $(DEMO_DIR)
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info $(DEMO_DIR) .demo-multinode

@@ -14,6 +14,12 @@ Rank 0 prints a summary (steps, checkpoints committed, the fault, the resume ste
 and writes ``final.pt`` and ``reference.pt`` to ``--workdir``. The exit code is 0 only if every rank's
 tensors are bitwise equal. ``--no-fault`` runs the same thing without the kill.
 
+"Fresh run or restart?" is ``h.attempt``: the same on every rank, counted in torchrun's store. It is never
+``TORCHELASTIC_RESTART_COUNT``, which torchrun counts per node: after a restart of a 2-node job it was 0 on one
+node and 1 on the other (torch #108158), and an earlier version of this demo took that 0 for a fresh run and
+deleted its checkpoints. The script never deletes anything: ``make demo`` empties ``--workdir`` before it
+starts, and a run started on a workdir that holds checkpoints resumes from them.
+
 The training loop is the one from robustdist's README: three lines of robustdist (``harden``, ``resume``,
 ``save``) plus ``step_guard``.
 """
@@ -23,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -43,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every", type=int, default=10, help="commit a checkpoint every this many steps")
     p.add_argument("--kill-step", type=int, default=37, help="rank 1 SIGKILLs itself at this step on attempt 0")
     p.add_argument("--no-fault", action="store_true", help="do not inject the fault")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds to pause after each step (time for an outside fault, e.g. killing a node)")
     return p.parse_args()
 
 
@@ -61,12 +68,22 @@ def make_loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
 
 
-def train(cfg: dict, steps: int, *, kill_at: int | None, work: Path | None) -> tuple[dict, int | None, object]:
+def train(cfg: dict, steps: int, *, fault_step: int | None, work: Path | None,
+          step_sleep: float = 0.0) -> tuple[dict, int | None, object]:
     """The user's training loop, hardened. Returns (final state, resume step, the Hardened)."""
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)  # same initial weights everywhere
     model = make_model()
     h = harden(model, make_loader(), cfg)  # <- robustdist line 1
+    kill_at = fault_step if h.attempt == 0 else None  # the fault only on the first attempt, on every node alike
+    if work is not None:  # what the launcher says beside it: per node, so it can disagree across nodes
+        told = os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")
+        print(f"[rank {rank}] attempt {h.attempt} (TORCHELASTIC_RESTART_COUNT on this node: {told})", flush=True)
+    if work is not None and rank == 0 and h.attempt == 0:
+        if h.checkpointer is not None and h.checkpointer.steps():
+            print(f"{work} holds checkpoints of an earlier run: resuming from them (make demo empties it first)",
+                  flush=True)
+        (work / "demo.json").write_text(json.dumps({"started": time.time()}))
     optimizer = torch.optim.SGD(h.model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
     torch.manual_seed(100 + rank)  # per-rank dropout stream
@@ -94,6 +111,8 @@ def train(cfg: dict, steps: int, *, kill_at: int | None, work: Path | None) -> t
                     f.write(f"{step}\n")
             if step == steps:
                 break
+            if step_sleep:
+                time.sleep(step_sleep)
     final = {k: v.detach().clone() for k, v in unwrap_model(h.model).state_dict().items()}
     return final, resumed, h
 
@@ -106,18 +125,15 @@ def bitwise_equal(a: dict, b: dict) -> list[str]:
 
 def main() -> int:
     args = parse_args()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ.get("RANK", "0"))
     work = Path(args.workdir).resolve()
-    if attempt == 0 and rank == 0:  # a fresh demo: nothing to resume from an earlier run
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True, exist_ok=True)
-        (work / "demo.json").write_text(json.dumps({"started": time.time()}))  # other ranks touch work/ only later
+    work.mkdir(parents=True, exist_ok=True)  # never emptied here: a restart must find its checkpoints
     cfg = {"checkpoint": {"dir": str(work / "ckpt"), "every_n_steps": args.every, "keep_last": 2},
            "health": {"hang_timeout": 120, "dump_dir": str(work / "dumps")}}
-    kill_at = None if args.no_fault or attempt > 0 else args.kill_step
-    final, resumed, h = train(cfg, args.steps, kill_at=kill_at, work=work)
-    reference, _, h_ref = train({"health": {"hang_timeout": 120}}, args.steps, kill_at=None, work=None)
+    final, resumed, h = train(cfg, args.steps, fault_step=None if args.no_fault else args.kill_step, work=work,
+                                 step_sleep=args.step_sleep)
+    attempt = h.attempt
+    reference, _, h_ref = train({"health": {"hang_timeout": 120}}, args.steps, fault_step=None, work=None)
     h_ref.close()  # the group was created by the first harden(); only its close() destroys it
     bad = bitwise_equal(final, reference)
     mismatches = torch.tensor([float(len(bad))])

@@ -27,10 +27,11 @@ log = get_logger("robustdist.harden")
 class Hardened:
     """What :func:`~robustdist.harden.harden` returns. Unpacks as ``model, loader = harden(...)``.
 
-    Attributes: ``model``, ``loader``, ``state`` (the :class:`~robustdist.train_state.TrainState` that ``save``
-    and ``resume`` checkpoint), ``topology``, ``init_report``, ``checkpointer`` (or None), ``config``,
-    ``watchdog`` (or None), ``guard`` (the :class:`~robustdist.health.StepGuard`), ``optimizer`` and
-    ``scheduler`` (settable: used by skip and rollback, and as the default for ``save``/``resume``).
+    Attributes: ``model``, ``loader``, ``attempt`` (0 on a fresh run, then 1, 2, ... after restarts, the same on
+    every rank), ``state`` (the :class:`~robustdist.train_state.TrainState` that ``save`` and ``resume``
+    checkpoint), ``topology``, ``init_report``, ``checkpointer`` (or None), ``config``, ``watchdog`` (or None),
+    ``guard`` (the :class:`~robustdist.health.StepGuard`), ``optimizer`` and ``scheduler`` (settable: used by
+    skip and rollback, and as the default for ``save``/``resume``).
     """
 
     def __init__(self, *, state: TrainState, topology: Topology, init_report: InitReport,
@@ -84,6 +85,13 @@ class Hardened:
     @property
     def extras(self) -> dict[str, Stateful]:
         return self.state.extras
+
+    @property
+    def attempt(self) -> int:
+        """This job's attempt number, the same on every rank: 0 on the first run, 1 after the first torchrun
+        restart, and so on. It comes from the job's store (``init_report.attempt``), never from one node's
+        ``TORCHELASTIC_RESTART_COUNT``, which torchrun counts per node (see :mod:`robustdist.process_group`)."""
+        return self.init_report.attempt
 
     # ------------------------------------------------------------------ per step
     def step_guard(self, loss: Any, step: int) -> StepDecision:

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
 import os
-import socket
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from robustdist import _dist
+from robustdist import _dist, _node
+from robustdist import _watchdog_store as ws
 from robustdist.errors import ConfigError, ranks_phrase
 from robustdist.log import get_logger
 
@@ -34,18 +32,29 @@ _generation = 0  # same sequence on every rank, so the store keys of successive 
 
 @dataclass
 class HangReport:
-    """One hang the watchdog saw on this rank. ``summary`` is set on rank 0 (the cross-rank naming)."""
+    """One hang the watchdog saw on this rank.
+
+    ``summary`` (the cross-rank naming) and the fields after it are set on every rank of a multi-rank job with
+    a store; ``lost`` are the ranks with no live heartbeat (dead, frozen, partitioned, or closed), grouped by
+    node label in ``lost_nodes``; ``behind`` are live ranks behind the others; ``store_reachable`` is False
+    when the store did not answer within the report's bound (then nothing is named), None without a report.
+    """
 
     rank: int
     step: int | None
     idle_seconds: float
     dump_path: str | None
     summary: str | None
-    detected_at: float  # time.time()
+    detected_at: float  # time.time() when the report was complete
+    lost: tuple[int, ...] = ()
+    lost_nodes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    behind: tuple[int, ...] = ()
+    store_reachable: bool | None = None
 
 
 class Watchdog:
-    """Dump stacks, name the slow ranks, and optionally abort when no ``beat`` arrives within ``hang_timeout``.
+    """Dump stacks, name the lost and the slow ranks, and optionally abort when no ``beat`` arrives within
+    ``hang_timeout``.
 
     Args:
         hang_timeout: seconds without a beat that count as a hang (> 0).
@@ -53,9 +62,13 @@ class Watchdog:
         store: a c10d store shared by the ranks (default: the default group's, when one exists).
         action: "dump" (keep waiting after reporting) or "abort" (exit with :data:`HANG_EXIT_CODE`).
         rank, world_size: default from the process group (0 and 1 without one).
-        grace: seconds rank 0 waits for ranks' records before naming them (default min(5, hang_timeout / 2)).
+        grace: at most this many seconds, a rank that saw a hang waits for the live ranks' hang records (where
+            their main thread is) before reporting; it never waits for lost ranks (default min(2, hang_timeout
+            / 2)). The whole report, store included, is bounded by ``grace`` plus half a second.
 
-    Armed from construction: a hang before the first beat (a stuck first collective) is caught too.
+    Armed from construction: a hang before the first beat (a stuck first collective) is caught too. With a
+    store and more than one rank, a heartbeat thread publishes this rank's liveness from construction to
+    :meth:`close` (see :mod:`robustdist._watchdog_store` for the protocol).
     """
 
     def __init__(self, hang_timeout: float, *, dump_dir: str | os.PathLike[str] | None = None, store: Any = None,
@@ -71,23 +84,40 @@ class Watchdog:
         self.hang_timeout, self.action = float(hang_timeout), action
         self.dump_dir = os.fspath(dump_dir) if dump_dir is not None else None
         self.rank, self.world_size = _rank_world(rank, world_size)
-        self.store = _own_client(store if store is not None else _dist.default_store())
-        self.grace = min(5.0, self.hang_timeout / 2) if grace is None else float(grace)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"robustdist/watchdog/{restart}/{_generation}"
+        self.store = store if store is not None else _dist.default_store()
+        self.grace = min(2.0, self.hang_timeout / 2) if grace is None else float(grace)
+        self._prefix = f"robustdist/watchdog/{_generation}"  # the same on every rank (no per-node counter)
+        self._node, self._node_rank = _node.node_label(), _node.node_rank()
+        self._interval = ws.heartbeat_interval(self.hang_timeout)
+        self._stale_after = ws.STALE_INTERVALS * self._interval
         self._step: int | None = None
         self._seq = 0
         self._last = time.monotonic()
-        self._published = (-1, 0.0)  # (seq, monotonic time)
+        self._where: str | None = None  # the main thread's frame while a reported hang lasts
         self._fired_seq: int | None = None
         self.reports: list[HangReport] = []
         self._stop = threading.Event()
         self._tick = min(1.0, self.hang_timeout / 10)
-        self._publish_every = min(30.0, self.hang_timeout / 4)
         self._hooks: list[Any] = []
         self._allowance = 0.0  # extra seconds while a bounded long operation (a checkpoint save) runs
+        self._connect = ws.connector(self.store, timeout=max(2.0, min(10.0, self._stale_after)))
+        self._heartbeat: ws.Heartbeat | None = None
+        if self.store is not None and self.world_size > 1:
+            self._heartbeat = ws.Heartbeat(self._connect, self._key, self._interval, self._record, rank=self.rank,
+                                           stale_after=self._stale_after).start()
         self._thread = threading.Thread(target=self._run, name=f"robustdist-watchdog-rank{self.rank}", daemon=True)
         self._thread.start()
+
+    @property
+    def _key(self) -> str:
+        return f"{self._prefix}/{self.rank}"
+
+    def _record(self, closed: bool = False) -> dict[str, Any]:
+        """This rank's heartbeat record (see :mod:`robustdist._watchdog_store`)."""
+        now, last = time.time(), self._last
+        return {"alive": now, "node": self._node, "node_rank": self._node_rank, "pid": os.getpid(),
+                "step": self._step, "seq": self._seq, "beat_wall": now - (time.monotonic() - last),
+                "where": self._where, "closed": closed}
 
     def attach(self, model: Any) -> Watchdog:
         """Beat at every forward start and backward start of ``model`` (a hook on its first output that needs a
@@ -120,13 +150,16 @@ class Watchdog:
             self.beat()
 
     def close(self) -> None:
-        """Stop the thread (bounded wait) and remove the hooks :meth:`attach` installed. Idempotent."""
+        """Stop the threads (bounded waits: the heartbeat's last write, "closed", gets at most 1 s) and remove
+        the hooks :meth:`attach` installed. Idempotent."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._tick + 10)
+            self._thread.join(timeout=self._tick + self.grace + 10)
+        if self._heartbeat is not None:
+            self._heartbeat.stop(wait=1.0)
         self.store = None  # do not keep a destroyed group's store alive
 
     def __enter__(self) -> Watchdog:
@@ -144,32 +177,36 @@ class Watchdog:
                 log.error("watchdog check failed:\n%s", traceback.format_exc(), all_ranks=True)
 
     def _check(self) -> None:
+        """One tick of the detecting thread: no store I/O here (the heartbeat thread does it), so a store that
+        does not answer never delays detection."""
         now, seq, last = time.monotonic(), self._seq, self._last
-        if self.store is not None and seq != self._published[0] and now - self._published[1] >= self._publish_every:
-            self._publish(seq, last)
         idle = now - last
         if idle < self.hang_timeout + self._allowance:
             if self._fired_seq is not None and seq != self._fired_seq:
                 log.warning("beats resumed at step %s after the hang reported above", self._step, all_ranks=True)
-                self._fired_seq = None
+                self._fired_seq, self._where = None, None
             return
         if self._fired_seq == seq:
             return
         self._fired_seq = seq
-        self._on_hang(seq, last, idle)
+        self._on_hang(seq, idle)
 
-    def _on_hang(self, seq: int, last: float, idle: float) -> None:
-        header = (f"robustdist watchdog: rank {self.rank} (pid {os.getpid()}, host {socket.gethostname()}) had no "
-                  f"beat for {idle:.1f} s (hang_timeout {self.hang_timeout:g} s); last step {self._step}, beat #{seq}")
-        path = self._dump(header)
-        if self.store is not None:
-            self._publish(seq, last, where=_main_thread_where())
-        summary = self._summarise() if self.rank == 0 and self.store is not None and self.world_size > 1 else None
+    def _on_hang(self, seq: int, idle: float) -> None:
+        header = (f"robustdist watchdog: rank {self.rank} (pid {os.getpid()}, {self._node}) had no beat for "
+                  f"{idle:.1f} s (hang_timeout {self.hang_timeout:g} s); last step {self._step}, beat #{seq}")
+        path = self._dump(header)  # first, and local: nothing below can delay it
+        self._where = _main_thread_where()
+        found = self._report() if self._heartbeat is not None else None
+        summary = found.text if found is not None else None
         log.error("%s. Stacks dumped to %s.%s", header, path or "stderr",
                   f"\n{summary}" if summary else "", all_ranks=True)
         if summary and path:
             _append(path, "\n" + summary + "\n")
-        self.reports.append(HangReport(self.rank, self._step, idle, path, summary, time.time()))
+        report = HangReport(self.rank, self._step, idle, path, summary, time.time())
+        if found is not None:
+            report.lost, report.lost_nodes, report.behind = found.lost, found.lost_nodes, found.behind
+            report.store_reachable = found.store_reachable
+        self.reports.append(report)
         if self.action == "abort":
             log.error("health.hang_action='abort': exiting with code %d so the launcher restarts this worker",
                       HANG_EXIT_CODE, all_ranks=True)
@@ -198,61 +235,27 @@ class Watchdog:
             log.error("could not write the stack dump to %s: %s", path, e, all_ranks=True)
             return None
 
-    def _publish(self, seq: int, last: float, *, where: str | None = None) -> None:
-        record = {"step": self._step, "seq": seq, "beat_wall": time.time() - (time.monotonic() - last),
-                  "pid": os.getpid(), "host": socket.gethostname(), "where": where}
-        try:
-            self.store.set(f"{self._prefix}/{self.rank}", json.dumps(record))
-            self._published = (seq, time.monotonic())
-        except Exception as e:  # a dead store must not stop the dumps; retry after publish_every
-            self._published = (self._published[0], time.monotonic())
-            log.debug("watchdog could not publish to the store: %s", e)
-
-    def _summarise(self) -> str:
-        deadline = time.monotonic() + self.grace
-        records: dict[int, dict[str, Any]] = {}
-        while True:
-            records = self._read_records()
-            complete = len(records) == self.world_size and all(rec.get("where") for rec in records.values())
-            if complete or time.monotonic() >= deadline:  # every rank has hung too, and said where, or grace is up
-                break
-            time.sleep(min(0.2, self.grace))
-        return summarise(records, self.world_size, time.time())
-
-    def _read_records(self) -> dict[int, dict[str, Any]]:
-        records = {}
-        for r in range(self.world_size):
-            key = f"{self._prefix}/{r}"
-            try:
-                if self.store.check([key]):
-                    records[r] = json.loads(self.store.get(key))
-            except Exception as e:
-                log.debug("watchdog could not read %s: %s", key, e)
-        return records
+    def _report(self) -> ws.Findings:
+        """Publish this rank's record and read every rank's, on a thread of its own, for at most ``grace`` plus
+        half a second; name the lost ranks by node and the live ranks behind (:mod:`robustdist._watchdog_store`)."""
+        box = ws.gather(self._connect, self._key, self._record, self._prefix, self.world_size, self._stale_after,
+                        self.grace, rank=self.rank)
+        return ws.findings(box, rank=self.rank, node=self._node, world_size=self.world_size,
+                           interval=self._interval, stale_after=self._stale_after, grace=self.grace,
+                           store=ws.store_name(self.store))
 
 
 def summarise(records: dict[int, dict[str, Any]], world_size: int, now: float) -> str:
-    """``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at step 121`` (plus never-published ranks)."""
+    """``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at step 121`` (plus never-published ranks):
+    the progress naming alone, without heartbeats (the hang report adds the lost ranks, by node)."""
     missing = [r for r in range(world_size) if r not in records]
     if not records:
         return f"no rank published a beat ({ranks_phrase(missing)} never did): the store is unreachable or every " \
                "rank hung before its first publish."
-    progress = {r: (rec["step"] if rec["step"] is not None else -1, rec["seq"]) for r, rec in records.items()}
-    best = max(progress.values())
-    behind = sorted((r for r in records if progress[r] < best), key=lambda r: (progress[r], r))
-    ahead = sorted(r for r in records if progress[r] == best)
-    parts = []
-    for r in behind:
-        rec = records[r]
-        same_step = progress[r][0] == best[0]
-        detail = f" (earlier in that step: beat #{rec['seq']} vs #{best[1]})" if same_step else ""
-        where = f", main thread in {rec['where']}" if rec.get("where") else ""
-        parts.append(f"rank {r} last beat at step {rec['step']}{detail}, {now - rec['beat_wall']:.0f} s ago{where}")
-    lead = f"{ranks_phrase(ahead)} at step {best[0] if best[0] >= 0 else None}"
+    parts, behind, best = ws.progress(records, now)
     if not behind:
-        lead = f"every rank that published is at step {best[0] if best[0] >= 0 else None} (beat #{best[1]}): no rank " \
-               "is behind; compare the stack dumps"
-    parts.append(lead)
+        parts.append(f"every rank that published is at step {best[0] if best[0] >= 0 else None} (beat #{best[1]}): "
+                     "no rank is behind; compare the stack dumps")
     if missing:
         parts.append(f"{ranks_phrase(missing)} never published (dead, or frozen before the watchdog could run)")
     suspects = behind + missing
@@ -293,26 +296,6 @@ def _first_grad_tensor(output: Any) -> torch.Tensor | None:
 
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return (rank if rank is not None else _dist.rank()), (world_size if world_size is not None else _dist.world_size())
-
-
-def _own_client(store: Any) -> Any:
-    """A connection of the watchdog's own to the same TCPStore server, with a short timeout: a store client
-    serialises its operations, so sharing the group's would leave the watchdog waiting behind a main thread
-    that is itself stuck in a store wait (a barrier, a rendezvous). Other store types are used as given."""
-    if store is None:
-        return None
-    inner = store
-    while hasattr(inner, "underlying_store"):
-        inner = inner.underlying_store
-    import torch.distributed as dist
-
-    if not isinstance(inner, dist.TCPStore):
-        return store
-    try:
-        return dist.TCPStore(inner.host, inner.port, is_master=False, timeout=timedelta(seconds=10))
-    except Exception as e:
-        log.debug("watchdog could not open its own store connection (%s); sharing the group's", e)
-        return store
 
 
 def _main_thread_where() -> str | None:

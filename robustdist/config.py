@@ -12,7 +12,7 @@ field path, the bad value and what is accepted (never ``TypeError``/``KeyError``
 * ``resolve_config(cfg)``: what every robustdist entry point calls on its ``cfg`` argument
   (a ``HardenConfig``, a dict, a YAML path, or ``None`` for defaults).
 
-Durations (``timeout``, ``barrier_timeout``, ``hang_timeout``) are stored as float seconds; a
+Durations (``timeout``, ``init_timeout``, ``barrier_timeout``, ``hang_timeout``) are stored as float seconds; a
 ``datetime.timedelta`` is accepted wherever a duration is. ``fingerprint()`` hashes the canonical JSON, so
 it is the same across key order, int-vs-float spellings and processes: ranks compare it to catch config drift.
 """
@@ -67,6 +67,9 @@ class DistributedConfig(_Section):
                       v.choice("auto", "nccl", "gloo"))
     timeout: float = _f(1800.0, "Collective timeout in seconds (or a timedelta) for the process group.",
                         v.seconds())
+    init_timeout: float = _f(300.0, "Bound in seconds on the rendezvous at init (finding the store, connecting, every "
+                             "rank arriving); a bad address or a rank that never started is named within it.",
+                             v.seconds())
     init_method: str = _f("env://", "URL telling ranks how to find each other (env://, tcp://host:port, file://).",
                           v.url("env://", "tcp://", "file://"))
     find_unused_parameters: bool = _f(False, "Passed to DDP; True costs a graph traversal every step.", v.boolean())

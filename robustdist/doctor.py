@@ -2,8 +2,10 @@
 
 Each :class:`Finding` has a level (``ok``, ``warn``, ``error``) and a remedy. Single-process checks:
 versions against the supported and tested ranges, CUDA and ``CUDA_VISIBLE_DEVICES``, ``NCCL_*``/``GLOO_*``
-socket interfaces, ``/dev/shm`` size and free space, ``ulimit -n``, NUMA nodes and each GPU's NUMA node
-(sysfs), the detected topology, and a Ray cluster's resources when ``RAY_ADDRESS`` is set.
+socket interfaces, which of this host's interfaces reach ``MASTER_ADDR:MASTER_PORT`` (and whether the
+``*_SOCKET_IFNAME`` variables pick one that does), ``/dev/shm`` size and free space, ``ulimit -n``, NUMA nodes
+and each GPU's NUMA node (sysfs), the detected topology, and a Ray cluster's resources when ``RAY_ADDRESS``
+is set.
 
 Under torchrun (``torchrun --nproc_per_node=2 -m robustdist doctor``) every rank also runs
 :func:`~robustdist.process_group.safe_init_process_group`; rank 0 prints the cross-rank table (one row per
@@ -22,6 +24,8 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -30,7 +34,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from robustdist import netenv
+from robustdist import _reach, netenv
 
 __all__ = ["Finding", "collect_findings", "run_doctor"]
 
@@ -107,6 +111,64 @@ def check_network_env() -> list[Finding]:
     if others:
         out.append(Finding("env.nccl_gloo", "ok", ", ".join(f"{k}={os.environ[k]}" for k in others)))
     return out
+
+
+def check_reach(env: Mapping[str, str] | None = None, timeout: float = _reach.CONNECT_TIMEOUT_S) -> list[Finding]:
+    """Which of this host's interfaces reach ``MASTER_ADDR:MASTER_PORT`` (a TCP connect from each one's
+    address, in parallel; a refused connection still proves the route), and whether ``GLOO_SOCKET_IFNAME`` /
+    ``NCCL_SOCKET_IFNAME`` pick one that does not while another does. Run it on every node but the master's:
+    there every interface reaches the master through the host itself."""
+    env = os.environ if env is None else env
+    host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
+        return [Finding("reach", "ok", "skipped: MASTER_ADDR/MASTER_PORT are not set (export them or use a launcher)")]
+    addresses, error = netenv.resolve_addresses(host, 5.0)
+    if error or not addresses:
+        return [Finding("reach", "warn", f"MASTER_ADDR={host!r} does not resolve ({error})",
+                        "use the master node's IP address or a name every node resolves")]
+    master = next((a for a in addresses if ":" not in a), addresses[0])
+    ifaces = _reach.local_interfaces()
+    if netenv.local_only(master) or master in ifaces.values():
+        return [Finding("reach", "ok", f"skipped: MASTER_ADDR {master} is on this host (every interface reaches it "
+                        "here); run the doctor on the other nodes")]
+    names = sorted(ifaces)
+    with ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
+        outcomes = dict(zip(names, pool.map(lambda n: _reach.reaches(ifaces[n], master, int(port), timeout), names)))
+    target = f"MASTER_ADDR {master}:{port}"
+    out = [Finding(f"reach.{n}", "ok", f"{ifaces[n]} -> {target}: {'reaches' if ok else 'does not reach'}: {how}")
+           for n, (ok, how) in outcomes.items()]
+    good = [n for n in names if outcomes[n][0]]
+    if not good:
+        out.append(Finding("reach", "warn", f"no interface here reaches {target}",
+                           "check that the master node is up, the link, and that its firewall lets TCP in"))
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if (problem := _ifname_problem(var, env.get(var, ""), ifaces, outcomes, good, target)) is not None:
+            out.append(problem)
+    return out
+
+
+def _ifname_problem(var: str, value: str, ifaces: dict[str, str], outcomes: dict[str, tuple[bool, str]],
+                    good: list[str], target: str) -> Finding | None:
+    """gloo listens on every interface GLOO_SOCKET_IFNAME names; NCCL takes the first interface (in the host's
+    order) that NCCL_SOCKET_IFNAME matches. Either failing while another interface works is an error (for NCCL
+    a warning when another match works: the order is the kernel's)."""
+    if not value:
+        return None
+    names = ([n.strip() for n in value.split(",") if n.strip()] if var == "GLOO_SOCKET_IFNAME"
+             else netenv._nccl_matches(value, list(ifaces)))
+    named = [n for n in names if n in outcomes]
+    bad = [n for n in (named if var == "GLOO_SOCKET_IFNAME" else named[:1]) if not outcomes[n][0]]
+    if not bad or not good:
+        state = "no IPv4 interface of it to test" if not named else f"reaches {target}" if not bad else "no reach"
+        return Finding(f"reach.{var}", "ok", f"{value!r}: {state}")
+    level = "warn" if var == "NCCL_SOCKET_IFNAME" and any(outcomes[n][0] for n in named) else "error"
+    listed = ", ".join(f"{n} ({ifaces[n]})" for n in bad)
+    works = ", ".join(f"{n} ({ifaces[n]})" for n in good)
+    default = _reach.gloo_default_address(2.0)[0] if var == "GLOO_SOCKET_IFNAME" else None
+    unset = " (or unset it)" if default is not None and default in {ifaces[n] for n in good} else ""
+    return Finding(f"reach.{var}", level, f"{bad[0]} does not reach {target}",
+                   f"{var}={value} names {listed}, which does not reach {target} ({outcomes[bad[0]][1]}); "
+                   f"interfaces here that reach it: {works}. Fix: set {var}={good[0]}{unset}")
 
 
 def check_shm(path: str = "/dev/shm") -> list[Finding]:
@@ -214,7 +276,7 @@ def _probe(address: str, timeout: float = 3.0) -> str | None:
 def collect_findings(*, sysfs: str = "/sys") -> tuple[list[Finding], Any]:
     """Every single-process finding, and the topology (None when it is inconsistent)."""
     topo_findings, topo = check_topology()
-    findings = (check_versions() + check_cuda() + check_network_env() + check_shm() + check_nofile()
+    findings = (check_versions() + check_cuda() + check_network_env() + check_reach() + check_shm() + check_nofile()
                 + check_numa(sysfs) + topo_findings + check_ray())
     return findings, topo
 

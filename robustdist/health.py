@@ -1,18 +1,26 @@
 """Runtime health guards, each usable alone: :class:`Watchdog` (hangs) and :class:`StepGuard` (non-finite
 losses and gradients, and periodic cross-rank divergence checks).
 
-**Watchdog.** ``beat(step)`` only stores the step, a counter and a monotonic time read. A daemon thread
-wakes about once a second; every ``hang_timeout / 4`` s (at most 30 s) it publishes this rank's last beat
-to the c10d store when it changed, over a connection of its own (a store client serialises its operations, so
-a main thread stuck in a store wait cannot block the watchdog). When no beat arrived for ``hang_timeout``
-seconds it:
+**Watchdog.** ``beat(step)`` only stores the step, a counter and a monotonic time read. A detecting
+thread wakes about once a second and does no store I/O. With a store and more than one rank, a separate
+heartbeat thread writes this rank's liveness record (wall time, node label, pid, last step) to the c10d store
+every ``min(5, hang_timeout / 4)`` s, whether or not training beats, over a connection of its own: one small
+``set`` per interval per rank. When no beat arrived for ``hang_timeout`` seconds, the detecting thread:
 
 1. dumps every thread's stack with ``faulthandler`` to stderr and to ``dump_dir/hang-rank<r>-<pid>.txt``;
-2. publishes this rank's last step (and where its main thread is) in the store;
-3. on rank 0, reads every rank's record and names the ranks that are behind or never published:
-   ``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at step 121``;
-4. then, with ``action="dump"``, keeps waiting (and logs when beats resume); with ``action="abort"`` it
+2. on every rank that sees the hang (not only rank 0), publishes where its main thread is and reads every
+   rank's record, and names, apart, the ranks it *lost* (no heartbeat for 3 intervals, or never), grouped by
+   node: ``lost ranks 2, 3 on node 1 (host gpu-07, 10.0.0.2): no heartbeat for 12 s``, and the live ranks
+   that are *behind*: ``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at step 121``. It waits at
+   most ``grace`` s for live ranks' records and never for lost ones. Every store call runs on a thread the
+   report abandons half a second after ``grace``, so a store that stops answering delays nothing (the report
+   then says so). The report is logged at ERROR, appended to the dump file and kept in ``reports``
+   (:class:`HangReport`: ``lost``, ``lost_nodes``, ``behind``);
+3. then, with ``action="dump"``, keeps waiting (and logs when beats resume); with ``action="abort"`` it
    exits the process with :data:`HANG_EXIT_CODE` (86), so torchrun (``--max-restarts``) or Ray restarts it.
+
+A partitioned or frozen node is thus named within about ``hang_timeout`` + ``grace`` + 1 s of the hang, by
+every rank that can still reach the store, instead of after the collective timeout (30 min on gloo).
 
 Ranks are compared by (step, number of beats), so when every rank beats at the same points of a step (as
 ``harden`` does: forward start, backward start, ``step_guard``), a rank stuck between two beats is named

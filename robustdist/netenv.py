@@ -6,16 +6,21 @@
 * ``GLOO_SOCKET_IFNAME`` follows gloo's rules as torch applies them: a comma list of *exact* interface names,
   one gloo device per name.
 * ``MASTER_ADDR`` must resolve; resolution runs on a helper thread with a bound, so a dead DNS server
-  cannot stall init.
+  cannot stall init. :func:`resolve_addresses` also says what it resolved to, and :func:`local_only` tells a
+  loopback (or unspecified) address, which other nodes cannot reach, from a routable one.
+* :func:`probe` tells, with one bounded plain-socket connect, why a port did not give a c10d store: nothing
+  listens (refused), nothing answers (unreachable or filtered), or something answered that is not a store.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
-__all__ = ["check_socket_ifname", "interfaces", "resolve_host"]
+__all__ = ["check_socket_ifname", "interfaces", "local_only", "probe", "resolve_addresses", "resolve_host"]
 
 
 def interfaces() -> list[str]:
@@ -66,20 +71,71 @@ def check_socket_ifname(var: str, value: str | None, names: Sequence[str] | None
             "or unset it.")
 
 
-def resolve_host(host: str, timeout: float = 10.0) -> str | None:
-    """Resolve ``host``; return None on success or the reason it failed (including a timeout)."""
-    result: list[str | None] = []
+def resolve_addresses(host: str, timeout: float = 10.0) -> tuple[list[str], str | None]:
+    """The distinct addresses ``host`` resolves to, in resolver order, and None; or ``([], reason)``."""
+    result: list[tuple[list[str], str | None]] = []
 
     def work() -> None:
         try:
-            socket.getaddrinfo(host, None)
-            result.append(None)
+            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+            result.append((list(dict.fromkeys(str(info[4][0]) for info in infos)), None))
         except (OSError, UnicodeError) as e:
-            result.append(str(e) or type(e).__name__)
+            result.append(([], str(e) or type(e).__name__))
 
     thread = threading.Thread(target=work, name="robustdist-resolve", daemon=True)
     thread.start()
     thread.join(timeout)
     if not result:
-        return f"name resolution did not answer within {timeout:g} s"
+        return [], f"name resolution did not answer within {timeout:g} s"
     return result[0]
+
+
+def resolve_host(host: str, timeout: float = 10.0) -> str | None:
+    """Resolve ``host``; return None on success or the reason it failed (including a timeout)."""
+    return resolve_addresses(host, timeout)[1]
+
+
+def local_only(address: str) -> bool:
+    """True for an address no other machine can reach this one by: loopback (``127.0.0.0/8``, ``::1``, also
+    IPv4-mapped) or unspecified (``0.0.0.0``, ``::``). False for anything else, including a hostname."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
+
+
+def probe(host: str, port: int, timeout: float = 1.0, *, listen: bool = True) -> tuple[str, str]:
+    """Connect once to ``host:port`` with a plain socket, send nothing, and say what happened (with
+    ``listen=False``, an accepted connection is closed at once, without waiting to see whether it speaks).
+
+    Returns ``(kind, detail)``, ``kind`` being one of ``"refused"`` (nothing listens), ``"unreachable"`` (no route,
+    or the address belongs to no machine), ``"no-answer"`` (the connect was not answered within ``timeout``:
+    packets dropped), ``"accepted"`` (something accepted the connection and said nothing, as a c10d store also
+    does) or ``"spoke"`` (it sent bytes unasked, or closed the connection: no c10d store does either).
+    ``detail`` says it in words. Never raises and never waits much longer than ``timeout``.
+    """
+    start = time.monotonic()
+    try:
+        conn = socket.create_connection((host, port), timeout=timeout)
+    except ConnectionRefusedError:
+        return "refused", "connection refused"
+    except (socket.timeout, TimeoutError):
+        return "no-answer", f"no answer to a TCP connect within {timeout:g} s"
+    except (OSError, UnicodeError, OverflowError, ValueError) as e:
+        return "unreachable", (getattr(e, "strerror", None) or str(e) or type(e).__name__)
+    with conn:
+        if not listen:
+            return "accepted", "it accepted the connection"
+        conn.settimeout(max(0.05, min(0.5, timeout - (time.monotonic() - start))))
+        try:
+            data = conn.recv(48)
+        except (socket.timeout, TimeoutError):
+            return "accepted", "it accepted the connection and sent nothing"
+        except OSError as e:
+            return "spoke", f"it accepted the connection, then {e.strerror or e}"
+    if not data:
+        return "spoke", "it accepted the connection and closed it"
+    return "spoke", f"it accepted the connection and sent {data!r}"

@@ -10,23 +10,46 @@ every rank:
 2. **Environment, before anything waits.** ``MASTER_ADDR`` resolves (bounded), ``MASTER_PORT`` is a port
    (checked by the topology), ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` name interfaces that exist. On
    CUDA, ``torch.cuda.set_device`` runs *before* init, and ``device_id`` is passed where torch supports it.
-3. **Init** with an explicit timeout (``distributed.timeout``, default 1800 s). Under torchrun with restarts
-   enabled, the group gets a store of its own for each attempt (see :mod:`robustdist._elastic_store`: torch
-   2.13 reuses the agent's store across restarts and re-init fails on stale keys). If a group already exists
-   (Ray Train creates one), it is not re-initialised: it is validated by the steps below, and a warning says
-   that this call's settings did not take effect. :func:`adopt_group` is the explicit form for a group the
-   script created itself: it validates it the same way and says loudly what robustdist cannot protect in it
-   (restart safety under torchrun ``--max-restarts``, see :mod:`robustdist._elastic_store`).
-4. **Named barrier**, bounded by ``distributed.barrier_timeout``: ``monitored_barrier(wait_all_ranks=True)``
+3. **Rendezvous, bounded by** ``distributed.init_timeout`` (default 300 s; see :mod:`robustdist._rendezvous`):
+   on a multi-node job a loopback ``MASTER_ADDR`` is refused before any connection; the store is reached (or,
+   on rank 0, served) on a thread joined at the deadline, and a port answered by no store, or by something
+   that is not a c10d store, is named; then every rank records its arrival and a rank that never started is
+   named; then one rank per node connects to where gloo will listen on every other node, and an interface
+   that reaches no peer is named (:mod:`robustdist._reach`). Under torchrun with restarts enabled, the group gets a store of its own for each attempt (see
+   :mod:`robustdist._elastic_store`: torch 2.13 reuses the agent's store across restarts and re-init fails on
+   stale keys), and rank 0 counts the attempt in the agent's store (:attr:`InitReport.attempt`).
+4. **Init** with the connected store and an explicit collective timeout (``distributed.timeout``, default
+   1800 s). If a group already exists (Ray Train creates one), it is not re-initialised: it is validated by
+   the steps below, and a warning says that this call's settings did not take effect. :func:`adopt_group` is
+   the explicit form for a group the script created itself: it validates it the same way and says loudly what
+   robustdist cannot protect in it (restart safety under torchrun ``--max-restarts``, see
+   :mod:`robustdist._elastic_store`).
+5. **Named barrier**, bounded by ``distributed.barrier_timeout``: ``monitored_barrier(wait_all_ranks=True)``
    on gloo, on a gloo side group for NCCL. Each rank first records its arrival in the c10d store, so every
    rank that arrived, not only rank 0, raises an :class:`InitError` naming the ranks that did not.
-5. **Smoke test.** One all_reduce on the backend's device in which rank ``r`` contributes ``r + 1`` at
+6. **Smoke test.** One all_reduce on the backend's device in which rank ``r`` contributes ``r + 1`` at
    position ``r`` (so the sum of ranks, ``ws*(ws-1)/2``, is checked and a wrong slot names its rank).
-6. **Agreement.** One ``all_gather_object`` of each rank's fingerprint (see :mod:`robustdist.agreement`);
+7. **Agreement.** One ``all_gather_object`` of each rank's fingerprint (see :mod:`robustdist.agreement`);
    a mismatch raises the same :class:`InitError` on every rank.
 
 If any step fails after this call created the group, the group is destroyed before the error propagates.
 No step waits without a bound.
+
+**The attempt number** (:attr:`InitReport.attempt`, ``Hardened.attempt``) is the same on every rank. It comes
+from the job's store wherever torchrun gives the workers one, and never from one rank's
+``TORCHELASTIC_RESTART_COUNT``: torchrun counts that per agent, so after a restart it is 1 on the node whose
+worker failed and 0 on the others (torch #108158), and a script can overwrite it. Where it comes from:
+
+* under torchrun with ``--max-restarts`` > 0: rank 0's count in the agent's job-lifetime store, read by the other
+  ranks from this attempt's own store (see :mod:`robustdist._elastic_store`);
+* under torchrun with the agent's store but no restarts, and for a group robustdist adopted under torchrun:
+  rank 0's count in the group's store (which is the agent's when the group came from ``env://``), shared
+  after the named barrier;
+* under torchrun without a shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which torch 2.13 needs for
+  a restarted agent to rejoin): no store outlives an attempt, so the largest ``TORCHELASTIC_RESTART_COUNT`` of
+  any rank, shared after the named barrier (equal everywhere; a restart no agent counted is missed);
+* anywhere else (no torchrun, one process, Ray Train, SLURM without torchrun): 0. Their stores live for one
+  attempt, so nothing could count restarts; to the processes, a Ray Train or SLURM restart is a new job.
 """
 
 from __future__ import annotations
@@ -46,7 +69,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from robustdist import _dist, _elastic_store, netenv
+from robustdist import _dist, _elastic_store, _reach, _rendezvous, netenv
 from robustdist._dist import default_store
 from robustdist._validate import seconds
 from robustdist.agreement import check_agreement, local_fingerprint
@@ -60,11 +83,16 @@ __all__ = ["InitReport", "adopt_group", "destroy_process_group_if_owned", "distr
 log = get_logger(__name__)
 _barrier_generation = 0  # same sequence on every rank, so store keys of repeated calls never collide
 _created: weakref.WeakSet[Any] = weakref.WeakSet()  # default groups safe_init_process_group created
+_attempts: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # default group -> its attempt
 
 
 @dataclass
 class InitReport:
-    """What ``safe_init_process_group`` found and did. ``fingerprints`` holds every rank's, on every rank."""
+    """What ``safe_init_process_group`` found and did. ``fingerprints`` holds every rank's, on every rank.
+
+    ``attempt`` is this job's attempt number, the same on every rank: 0 on the first run, 1 after the first
+    torchrun restart, and so on (see the module docstring for where it comes from, and why one rank's
+    ``TORCHELASTIC_RESTART_COUNT`` cannot say it)."""
 
     distributed: bool
     created: bool
@@ -72,6 +100,7 @@ class InitReport:
     rank: int
     world_size: int
     topology: Topology
+    attempt: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     fingerprints: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -96,13 +125,13 @@ def choose_backend(requested: str, rank: int) -> str:
     return requested
 
 
-def _check_env(backend: str, init_method: str, topo: Topology) -> None:
+def _check_env(backend: str, dcfg: DistributedConfig, topo: Topology) -> None:
     problems = []
-    if init_method.startswith("env://"):
+    if dcfg.init_method.startswith("env://"):
         if not topo.master_addr:
             problems.append("MASTER_ADDR is not set; expected the master node's address for env://. "
                             "Fix: launch with torchrun, or export MASTER_ADDR and MASTER_PORT.")
-        elif (reason := netenv.resolve_host(topo.master_addr)) is not None:
+        elif (reason := netenv.resolve_host(topo.master_addr, min(10.0, dcfg.init_timeout))) is not None:
             problems.append(f"MASTER_ADDR={topo.master_addr!r} does not resolve ({reason}); expected a hostname or "
                             "IP address every rank can reach. Fix: use the master node's IP or a resolvable name.")
         if topo.master_port is None:
@@ -117,31 +146,52 @@ def _check_env(backend: str, init_method: str, topo: Topology) -> None:
         raise InitError(" | ".join(problems), rank=topo.rank)
 
 
-def _init(backend: str, dcfg: DistributedConfig, timeout_s: float, topo: Topology, single: bool) -> None:
+def _init(backend: str, dcfg: DistributedConfig, timeout_s: float, topo: Topology, single: bool) -> tuple[int, bool]:
+    """Create the default group. Returns ``(attempt, share)``: with ``share``, ``attempt`` is this rank's part of
+    the number, reduced with MAX across ranks once the group is up."""
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
     if topo.device.type == "cuda":
         torch.cuda.set_device(topo.device)
         if _supports_device_id() and backend == "nccl":
             kwargs["device_id"] = topo.device
+    attempt, share = 0, False
     if single:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    elif _elastic_store.needed(os.environ, dcfg.init_method) and topo.master_addr and topo.master_port:
-        store = _elastic_store.attempt_store(topo.master_addr, topo.master_port, topo.rank, topo.world_size, timeout_s)
-        kwargs.update(store=store, rank=topo.rank, world_size=topo.world_size)
     else:
-        kwargs["init_method"] = dcfg.init_method
-        if not dcfg.init_method.startswith("env://"):
-            kwargs.update(rank=topo.rank, world_size=topo.world_size)
+        store, attempt, share = _rendezvous_store(dcfg, topo)
+        kwargs.update(store=_rendezvous.for_group(store, timeout_s), rank=topo.rank, world_size=topo.world_size)
     try:
         dist.init_process_group(**kwargs)
     except Exception as e:
         raise InitError(
-            f"init_process_group(backend={backend!r}, init_method={kwargs.get('init_method', 'HashStore')!r}) failed "
-            f"after up to {timeout_s:g} s: {e}. Expected all {topo.world_size} ranks to rendezvous at "
+            f"init_process_group(backend={backend!r}, init_method={'HashStore' if single else dcfg.init_method!r}) "
+            f"failed after up to {timeout_s:g} s: {e}. Expected all {topo.world_size} ranks to rendezvous at "
             f"{topo.master_addr}:{topo.master_port}. Fix: check that every rank was started, that MASTER_ADDR/PORT "
             "are the same everywhere and reachable, and raise distributed.timeout if nodes start slowly.",
             rank=topo.rank,
         ) from e
+    return attempt, share
+
+
+def _rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int, bool]:
+    """Step 3 of the module docstring: ``(store, attempt, share)`` with every rank arrived in ``store``."""
+    deadline = time.monotonic() + dcfg.init_timeout  # one bound for resolving, connecting and arriving
+    ep = _rendezvous.preflight(_rendezvous.endpoint(dcfg.init_method, topo), topo, dcfg.init_timeout)
+    mode = _elastic_store.attempt_mode(os.environ, dcfg.init_method)
+    if mode == "fresh-store" and ep.host and ep.port:
+        store = _elastic_store.attempt_store(ep.host, ep.port, topo.rank, topo.world_size, dcfg.init_timeout)
+        attempt, share, serves = _elastic_store.attempt_of(store), False, topo.rank == 0
+        where = f"this attempt's store, published in torchrun's agent store at {ep.host}:{ep.port}"
+    else:
+        store, serves = _rendezvous.open_store(ep, topo, deadline, dcfg.init_timeout)
+        attempt = _elastic_store.contribution(mode, topo.rank, store, os.environ)
+        share = mode in ("agent-store", "restart-count")
+        where = ep.path if ep.scheme == "file" else f"{ep.host}:{ep.port}"
+    _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=str(where),
+                                  init_timeout=dcfg.init_timeout, serves_it=serves)
+    # Can every node reach the address gloo will bind on every other node? (else init hangs for `timeout`)
+    _reach.check_peers(store, topo.rank, topo.world_size, timeout_s=max(10.0, deadline - time.monotonic()))
+    return store, attempt, share
 
 
 def named_barrier(name: str, timeout_s: float, *, group: Any = None) -> float:
@@ -273,18 +323,21 @@ def safe_init_process_group(cfg: HardenConfig | DistributedConfig | None = None,
                         topology=topo)
     report.backend = choose_backend(backend or dcfg.backend, topo.rank)
     if topo.world_size > 1:
-        _check_env(report.backend, dcfg.init_method, topo)
+        _check_env(report.backend, dcfg, topo)
     start = time.perf_counter()
-    _init(report.backend, dcfg, timeout_s, topo, single=topo.world_size == 1 and topo.launcher == "single")
-    _created.add(dist.distributed_c10d._get_default_group())
+    report.attempt, share = _init(report.backend, dcfg, timeout_s, topo,
+                                  single=topo.world_size == 1 and topo.launcher == "single")
+    group = dist.distributed_c10d._get_default_group()
+    _created.add(group)
     report.timings["init"] = time.perf_counter() - start
     try:
-        _validate(report, dcfg, fingerprint)
+        _validate(report, dcfg, fingerprint, share_attempt=share)
     except BaseException:
         dist.destroy_process_group()
         raise
-    log.info("process group ready: backend %s, world size %d, timings %s", report.backend, report.world_size,
-             {k: round(v, 3) for k, v in report.timings.items()})
+    _attempts[group] = report.attempt
+    log.info("process group ready: backend %s, world size %d, attempt %d, timings %s", report.backend,
+             report.world_size, report.attempt, {k: round(v, 3) for k, v in report.timings.items()})
     return report
 
 
@@ -321,16 +374,36 @@ def _adopt(dcfg: DistributedConfig, fingerprint: str, topo: Topology) -> InitRep
         report.warnings.append(message)
         log.warning("%s", message, all_ranks=True)
         warn(message, once="adopted-group-restarts", stacklevel=user_stacklevel())
-    _validate(report, dcfg, fingerprint)
-    log.info("adopted the existing process group: backend %s, world size %d", report.backend, report.world_size)
+    group = dist.distributed_c10d._get_default_group()
+    mode = _elastic_store.attempt_mode(os.environ, "env://")
+    mode = "agent-store" if mode == "fresh-store" else mode  # no store of its own: count in the group's
+    share = group not in _attempts and mode in ("agent-store", "restart-count")
+    if group in _attempts:  # robustdist created it, or adopted it before: the attempt is known
+        report.attempt = _attempts[group]
+    elif share:
+        report.attempt = _elastic_store.contribution(mode, report.rank, default_store(), os.environ)
+    _validate(report, dcfg, fingerprint, share_attempt=share)
+    _attempts[group] = report.attempt
+    log.info("adopted the existing process group: backend %s, world size %d, attempt %d", report.backend,
+             report.world_size, report.attempt)
     return report
 
 
-def _validate(report: InitReport, dcfg: DistributedConfig, fingerprint: str) -> None:
+def _share_attempt(part: int, group: Any) -> int:
+    """The attempt number from every rank's part: one int64 all_reduce(MAX) after the named barrier."""
+    value = torch.tensor([part], dtype=torch.int64)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return max(0, int(value.item()))
+
+
+def _validate(report: InitReport, dcfg: DistributedConfig, fingerprint: str, *, share_attempt: bool = False) -> None:
     report.rank, report.world_size = dist.get_rank(), dist.get_world_size()
     if report.backend != "gloo" and report.world_size > 1:  # monitored_barrier exists only on gloo
         report.side_group = dist.new_group(backend="gloo")
     report.timings["barrier"] = named_barrier("init", dcfg.barrier_timeout, group=report.side_group)
+    if share_attempt:
+        report.attempt = _share_attempt(report.attempt, report.side_group)
     report.timings["smoke"] = smoke_test(str(report.backend)) if dcfg.smoke_test else 0.0
     start = time.perf_counter()
     device = _dist.collective_device(report.backend)

@@ -3,14 +3,16 @@
 Autouse, per test:
 * the environment is restored exactly (code under test may set env vars);
 * a leftover default process group is destroyed;
-* a test that leaves child processes behind fails, and the children are killed.
+* a test that leaves child processes behind fails, and the children are killed;
+* a test that leaves a node-lab network namespace behind fails, and the namespace is deleted.
 
 Session: ``ray_cluster``, one local Ray cluster (``num_cpus=2``) shared by every test that asks for it,
 skipped when ray is not installed, shut down (and checked for survivors) at the end of the session.
 
 ``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): most tests wait on
 processes they started, not on a core. Every test that uses ``ray_cluster`` goes to one worker (the
-``xdist_group`` "ray"), so there is still one Ray cluster per run.
+``xdist_group`` "ray"), so there is still one Ray cluster per run. The multi-node lab tests
+(``tests/multinode``) share one worker too (``xdist_group`` "multinode"): each runs several torchrun agents.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def pytest_configure(config):
     from robustdist.testing import use_forkserver
 
     use_forkserver(("torch", "torch.distributed", "robustdist.testing"))
+    from robustdist import nodelab
+
+    if nodelab.unavailable() is None and not hasattr(config, "workerinput"):  # the controller, once per run
+        nodelab.remove_stale()  # namespaces a crashed earlier run left behind
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,6 +47,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif "node_lab" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("multinode"))
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +84,42 @@ def _no_leftover_children():
         for pid in leftovers:
             _procs.kill_and_reap(pid)
         pytest.fail("the test left child processes running (now killed):\n" + "\n".join(described), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_namespaces():
+    from robustdist import nodelab
+
+    yield
+    leftovers = nodelab.leftover_namespaces(owner=os.getpid())
+    if leftovers:
+        for name in leftovers:
+            nodelab.delete_namespace(name)
+        pytest.fail(f"the test left node-lab network namespaces behind (now deleted): {leftovers}", pytrace=False)
+
+
+@pytest.fixture
+def node_lab(tmp_path):
+    """``node_lab(nodes, **kwargs)`` builds a :class:`robustdist.nodelab.NodeLab` torn down after the test.
+    Skips where the lab cannot run, except in CI (``CI`` set), where that is a failure."""
+    from robustdist import nodelab
+
+    reason = nodelab.unavailable()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the multi-node lab must run in CI: {reason}", pytrace=False)
+        pytest.skip(reason)
+    labs = []
+
+    def make(nodes=2, **kwargs):
+        kwargs.setdefault("log_dir", tmp_path / f"lab{len(labs)}-logs")
+        lab = nodelab.NodeLab(nodes, **kwargs)
+        labs.append(lab)
+        return lab
+
+    yield make
+    for lab in labs:
+        lab.close()
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ PACKAGE = "robustdist.checkpoint"
 # What checkpoint modules may import from the rest of robustdist: the floor (runtime base, errors, logging,
 # version) and state_dict (how a module's state is taken and given back, which save and load share).
 ALLOWED_OUTSIDE = ("robustdist._dist", "robustdist.errors", "robustdist.log", "robustdist._version",
-                   "robustdist.state_dict")
+                   "robustdist.state_dict", "robustdist._node")
 
 
 def _module_name(path: Path) -> str:

@@ -34,7 +34,7 @@ distributed:
 def test_defaults_match_the_documented_values():
     cfg = HardenConfig()
     assert cfg.to_dict() == {
-        "distributed": {"backend": "auto", "timeout": 1800.0, "init_method": "env://",
+        "distributed": {"backend": "auto", "timeout": 1800.0, "init_timeout": 300.0, "init_method": "env://",
                         "find_unused_parameters": False, "broadcast_buffers": True, "sync_batchnorm": "auto",
                         "smoke_test": True, "barrier_timeout": 300.0, "strategy": "ddp"},
         "data": {"auto_sampler": True, "seed": 0, "pin_memory": "auto", "check_shm": True, "strict": False},
@@ -301,7 +301,8 @@ junk = st.recursive(
     max_leaves=12,
 )
 field_names = st.sampled_from(
-    ["backend", "timeout", "init_method", "find_unused_parameters", "sync_batchnorm", "barrier_timeout", "seed",
+    ["backend", "timeout", "init_timeout", "init_method", "find_unused_parameters", "sync_batchnorm",
+     "barrier_timeout", "seed",
      "pin_memory", "dir", "keep_last", "every_n_steps", "hang_timeout", "nan_policy", "dump_dir", "interval_steps",
      "hang_action", "max_rollbacks"]
 )
@@ -356,4 +357,4 @@ def test_config_reference_lists_every_field_with_its_doc():
     table = config_reference()
     assert "| `distributed.timeout` | `1800.0` | `ROBUSTDIST_DISTRIBUTED_TIMEOUT` | Collective timeout in seconds" in table
     assert "| `checkpoint.dir` | `null` | `ROBUSTDIST_CHECKPOINT_DIR` |" in table
-    assert table.count("\n") + 1 == 2 + 9 + 5 + 5 + 7 + 5
+    assert table.count("\n") + 1 == 2 + 10 + 5 + 5 + 7 + 5

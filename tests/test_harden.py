@@ -188,7 +188,9 @@ def test_fsdp_strategy_shards_trains_with_the_allreduce_guard_and_resumes(tmp_pa
 # ---------------------------------------------------------------------------------------------- the demo
 @pytest.mark.timeout(240)
 def test_demo_resumes_bit_identically_after_a_real_sigkill_under_torchrun(tmp_path):
-    work = tmp_path / "demo"
+    work = tmp_path / "demo"  # empty, as `make demo` leaves it (rm -rf): the script itself never deletes anything
+    work.mkdir()
+    (work / "mine.txt").write_text("the user's file")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -209,3 +211,4 @@ def test_demo_resumes_bit_identically_after_a_real_sigkill_under_torchrun(tmp_pa
     reference = torch.load(work / "reference.pt", weights_only=True)
     assert tr.bitwise_equal(final, reference)
     assert (work / "saves.log").read_text().split() == ["8", "16", "24", "32", "40"]
+    assert (work / "mine.txt").read_text() == "the user's file"  # attempt 0 did not wipe the workdir

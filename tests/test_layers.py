@@ -19,6 +19,7 @@ FLOORS = {
     "robustdist._version": set(),
     "robustdist.log": {"robustdist.errors", "robustdist._dist"},
     "robustdist._dist": {"robustdist.errors"},
+    "robustdist._node": set(),  # which node this is: the standard library only
 }
 # Mechanisms reach the runtime through robustdist._dist, never through the modules that build groups.
 NOT_BELOW_THE_FACADE = {"robustdist.harden", "robustdist._hardened", "robustdist.cli", "robustdist.doctor"}

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from robustdist import agreement, process_group
+from robustdist import _reach, _rendezvous, agreement, process_group
 from robustdist.config import HardenConfig
 from robustdist.errors import ConfigError, InitError, RobustDistWarning, TopologyError
 from robustdist.process_group import destroy_process_group_if_owned, distributed, safe_init_process_group
-from robustdist.testing import run_ranks
+from robustdist.testing import free_port, run_ranks
+from robustdist.topology import detect_topology
 
 FAST = {"distributed": {"timeout": 60, "barrier_timeout": 30}}
 
@@ -265,8 +268,21 @@ def test_bad_timeout_is_a_config_error(single):
         safe_init_process_group(timeout=-1)
 
 
+def _serve_as_rank_zero(topology, generation, done, reach_generation):
+    """Rank 0 of a 2-rank rendezvous, on a thread: serve the store, arrive and take part in the reachability
+    check (what rank 0's init does first)."""
+    deadline = time.monotonic() + 30
+    ep = _rendezvous.endpoint("env://", topology)
+    store, serves = _rendezvous.open_store(ep, topology, deadline, 30)
+    _rendezvous.wait_for_arrivals(store, 0, topology, deadline, where="test", init_timeout=30, serves_it=serves,
+                                  generation=generation)
+    _reach.check_peers(store, 0, 2, timeout_s=30, generation=reach_generation)
+    done.wait(30)  # keep serving until rank 1 is through
+
+
 def test_cuda_device_is_set_before_init_and_passed_as_device_id(single, monkeypatch):
-    """Tier (a): only what needs a GPU is faked; the init sequence up to init_process_group is the real one."""
+    """Tier (a): only what needs a GPU is faked; the init sequence up to init_process_group is the real one,
+    including the rendezvous with a rank 0 (a thread here) that serves the store."""
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -277,8 +293,19 @@ def test_cuda_device_is_set_before_init_and_passed_as_device_id(single, monkeypa
         raise RuntimeError("stop here: NCCL needs a real GPU")
 
     monkeypatch.setattr(dist, "init_process_group", fake_init)
-    _two_rank_env(single, RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x")
-    with pytest.raises(InitError, match=r"\[rank 1\] init_process_group\(backend='nccl'.*stop here") as exc:
-        safe_init_process_group({"distributed": {"timeout": 42}})
+    _two_rank_env(single, RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x",
+                  MASTER_PORT=str(free_port()))
+    rank_zero = dataclasses.replace(detect_topology(), rank=0, local_rank=0)
+    done = threading.Event()
+    server = threading.Thread(target=_serve_as_rank_zero, args=(rank_zero, _rendezvous._generation + 1, done,
+                                                                 _reach._generation + 1),
+                              daemon=True)
+    server.start()
+    try:
+        with pytest.raises(InitError, match=r"\[rank 1\] init_process_group\(backend='nccl'.*stop here") as exc:
+            safe_init_process_group({"distributed": {"timeout": 42, "init_timeout": 30}})
+    finally:
+        done.set()
+        server.join(30)
     assert isinstance(exc.value.__cause__, RuntimeError)
     assert calls == [("set_device", "cuda:1"), ("init", "nccl", "cuda:1", 42.0)]

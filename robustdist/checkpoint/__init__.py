@@ -3,8 +3,8 @@
 The commit protocol of ``save`` is in the docstring of :mod:`._protocol`, the load protocol in :mod:`._loading`.
 Layers, bottom up (each module imports only modules named before it): ``_types``, ``_faults``,
 ``_pickle_scan``, ``_schema``, ``_live`` (types, limits and validators); ``_io``, ``_safeio``, ``_layout``,
-``_payload``, ``_sharded``, ``_restore``, ``_cleanup``, ``_collective`` (mechanisms); ``_protocol`` (save) and
-``_loading`` (load); ``checkpointer`` (the facade).
+``_payload``, ``_sharded``, ``_restore``, ``_cleanup``, ``_collective``, ``_shared`` (mechanisms); ``_protocol``
+(save) and ``_loading`` (load); ``checkpointer`` (the facade).
 """
 
 from robustdist.checkpoint._layout import verify_all

@@ -4,7 +4,9 @@ deserialising, restore. This module knows the checkpointer only through a :class
 Every rank calls ``load``; with no multi-rank group every collective below is a no-op.
 
 0. Every rank *arrives* (:mod:`._collective`, in ``AtomicCheckpointer.load``), as for ``save``.
-   **Store only, no collective.**
+   **Store only, no collective.** Until it has passed once, every rank then checks that it sees the same
+   directory as rank 0 (:mod:`._shared`; **collective: two all_gathers**), so ranks on different nodes never
+   read different directories.
 1. Rank 0's listing of the step directories (committed, damaged or links alike), newest first, is broadcast.
    **Collective: broadcast.** (Or the caller names one step, or a ``ray.train.Checkpoint``: no listing.)
 2. For each candidate, every rank *checks* it without touching any live object: reads and validates the

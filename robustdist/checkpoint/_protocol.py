@@ -7,6 +7,10 @@ with the training collectives. Without a multi-rank group every collective below
 
 0. Every rank *arrives* (:mod:`._collective`, in ``AtomicCheckpointer.save``): a rank that does not reach
    ``save()`` within ``arrival_timeout`` seconds is named on every rank that did. **Store only, no collective.**
+   Before a checkpointer's first save (and only with more than one rank), every rank checks that it sees the
+   same directory as rank 0 (:mod:`._shared`: probe files with random tokens; **collective: two all_gathers,
+   once per checkpointer**, unless a ``load()`` already passed it); a node-local ``checkpoint.dir`` raises the
+   same error on every rank, naming the nodes, before anything is written.
 1. :meth:`Committer.begin`. Rank 0 takes the directory lock (once, kept until ``close()``), puts back a
    re-save's committed copy that a crash left aside, removes stale ``.tmp-``/``.old-``/``.trash-`` entries
    left by crashed runs (:mod:`._cleanup`), refuses a step lower than the newest committed one (it would be
@@ -30,7 +34,11 @@ with the training collectives. Without a multi-rank group every collective below
    every rank raises the same :class:`~robustdist.errors.CheckpointError` naming the failed ranks and their
    errors, and nothing is committed. If the report itself fails (a rank died or hung), the ranks whose store
    key is missing are named instead, and rank 0 (if alive) removes the staging dir.
-5. Rank 0 writes ``manifest.json`` (tmp file, fsync, rename inside the staging dir, fsync of the staging
+5. Rank 0 first checks that every file a rank reported is in its staging dir, a regular file of the reported
+   size (:func:`._shared.unseen_files`): if not (a node-local directory the check of step 0 did not catch, or a
+   file removed under the save), it removes the staging dir and broadcasts the refusal instead, every rank
+   removes the staging dir it sees and raises the same error, and nothing is committed. Else it writes
+   ``manifest.json`` (tmp file, fsync, rename inside the staging dir, fsync of the staging
    dir), renames the staging dir to ``step_<step:010d>`` (an existing one, a re-save, is first renamed aside
    to ``.old-step_<step>-<token>`` and deleted after; a crash between the two renames leaves that copy
    committed, see :mod:`._layout`; a failed second rename puts it back at once), and fsyncs ``<dir>``. It
@@ -68,13 +76,15 @@ from robustdist._dist import default_store
 from robustdist._version import __version__
 from robustdist.checkpoint import _cleanup, _faults, _layout
 from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir, write_json_atomic
+from robustdist.checkpoint._shared import refusal, this_node, unseen_files
 from robustdist.checkpoint._types import Context, FileEntry, SaveJob
 from robustdist.errors import CheckpointError, ranks_phrase
 from robustdist.log import get_logger
 
 __all__ = ["Committer", "staging_dir", "write_file"]
 
-Reports = dict[int, tuple[str | None, dict[str, FileEntry] | None]]
+Reports = dict[int, tuple[str | None, dict[str, FileEntry] | None, str]]
+"""rank -> ``(its error or None, the files it wrote, its node label)``: the report of step 4."""
 log = get_logger(__name__)
 
 
@@ -112,6 +122,8 @@ class Committer:
     def __init__(self, ctx: Context, *, keep_last: int, config_fingerprint: str | None):
         self.ctx, self.keep_last, self.config_fingerprint = ctx, keep_last, config_fingerprint
         self.lock = DirLock(ctx.directory)
+        self.node = this_node() if ctx.distributed else ""
+        """This rank's node, in the report (rank 0 names it if it cannot see the rank's files)."""
         self.protected: int | None = None
         """The step last loaded from this directory: never rotated out."""
         self.rejected: dict[int, tuple[Any, ...]] = {}
@@ -223,20 +235,21 @@ class Committer:
     def finish(self, job: SaveJob, files: dict[str, FileEntry] | None, error: BaseException | None) -> None:
         """Steps 4 to 6: report ``files`` (or this rank's ``error``); commit if every rank succeeded; rotate."""
         reports = self._gather_reports(job, files, error)
-        failed = {r: err for r, (err, _) in reports.items() if err is not None}
+        failed = {r: err for r, (err, _, _) in reports.items() if err is not None}
         if failed:
             if self.ctx.rank == 0:
                 _cleanup.remove(job.staging)
             self._raise_failed(job, failed, error, "write its files", "disk full? permissions?")
-        merged = {name: entry for _, (_, fs) in sorted(reports.items()) for name, entry in (fs or {}).items()}
-        self._commit(job, self._manifest(job, merged))
+        merged = {name: entry for _, (_, fs, _) in sorted(reports.items()) for name, entry in (fs or {}).items()}
+        self._commit(job, self._manifest(job, merged), reports)
         job.info.files, job.info.bytes = len(merged), sum(f["size"] for f in merged.values())
 
     def _gather_reports(self, job: SaveJob, files: dict[str, FileEntry] | None,
                         error: BaseException | None) -> Reports:
-        """Every rank's ``(error or None, files)``. A rank that never reports (died, hung) is an error naming it."""
+        """Every rank's ``(error or None, files, node)``. A rank that never reports (died, hung) is an error naming
+        it."""
         ctx = self.ctx
-        mine = (_describe(error), files)
+        mine = (_describe(error), files, self.node)
         if not ctx.distributed:
             return {0: mine}
         store = default_store()
@@ -263,13 +276,18 @@ class Committer:
                 f"died, the next save does). ({e.__cause__ or e})", rank=ctx.err_rank, ranks=missing) from e
         return dict(enumerate(everyone))
 
-    def _commit(self, job: SaveJob, manifest: dict[str, Any]) -> None:
-        """Rank 0 writes the manifest and renames; every rank learns the outcome; rank 0 then tidies up."""
+    def _commit(self, job: SaveJob, manifest: dict[str, Any], reports: Reports) -> None:
+        """Rank 0 checks the reported files, writes the manifest and renames; every rank learns the outcome; rank 0
+        then tidies up."""
         ctx = self.ctx
-        outcome: tuple[bool, bool, str] | None = None
+        outcome: tuple[bool, bool, str] | CheckpointError | None = None
         if ctx.rank == 0:
-            outcome = self._rename_into_place(job, manifest)
+            outcome = self._refuse_unseen(job, reports) or self._rename_into_place(job, manifest)
         outcome = ctx.collectives.broadcast(outcome, "commit")
+        if isinstance(outcome, CheckpointError):
+            if ctx.rank != 0:  # this rank's own staging dir, where it is not rank 0's (a node-local directory)
+                _cleanup.remove(job.staging)
+            raise CheckpointError(outcome.message, rank=ctx.err_rank, ranks=outcome.ranks)
         if outcome is not None:
             committed, durable, problem = outcome
             final = os.path.join(ctx.directory, _layout.step_dirname(job.step))
@@ -286,6 +304,17 @@ class Committer:
                                   rank=ctx.err_rank, ranks=[0])
         if ctx.rank == 0:
             self._tidy(job)
+
+    def _refuse_unseen(self, job: SaveJob, reports: Reports) -> CheckpointError | None:
+        """Rank 0's step 5 check: the refusal (the staging dir removed) if a reported file is not where it looks."""
+        if self.ctx.world_size <= 1:
+            return None
+        unseen = unseen_files(job.staging, reports)
+        if not unseen:
+            return None
+        _cleanup.remove(job.staging)
+        nodes = {r: node for r, (_, _, node) in reports.items()}
+        return refusal(job.step, self.ctx.directory, job.staging, unseen, nodes)
 
     def _rename_into_place(self, job: SaveJob, manifest: dict[str, Any]) -> tuple[bool, bool, str] | None:
         """Rank 0's step 5: None, or ``(whether the step is committed, whether <dir> was fsynced, the problem)``."""

@@ -7,6 +7,8 @@ that runs them:
 
 * the commit protocol of ``save`` (steps 0 to 6: which rank does what, which step is a collective) in the
   docstring of :mod:`robustdist.checkpoint._protocol`;
+* the shared-directory check that runs before the first ``save`` or ``load`` (every rank must see one
+  directory) in :mod:`robustdist.checkpoint._shared`;
 * the load protocol (agree on a valid step, verify before deserialising, fall back) in the docstring of
   :mod:`robustdist.checkpoint._loading`;
 * the on-disk layout in :mod:`._layout`, and the trust model (what is read from an untrusted directory, and
@@ -31,6 +33,7 @@ from robustdist.checkpoint._loading import is_ray_checkpoint, load_checkpoint
 from robustdist.checkpoint._protocol import Committer, staging_dir
 from robustdist.checkpoint._schema import MAX_STEP, is_int
 from robustdist.checkpoint._sharded import is_sharded_stateful, save_sharded
+from robustdist.checkpoint._shared import check_shared_dir
 from robustdist.checkpoint._types import CheckpointInfo, Context, LoadedCheckpoint, SaveJob
 from robustdist.errors import CheckpointError
 from robustdist.log import get_logger
@@ -97,6 +100,8 @@ class AtomicCheckpointer:
         self._ctx = Context(directory=directory, group=group, rank=rank, world_size=world_size,
                             distributed=distributed, timeout=seconds, collectives=collectives)
         self._committer = Committer(self._ctx, keep_last=keep_last, config_fingerprint=config_fingerprint)
+        self._shared_ok = world_size <= 1
+        """Whether every rank was seen to share the directory (:mod:`._shared`), checked at the first save/load."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -165,6 +170,8 @@ class AtomicCheckpointer:
             raise CheckpointError(f"step={step!r:.60}; expected a non-negative integer (at most 2**63-1). Fix: pass "
                                   "the training step.", rank=self.err_rank)
         self.collectives.arrive("save")
+        if not self._shared_ok:
+            self._shared_ok = check_shared_dir(self._ctx, writing=True)
         blocking = (not self.async_save) if blocking is None else blocking
         token = self._committer.begin(step)
         info = CheckpointInfo(step=step, path=os.path.join(self.directory, _layout.step_dirname(step)))
@@ -227,6 +234,8 @@ class AtomicCheckpointer:
             raise CheckpointError(f"step={step!r:.60}; expected None (the newest), a committed step (an int, see "
                                   "steps()) or a ray.train.Checkpoint. Fix: pass one of those.", rank=self.err_rank)
         self.collectives.arrive("load")
+        if not self._shared_ok:
+            self._shared_ok = check_shared_dir(self._ctx, writing=False)
         rejected: dict[int, tuple[Any, ...]] = {}
         try:
             loaded = load_checkpoint(self._ctx, step, state, per_rank, map_location, missing_ok=missing_ok,
