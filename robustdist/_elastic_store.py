@@ -44,6 +44,7 @@ script can also overwrite the variable before init; the store's count does not d
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -59,6 +60,7 @@ from robustdist.log import get_logger
 log = get_logger(__name__)
 _KEY = "robustdist/attempt_store"
 _TOKEN = "robustdist/attempt_token"
+_counted: dict[tuple[Any, ...], int] = {}  # (job id, store address) -> the attempt this process counted
 _COUNTER = "robustdist/attempt_counter"  # in the agent's (job-lifetime) store: rank 0 adds 1 per attempt
 _ATTEMPT = "robustdist/attempt"  # in the attempt's own store: the number rank 0 counted
 _CONNECT_S = 5.0
@@ -108,7 +110,12 @@ def count_attempt(job_store: Any) -> int:
         if not isinstance(raw, dist.PrefixStore):
             break
         raw = raw.underlying_store
-    return int(raw.add(_COUNTER, 1)) - 1
+    # A process is one attempt (torchrun restarts workers as new processes): a second init in it (a retry, a
+    # second harden()) is the same attempt, not the next.
+    key = (os.environ.get("TORCHELASTIC_RUN_ID", ""), getattr(raw, "host", None), getattr(raw, "port", id(raw)))
+    if key not in _counted:
+        _counted[key] = int(raw.add(_COUNTER, 1)) - 1
+    return _counted[key]
 
 
 def count_in_group_store(store: Any) -> int:

@@ -142,7 +142,7 @@ def _check_file(ep: Endpoint, topo: Topology) -> None:
             "filesystem every node mounts, or use env:// with torchrun.", rank=topo.rank)
 
 
-def _bounded(make: Callable[[], Any], deadline: float, name: str, *, ends_by: float | None = None
+def bounded(make: Callable[[], Any], deadline: float, name: str, *, ends_by: float | None = None
              ) -> tuple[Any, BaseException | None, bool]:
     """Run ``make`` on a daemon thread until ``deadline``: ``(value, error, finished)``.
 
@@ -205,7 +205,7 @@ def try_connect(host: str, port: int, world_size: int, deadline: float, *,
                 return dist.TCPStore(host, port, world_size, is_master=False, timeout=handshake)
 
             ends_by = time.monotonic() + 2 * handshake.total_seconds()  # torch's last retry delay overshoots
-            store, error, finished = _bounded(make, deadline, "store-connect", ends_by=ends_by)
+            store, error, finished = bounded(make, deadline, "store-connect", ends_by=ends_by)
             if store is not None:
                 return store, "", ""
             if not finished:
@@ -264,7 +264,7 @@ def _serve(ep: Endpoint, world_size: int, deadline: float, rank: int) -> Any:
         return dist.TCPStore(ep.host, ep.port, world_size, is_master=True, timeout=_remaining(deadline),
                              wait_for_workers=False, multi_tenant=True, use_libuv=use_libuv)
 
-    store, error, _ = _bounded(make, deadline, "store-serve")
+    store, error, _ = bounded(make, deadline, "store-serve")
     if store is not None:
         return store
     raise InitError(
@@ -279,7 +279,7 @@ def open_store(ep: Endpoint, topo: Topology, deadline: float, init_timeout: floa
     if ep.scheme == "file":
         assert ep.path is not None
         path = ep.path
-        store, error, _ = _bounded(lambda: dist.FileStore(path, topo.world_size), deadline, "file-store")
+        store, error, _ = bounded(lambda: dist.FileStore(path, topo.world_size), deadline, "file-store")
         if store is None:
             raise InitError(f"{ep.told}: could not open the store file on {node_label()} within {init_timeout:g} s "
                             f"({error or 'FileStore did not return'}). Expected a file every rank can create and "

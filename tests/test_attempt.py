@@ -203,3 +203,15 @@ def test_one_process_is_attempt_zero(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with harden(tr.make_model(), None, {"health": {"hang_timeout": None}}) as h:
         assert h.attempt == 0 and h.init_report.attempt == 0 and not h.init_report.distributed
+
+
+def _init_twice(rank: int) -> tuple[int, int]:
+    return _attempt(rank)[0], _attempt(rank)[0]
+
+
+def test_a_second_init_in_the_same_process_is_the_same_attempt(agent_store):
+    """A retry around init, or a second harden(), in one worker process is not a restart (found by review:
+    it used to count the next attempt)."""
+    out = run_ranks(_init_twice, 2, init=False, timeout=90, env=_torchrun_env(agent_store, "1"))
+    assert out == [(0, 0), (0, 0)]
+    assert agent_store.add(_elastic_store._COUNTER, 0) == 1  # counted once

@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -295,3 +296,52 @@ def test_init_timeout_is_a_validated_seconds_setting_with_an_env_var():
         DistributedConfig(init_timeout=-1)
     with pytest.raises(ConfigError, match=r"distributed.init_timeout"):
         HardenConfig.from_env(environ={"ROBUSTDIST_DISTRIBUTED_INIT_TIMEOUT": "soon"})
+
+
+STORE_SERVER = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    print(store.port, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_store_that_freezes_after_the_handshake_is_named_within_the_bound():
+    """Found by review: a TCPStore client's calls ignore its timeout when the server stops answering after the
+    handshake (a frozen or cut-off master), so the arrival wait blocked with no bound. Rank 1 (a client of
+    torchrun's agent store, as a worker is) connects, arrives, waits for rank 0; then the store freezes."""
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        env = {**os.environ, **AGENT, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT)}
+        code = ("import json, sys; from tests.test_rendezvous import _init; "
+                "print(json.dumps(_init(1, init_timeout=float(sys.argv[1]))[::2]), flush=True)")
+        rank1 = subprocess.Popen([sys.executable, "-c", code, str(INIT)], env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # rank 1 has arrived in the store: freeze the store now
+                with contextlib.suppress(Exception):
+                    probe = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+                    if probe.add("robustdist/rendezvous/1/count", 0) >= 1:
+                        break
+                time.sleep(0.1)
+            os.kill(server.pid, signal.SIGSTOP)
+            frozen = time.monotonic()
+            out, _ = rank1.communicate(timeout=60)
+            took = time.monotonic() - frozen
+        finally:
+            if rank1.poll() is None:
+                rank1.kill()
+                rank1.wait()
+        error, _ = json.loads(out.splitlines()[-1])
+        assert error is not None and "stopped answering during the rendezvous" in error, error
+        assert "no reply within distributed.init_timeout (3 s)" in error and "Fix: that process is frozen" in error
+        assert took < INIT + 10 + 5 + MARGIN + 5  # the peer check's 10 s floor, 5 s to name, and exit
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        os.kill(server.pid, signal.SIGCONT)
+        server.wait()
+

@@ -82,8 +82,10 @@ def probe_name(rank: int) -> str:
 def _write_probe(directory: str, name: str, token: str) -> tuple[str | None, bool]:
     """Create ``<directory>/<name>`` holding ``token``: ``(None, False)`` or ``(the error, whether unwritable)``."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    path, created = os.path.join(directory, name), False
     try:
-        fd = os.open(os.path.join(directory, name), flags, 0o600)
+        fd = os.open(path, flags, 0o600)
+        created = True
         try:
             data = token.encode()
             while data:
@@ -91,6 +93,8 @@ def _write_probe(directory: str, name: str, token: str) -> tuple[str | None, boo
         finally:
             os.close(fd)
     except OSError as e:
+        if created:  # created, then the write failed (a full disk, a quota): leave nothing behind
+            _remove(path)
         return f"{type(e).__name__}: {e.strerror or e}", e.errno in _UNWRITABLE
     return None, False
 

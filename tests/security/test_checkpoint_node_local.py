@@ -142,3 +142,19 @@ def test_stale_probes_of_an_earlier_run_neither_fool_nor_block_a_shared_director
     for out in run_nodes(MODULE, "stale_probes_on_a_shared_dir", tmp_path, private=False):
         assert (out["steps"], out["loaded"]) == ([1], 1) and out["seconds"] < 5
         assert out["top"] == sorted([".lock", "step_0000000001", *out["stale"]])  # left alone, never a step
+
+
+def test_a_probe_whose_write_fails_after_it_was_created_is_not_left_behind(tmp_path):
+    """Found by review: a full disk or quota (EFBIG/ENOSPC after the create) left an empty probe file per save."""
+    code = ("import resource, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+            "from robustdist.checkpoint._shared import _write_probe\n"
+            "print(_write_probe(sys.argv[1], '.robustdist-probe-00001-x', 'ab' * 16))\n")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "File too large" in out.stdout  # the write failed after the create...
+    assert list(tmp_path.iterdir()) == []  # ...and nothing is left
