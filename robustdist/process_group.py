@@ -10,14 +10,16 @@ every rank:
 2. **Environment, before anything waits.** ``MASTER_ADDR`` resolves (bounded), ``MASTER_PORT`` is a port
    (checked by the topology), ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` name interfaces that exist. On
    CUDA, ``torch.cuda.set_device`` runs *before* init, and ``device_id`` is passed where torch supports it.
-3. **Rendezvous, bounded by** ``distributed.init_timeout`` (default 300 s; see :mod:`robustdist._rendezvous`):
-   on a multi-node job a loopback ``MASTER_ADDR`` is refused before any connection; the store is reached (or,
-   on rank 0, served) on a thread joined at the deadline, and a port answered by no store, or by something
-   that is not a c10d store, is named; then every rank records its arrival and a rank that never started is
-   named; then one rank per node connects to where gloo will listen on every other node, and an interface
-   that reaches no peer is named (:mod:`robustdist._reach`). Under torchrun with restarts enabled, the group gets a store of its own for each attempt (see
-   :mod:`robustdist._elastic_store`: torch 2.13 reuses the agent's store across restarts and re-init fails on
-   stale keys), and rank 0 counts the attempt in the agent's store (:attr:`InitReport.attempt`).
+3. **Rendezvous, bounded by** ``distributed.init_timeout`` (default 300 s; :mod:`robustdist._init_store`, on a
+   thread joined at the deadline, since store clients ignore their timeout when a server freezes): on a
+   multi-node job a loopback ``MASTER_ADDR`` is refused before any connection; the store is reached (or, on
+   rank 0, served), and a port answered by no store, or by something that is not a c10d store, is named
+   (:mod:`robustdist._rendezvous`); every rank records its arrival and a rank that never started is named;
+   one rank per node connects to where gloo will listen on every other node, and an interface that reaches
+   no peer is named (:mod:`robustdist._reach`). Under torchrun with restarts enabled, the group gets a store
+   of its own for each attempt (see :mod:`robustdist._elastic_store`: torch 2.13 reuses the agent's store
+   across restarts and re-init fails on stale keys), and rank 0 counts the attempt in the agent's store
+   (:attr:`InitReport.attempt`).
 4. **Init** with the connected store and an explicit collective timeout (``distributed.timeout``, default
    1800 s). If a group already exists (Ray Train creates one), it is not re-initialised: it is validated by
    the steps below, and a warning says that this call's settings did not take effect. :func:`adopt_group` is
@@ -69,9 +71,8 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from robustdist import _dist, _elastic_store, _reach, _rendezvous, netenv
+from robustdist import _dist, _elastic_store, _init_store, _rendezvous, netenv
 from robustdist._dist import default_store
-from robustdist._node import node_label
 from robustdist._validate import seconds
 from robustdist.agreement import check_agreement, local_fingerprint
 from robustdist.config import DistributedConfig, HardenConfig, resolve_config
@@ -159,7 +160,7 @@ def _init(backend: str, dcfg: DistributedConfig, timeout_s: float, topo: Topolog
     if single:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     else:
-        store, attempt, share = _rendezvous_store(dcfg, topo)
+        store, attempt, share = _init_store.rendezvous_store(dcfg, topo)
         kwargs.update(store=_rendezvous.for_group(store, timeout_s), rank=topo.rank, world_size=topo.world_size)
     try:
         dist.init_process_group(**kwargs)
@@ -172,46 +173,6 @@ def _init(backend: str, dcfg: DistributedConfig, timeout_s: float, topo: Topolog
             rank=topo.rank,
         ) from e
     return attempt, share
-
-
-def _rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int, bool]:
-    """Step 3 of the module docstring: ``(store, attempt, share)`` with every rank arrived in ``store``.
-
-    Everything after the preflight runs on a thread joined at the deadline: a TCPStore client's calls do not
-    honour its timeout when the server stops answering after the handshake (a frozen or cut-off master)."""
-    deadline = time.monotonic() + dcfg.init_timeout  # one bound for resolving, connecting and arriving
-    ep = _rendezvous.preflight(_rendezvous.endpoint(dcfg.init_method, topo), topo, dcfg.init_timeout)
-    mode = _elastic_store.attempt_mode(os.environ, dcfg.init_method)
-    where: list[str] = [ep.path if ep.scheme == "file" else f"{ep.host}:{ep.port}"]
-
-    def rendezvous() -> tuple[Any, int, bool]:
-        if mode == "fresh-store" and ep.host and ep.port:
-            store = _elastic_store.attempt_store(ep.host, ep.port, topo.rank, topo.world_size, dcfg.init_timeout)
-            attempt, share, serves = _elastic_store.attempt_of(store), False, topo.rank == 0
-            where[0] = f"this attempt's store, published in torchrun's agent store at {ep.host}:{ep.port}"
-        else:
-            store, serves = _rendezvous.open_store(ep, topo, deadline, dcfg.init_timeout)
-            attempt = _elastic_store.contribution(mode, topo.rank, store, os.environ)
-            share = mode in ("agent-store", "restart-count")
-        _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=where[0],
-                                      init_timeout=dcfg.init_timeout, serves_it=serves)
-        # Can every node reach the address gloo will bind on every other node? (else init hangs for `timeout`)
-        _reach.check_peers(store, topo.rank, topo.world_size, timeout_s=max(10.0, deadline - time.monotonic()))
-        return store, attempt, share
-
-    bound = max(deadline, time.monotonic() + 10.0) + 5.0  # the peer check's floor, and time to name the absent
-    value, error, finished = _rendezvous.bounded(rendezvous, bound, "rendezvous", ends_by=bound + 30.0)
-    if error is not None:
-        raise error
-    if not finished:
-        raise InitError(
-            f"the c10d store at {where[0]} ({ep.told}) stopped answering "
-            f"during the rendezvous: no reply within distributed.init_timeout ({dcfg.init_timeout:g} s) from "
-            f"{node_label()}. Expected the process serving it (rank 0, or torchrun's agent on the master node) to "
-            "answer until every rank had arrived. Fix: that process is frozen, overloaded or cut off from this node: "
-            "see its log and stack (robustdist's watchdog, py-spy), and check the network between the nodes.",
-            rank=topo.rank)
-    return value  # type: ignore[no-any-return]
 
 
 def named_barrier(name: str, timeout_s: float, *, group: Any = None) -> float:

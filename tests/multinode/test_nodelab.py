@@ -42,6 +42,15 @@ time.sleep(30)
 """
 
 
+def _require_lab():
+    """As the node_lab fixture: skip with the reason where the lab cannot run, but fail in CI."""
+    reason = nodelab.unavailable()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the multi-node lab must run in CI: {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
 def _wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -119,8 +128,7 @@ def test_kill_node_kills_every_process_in_it_and_keeps_the_node(node_lab, tmp_pa
 
 
 def test_teardown_is_complete_even_when_the_test_body_fails(tmp_path):
-    if nodelab.unavailable():
-        pytest.skip(nodelab.unavailable())
+    _require_lab()
     before = set(nodelab.leftover_namespaces())
     with pytest.raises(RuntimeError, match="boom"):
         with NodeLab(2, local_disk=tmp_path / "d", log_dir=tmp_path / "logs") as lab:
@@ -139,15 +147,13 @@ def test_bad_node_counts_are_refused(nodes):
 
 
 def test_a_system_directory_is_refused_as_local_disk(tmp_path):
-    if nodelab.unavailable():
-        pytest.skip(nodelab.unavailable())
+    _require_lab()
     with pytest.raises(LabError, match="would hide a system directory"):
         NodeLab(2, local_disk="/proc", log_dir=tmp_path)
 
 
 def test_a_path_that_cannot_be_mounted_is_named(tmp_path):
-    if nodelab.unavailable():
-        pytest.skip(nodelab.unavailable())
+    _require_lab()
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("x")
     before = set(nodelab.leftover_namespaces())
@@ -164,8 +170,7 @@ def test_not_root_is_a_named_reason(monkeypatch):
 
 
 def test_remove_stale_clears_a_crashed_runs_namespaces():
-    if nodelab.unavailable():
-        pytest.skip(nodelab.unavailable())
+    _require_lab()
     dead = subprocess.Popen(["true"])
     dead.wait()
     name = f"{nodelab.PREFIX}{dead.pid}-0-n0"
