@@ -46,3 +46,26 @@ def test_a_partition_is_named_by_node_then_recovered_from(node_lab, tmp_path):
         assert s["resumed"] in committed and s["resumed"] >= committed[-1] - 5 and s["resumed"] <= last_before + 5, s
     assert sorted(d["step"] for d in of(evs, "done")) == [50, 50]
     assert len({d["checksum"] for d in of(evs, "done")}) == 1  # both ranks ended with the same parameters
+
+
+def test_with_two_ranks_per_node_every_rank_that_reaches_the_store_names_both_lost_ranks(node_lab, tmp_path):
+    """2 nodes x 2 ranks, hang_action="dump": ranks 0 and 1 (node 0, with the store) both name ranks 2 and 3
+    by node; once the link is back, the same TCP connections carry on (packets vanished, nothing was reset)
+    and training finishes without a restart."""
+    lab = node_lab(2)
+    ev = tmp_path / "events"
+    args = job_args(ev, steps=40, every=100, step_sleep=0.1, hang_timeout=HANG_TIMEOUT, log_steps=True)
+    agents = [lab.torchrun(i, JOB, args, nproc=2) for i in range(2)]
+    wait_for(lambda: [e for e in of(events(ev), "step") if e["step"] >= 5], 120, "step 5", lab=lab, procs=agents)
+    lab.link_down(1)
+    cut = time.time()
+    for rank in (0, 1):
+        report = re.compile(rf"hang report from rank {rank} on node 0 \(host node0, 10\.213\.0\.1\): lost ranks 2, 3 on "
+                            r"node 1 \(host node1, 10\.213\.0\.2\): no heartbeat for \d+ s")
+        wait_for(lambda report=report: report.search(lab.log("agent-n0")), HANG_TIMEOUT + 20,
+                 f"rank {rank}'s hang report", lab=lab)
+    assert time.time() - cut <= HANG_TIMEOUT + 5 + 3, "the lost ranks were named too late"
+    lab.link_up(1)
+    assert finish(agents, 200, lab) == [0, 0], logs(lab)
+    evs = events(ev)
+    assert len(of(evs, "start")) == 4 and sorted(d["step"] for d in of(evs, "done")) == [40] * 4  # no restart
