@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         to_python,
         unpatch_bf16_pickle,
     )
-    from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint
+    from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint, LocalSaveInfo, LocalTier
     from robustdist.consistency import ConsistencyReport, check_consistency
     from robustdist.dataloader import SafeDataLoader, safe_dataloader
     from robustdist.ddp import DistributedDataParallel, wrap_ddp
@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         RankDivergenceError,
         RanksFailed,
         RanksTimeout,
+        RestartLoopError,
         RobustDistError,
         RobustDistWarning,
         StateDictMismatchError,
@@ -78,7 +79,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(
         ["CheckpointBusyError", "CheckpointCorruptError", "CheckpointError", "ConfigError", "HangError", "InitError",
          "MissingDependencyError", "NonFiniteLossError", "RankDivergenceError", "RanksFailed", "RanksTimeout",
-         "RobustDistError",
+         "RestartLoopError", "RobustDistError",
          "RobustDistWarning", "StateDictMismatchError", "TopologyError"],
         "robustdist.errors",
     ),
@@ -94,7 +95,8 @@ _LAZY: dict[str, str] = {
     "RobustGPUActor": "robustdist.ray_actor",
     **dict.fromkeys(["MemoryPlan", "estimate_offload_bytes", "ray_memory_plan"], "robustdist.ray_memory"),
     **dict.fromkeys(["ConsistencyReport", "check_consistency"], "robustdist.consistency"),
-    **dict.fromkeys(["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint"], "robustdist.checkpoint"),
+    **dict.fromkeys(["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint", "LocalSaveInfo", "LocalTier"],
+                    "robustdist.checkpoint"),
     **dict.fromkeys(["bf16_pickle_patch", "install_ray_serializers", "patch_bf16_pickle", "to_numpy", "to_python",
                      "unpatch_bf16_pickle"], "robustdist.bf16"),
     **dict.fromkeys(["DistributedDataParallel", "wrap_ddp"], "robustdist.ddp"),

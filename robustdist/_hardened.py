@@ -10,9 +10,10 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint
+from robustdist import _restart_guard
+from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint, LocalSaveInfo, LocalTier
 from robustdist.config import HardenConfig
-from robustdist.errors import ConfigError
+from robustdist.errors import ConfigError, RestartLoopError
 from robustdist.health import StepDecision, StepGuard, Watchdog
 from robustdist.log import get_logger, logging_configured
 from robustdist.process_group import InitReport, destroy_process_group_if_owned
@@ -29,17 +30,22 @@ class Hardened:
 
     Attributes: ``model``, ``loader``, ``attempt`` (0 on a fresh run, then 1, 2, ... after restarts, the same on
     every rank), ``state`` (the :class:`~robustdist.train_state.TrainState` that ``save`` and ``resume``
-    checkpoint), ``topology``, ``init_report``, ``checkpointer`` (or None), ``config``, ``watchdog`` (or None),
+    checkpoint), ``topology``, ``init_report``, ``checkpointer`` (or None), ``local`` (the in-memory
+    :class:`~robustdist.checkpoint.LocalTier`, or None), ``config``, ``watchdog`` (or None),
     ``guard`` (the :class:`~robustdist.health.StepGuard`), ``optimizer`` and ``scheduler`` (settable: used by
     skip and rollback, and as the default for ``save``/``resume``).
     """
 
     def __init__(self, *, state: TrainState, topology: Topology, init_report: InitReport,
                  checkpointer: AtomicCheckpointer | None, config: HardenConfig,
-                 watchdog: Watchdog | None = None):
+                 watchdog: Watchdog | None = None, local: LocalTier | None = None):
         self.state, self.topology, self.init_report = state, topology, init_report
         self.checkpointer, self.config, self.watchdog = checkpointer, config, watchdog
+        self.local = local
         self.last_loaded: LoadedCheckpoint | None = None
+        self._resumed_from: int | None = None
+        self._progress_marked = True  # until resume() runs there is no record to mark
+        self._pending: list[CheckpointInfo | LocalSaveInfo] = []
         self._step = 0
         self._closed = False
         health = config.health
@@ -110,13 +116,15 @@ class Hardened:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int, *, optimizer: Optimizer | None = None, scheduler: Stateful | None = None,
-             force: bool = False, **extra: Any) -> CheckpointInfo | None:
-        """Save when ``checkpoint.every_n_steps`` divides ``step`` (or always with ``force=True``). Collective:
-        every rank calls it.
+             force: bool = False, **extra: Any) -> CheckpointInfo | LocalSaveInfo | None:
+        """Save when ``checkpoint.every_n_steps`` divides ``step`` (or always with ``force=True``), and take an
+        in-memory checkpoint when ``checkpoint.local_every_n_steps`` divides it. Collective: every rank calls it.
 
         Saved: the model (prefix-free, or sharded for FSDP), the optimizer and scheduler (given here or
         earlier), ``extra`` entries (stateful objects or plain data), every rank's RNG state and loader
-        position. Returns the :class:`CheckpointInfo`, or None when this step is not a saving step.
+        position. Returns the durable :class:`CheckpointInfo`, else the in-memory tier's
+        :class:`~robustdist.checkpoint.LocalSaveInfo`, or None when this step is not a saving step. (``extra``
+        entries that are plain data go to the durable tier only.)
         """
         if self.checkpointer is None:
             if force:
@@ -124,12 +132,24 @@ class Hardened:
                                   "directory. Fix: set checkpoint.dir in the config passed to harden().",
                                   rank=self._err_rank())
             return None
-        every = self.config.checkpoint.every_n_steps
-        if not force and (every is None or step % every):
+        cfg = self.config.checkpoint
+        durable = force or (cfg.every_n_steps is not None and step % cfg.every_n_steps == 0)
+        local = self.local is not None and cfg.local_every_n_steps is not None and step % cfg.local_every_n_steps == 0
+        if not durable and not local:
             return None
         self._remember(optimizer, scheduler, extra)
-        with self._bounded("checkpoint save"):
-            return self.state.save(self.checkpointer, step, extra)
+        self._mark_progress()
+        info: CheckpointInfo | LocalSaveInfo | None = None
+        if local and self.local is not None:
+            with self._bounded("in-memory checkpoint save"):
+                info = self.state.save_local(self.local, step)
+            self._pending.append(info)
+        if durable:
+            with self._bounded("checkpoint save"):
+                info = self.state.save(self.checkpointer, step, extra)
+            self._pending.append(info)
+        self._mark_progress()
+        return info
 
     def resume(self, *, optimizer: Optimizer | None = None, scheduler: Stateful | None = None,
                **extra: Any) -> int | None:
@@ -142,18 +162,45 @@ class Hardened:
             return None
         self._remember(optimizer, scheduler, extra)
         step = self._load(missing_ok=True)
+        self._guard_restarts(step)
         level = logging.INFO if logging_configured() or self.init_report.rank != 0 else logging.WARNING
         if step is None:
             log.log(level, "nothing to resume in %s: starting from step 0", self.checkpointer.directory)
             return None
-        log.log(level, "resumed from checkpoint step %d in %s", step, self.checkpointer.directory)
+        source = self.last_loaded.source_detail or self.last_loaded.source if self.last_loaded else "durable"
+        log.log(level, "resumed from checkpoint step %d (%s) in %s", step, source, self.checkpointer.directory)
         return step
+
+    def _guard_restarts(self, step: int | None) -> None:
+        """The restart-loop guard (:mod:`robustdist._restart_guard`): rank 0 decides, every rank raises."""
+        assert self.checkpointer is not None
+        message = None
+        if self.checkpointer.rank == 0:
+            message = _restart_guard.check(self.checkpointer.directory, attempt=self.attempt, resumed_step=step,
+                                           limit=self.config.health.max_restarts_without_progress)
+        message = self.checkpointer.collectives.broadcast(message, "restart guard")
+        self._resumed_from, self._progress_marked, self._pending = step, False, []
+        if message:
+            raise RestartLoopError(message, rank=self._err_rank())
+
+    def _mark_progress(self) -> None:
+        """Tell the restart record (rank 0) once a step newer than the one resumed from is committed."""
+        if self._progress_marked or self.checkpointer is None:
+            return
+        for info in self._pending:
+            complete = info.complete if isinstance(info, LocalSaveInfo) else info.total_seconds is not None
+            if info.done.is_set() and complete and (self._resumed_from is None or info.step > self._resumed_from):
+                self._progress_marked = True
+                if self.checkpointer.rank == 0:
+                    _restart_guard.mark_progress(self.checkpointer.directory, self._resumed_from, info.step)
+                break
+        self._pending = [i for i in self._pending if not i.done.is_set()]
 
     def _load(self, *, missing_ok: bool = False) -> int | None:
         if self.checkpointer is None:  # rollback and resume only reach here with a checkpointer
             raise ConfigError("no checkpointer to load from; expected checkpoint.dir to be set. Fix: set it.")
         with self._bounded("checkpoint load"):
-            loaded = self.state.load(self.checkpointer, missing_ok=missing_ok)
+            loaded = self.state.load(self.checkpointer, missing_ok=missing_ok, local=self.local)
         if loaded is None:
             return None
         self.last_loaded, self._step = loaded, loaded.step
@@ -174,16 +221,23 @@ class Hardened:
         self.guard.optimizer = self.state.optimizer
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def close(self, *, keep_local: bool = False) -> None:
         """Stop the watchdog (and its hooks), wait for an async save (re-raising its error), release the
-        checkpoint directory's lock, and destroy the process group only if ``harden`` created it. Idempotent."""
+        checkpoint directory's lock, remove the in-memory tier's files when every rank closes cleanly (unless
+        ``keep_local``), and destroy the process group only if ``harden`` created it. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
             if self.watchdog is not None:
                 self.watchdog.close()
-            if self.checkpointer is not None:
+            if self.local is not None:
+                try:
+                    self.local.close(clean=not keep_local)
+                finally:
+                    if self.checkpointer is not None:
+                        self.checkpointer.close()
+            elif self.checkpointer is not None:
                 self.checkpointer.close()
         finally:
             destroy_process_group_if_owned(self.init_report)
@@ -191,8 +245,12 @@ class Hardened:
     def __enter__(self) -> Hardened:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Close; when an exception ends the block, record it for the restart-loop guard and keep the in-memory
+        tier's files (the restart needs them)."""
+        if exc is not None and self.checkpointer is not None and isinstance(exc, Exception):
+            _restart_guard.record_error(self.checkpointer.directory, self.attempt, self.init_report.rank, exc)
+        self.close(keep_local=exc is not None)
 
     def _beat(self, step: int | None = None) -> None:
         if self.watchdog is not None:

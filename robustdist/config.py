@@ -110,6 +110,15 @@ class CheckpointConfig(_Section):
                                    v.optional(v.integer(minimum=1)))
     arrival_timeout: float = _f(60.0, "Seconds every rank has to reach save()/resume() once another rank has; a "
                                 "rank that does not is named (save/resume are collective).", v.seconds())
+    local_every_n_steps: int | None = _f(None, "Take an in-memory checkpoint (node-local, replicated to a peer node) "
+                                         "every N steps from harden().save(); None turns the tier off.",
+                                         v.optional(v.integer(minimum=1)))
+    local_dir: str | None = _f(None, "The in-memory tier's node-local directory; None: /dev/shm/robustdist-<uid>-<id "
+                               "of checkpoint.dir>.", v.optional(v.path()))
+    local_keep_last: int = _f(1, "Complete in-memory steps kept on each node (1 or 2).",
+                              v.integer(minimum=1, maximum=2))
+    replicas: int = _f(1, "In-memory copies of each rank's state kept on another node (1 or 0).",
+                       v.integer(minimum=0, maximum=1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +138,9 @@ class HealthConfig(_Section):
                             "rollbacks of the same step.", v.integer(minimum=1))
     dump_dir: str | None = _f(None, "Where the watchdog writes stack dumps (also always to stderr).",
                               v.optional(v.path()))
+    max_restarts_without_progress: int = _f(3, "resume() raises RestartLoopError when this many consecutive restart "
+                                            "attempts resumed from the same step without committing a newer one.",
+                                            v.integer(minimum=1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,6 +225,12 @@ class HardenConfig:
             raise ConfigError(
                 "health.nan_policy='rollback' needs a checkpoint to roll back to, but checkpoint.dir is None. "
                 "Fix: set checkpoint.dir (and checkpoint.every_n_steps), or choose nan_policy 'raise', 'skip' or 'warn'."
+            )
+        if self.checkpoint.local_every_n_steps is not None and self.checkpoint.dir is None:
+            raise ConfigError(
+                "checkpoint.local_every_n_steps is set but checkpoint.dir is None; expected a durable checkpoint "
+                "directory beside the in-memory tier (it is the fallback when a job or every copy is lost, and it holds "
+                "the tier's lineage). Fix: set checkpoint.dir too."
             )
 
     # ----------------------------------------------------------------- constructors

@@ -44,6 +44,7 @@ __all__ = [
     "RankDivergenceError",
     "RanksFailed",
     "RanksTimeout",
+    "RestartLoopError",
     "RobustDistError",
     "RobustDistWarning",
     "StateDictMismatchError",
@@ -110,6 +111,10 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointBusyError(CheckpointError):
     """A load found the checkpoints rotated away under it by a writer, repeatedly: retrying is safe."""
+
+
+class RestartLoopError(RobustDistError):
+    """Restart after restart resumed from the same step and none committed a newer one: a crash loop."""
 
 
 class StateDictMismatchError(RobustDistError):

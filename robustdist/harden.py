@@ -54,7 +54,8 @@ from torch import nn
 
 from robustdist import _dist, fsdp
 from robustdist._hardened import Hardened
-from robustdist.checkpoint import AtomicCheckpointer
+from robustdist.checkpoint import AtomicCheckpointer, LocalTier
+from robustdist.checkpoint.local_tier import lineage_of
 from robustdist.config import HardenConfig, resolve_config
 from robustdist.dataloader import safe_dataloader
 from robustdist.ddp import wrap_ddp
@@ -99,6 +100,7 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
     topo = detect_topology()
     report = _init(config, topo)
     checkpointer: AtomicCheckpointer | None = None
+    local: LocalTier | None = None
     watchdog: Watchdog | None = None
     try:
         wrapped = _wrap(model, config, topo, report, optimizer, shard_policy, init_weights)
@@ -109,15 +111,23 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
                                               timeout=config.distributed.timeout,
                                               arrival_timeout=ckpt.arrival_timeout,
                                               config_fingerprint=config.fingerprint())
+            if ckpt.local_every_n_steps is not None:
+                local = LocalTier(ckpt.local_dir, lineage=lineage_of(checkpointer.directory, checkpointer.rank,
+                                                                     checkpointer.collectives), replicas=ckpt.replicas,
+                                  keep_last=ckpt.local_keep_last, timeout=config.distributed.timeout,
+                                  arrival_timeout=ckpt.arrival_timeout)
         health = config.health
         if health.hang_timeout is not None:
             watchdog = Watchdog(health.hang_timeout, dump_dir=health.dump_dir, action=health.hang_action,
                                 rank=report.rank, world_size=report.world_size).attach(wrapped)
         hardened = Hardened(state=TrainState(wrapped, optimizer=optimizer, loader=safe), topology=topo,
-                            init_report=report, checkpointer=checkpointer, config=config, watchdog=watchdog)
+                            init_report=report, checkpointer=checkpointer, config=config, watchdog=watchdog,
+                            local=local)
     except BaseException:
         if watchdog is not None:
             watchdog.close()
+        if local is not None:
+            local.close()
         if checkpointer is not None:
             checkpointer.close()
         destroy_process_group_if_owned(report)
@@ -162,6 +172,9 @@ def _describe(h: Hardened) -> str:
         parts.append(f"model {type(h.model).__name__}")
     parts.append("checkpoints in " + (f"{cfg.checkpoint.dir} every {cfg.checkpoint.every_n_steps} steps"
                                       if h.checkpointer is not None else "(off)"))
+    if h.local is not None:
+        parts.append(f"in-memory checkpoints in {h.local.directory} every {cfg.checkpoint.local_every_n_steps} "
+                     f"steps ({'a replica on the next node' if any(p is not None for p in h.local.peers) else 'no replica'})")
     parts.append(f"watchdog {cfg.health.hang_timeout:g} s ({cfg.health.hang_action})" if h.watchdog else "watchdog off")
     parts.append(f"nan_policy {cfg.health.nan_policy} through h.step_guard ({h.guard.agreement} agreement)")
     if h.guard.divergence_interval:

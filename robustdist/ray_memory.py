@@ -2,9 +2,11 @@
 
 Ray's object store takes 30% of RAM by default; ZeRO-3/FSDP CPU offload holds parameters, gradients and
 optimizer states in host RAM too, and pinned host buffers add more. Together they can exceed the node and
-get the raylet OOM-killed. The plan, per node::
+get the raylet OOM-killed. So can robustdist's in-memory checkpoint tier (``/dev/shm`` is RAM):
+``local_checkpoint_bytes`` is what it holds on the node (:func:`robustdist.checkpoint.local_tier.node_need`,
+``(checkpoint.local_keep_last + 1)`` x the copies the node holds). The plan, per node::
 
-    usable        = total_ram * (1 - headroom) - offload_bytes - pinned_bytes
+    usable        = total_ram * (1 - headroom) - offload_bytes - pinned_bytes - local_checkpoint_bytes
     object_store  = min(object_store_fraction * total_ram, usable)     (fraction: Ray's 0.3 by default)
 
 It raises :class:`~robustdist.errors.ConfigError` listing every term and the shortfall when ``usable`` is
@@ -54,12 +56,15 @@ class MemoryPlan:
     offload_bytes: int
     pinned_bytes: int
     object_store_memory: int
+    local_checkpoint_bytes: int = 0
 
     @property
     def explanation(self) -> str:
-        usable = self.total_ram - self.headroom_bytes - self.offload_bytes - self.pinned_bytes
+        usable = self.total_ram - self.headroom_bytes - self.offload_bytes - self.pinned_bytes \
+            - self.local_checkpoint_bytes
         return (f"total RAM {_gib(self.total_ram)} - headroom {_gib(self.headroom_bytes)} - CPU offload "
-                f"{_gib(self.offload_bytes)} - pinned buffers {_gib(self.pinned_bytes)} = usable {_gib(usable)}; "
+                f"{_gib(self.offload_bytes)} - pinned buffers {_gib(self.pinned_bytes)} - in-memory checkpoints "
+                f"{_gib(self.local_checkpoint_bytes)} = usable {_gib(usable)}; "
                 f"object store {_gib(self.object_store_memory)}")
 
     def ray_init_kwargs(self) -> dict[str, Any]:
@@ -68,27 +73,32 @@ class MemoryPlan:
 
 
 def ray_memory_plan(*, total_ram: int | None = None, offload_bytes: int = 0, pinned_bytes: int = 0,
-                    object_store_fraction: float | None = None, headroom: float = 0.1) -> MemoryPlan:
+                    object_store_fraction: float | None = None, headroom: float = 0.1,
+                    local_checkpoint_bytes: int = 0) -> MemoryPlan:
     """Compute a safe ``object_store_memory`` (see the module docstring)."""
     ram = system_ram() if total_ram is None else int(total_ram)
     fraction = RAY_DEFAULT_FRACTION if object_store_fraction is None else float(object_store_fraction)
     for name, value, ok in (("total_ram", ram, ram > 0), ("offload_bytes", offload_bytes, offload_bytes >= 0),
                             ("pinned_bytes", pinned_bytes, pinned_bytes >= 0),
+                            ("local_checkpoint_bytes", local_checkpoint_bytes, local_checkpoint_bytes >= 0),
                             ("object_store_fraction", fraction, 0 < fraction <= 1), ("headroom", headroom, 0 <= headroom < 1)):
         if not ok:
             raise ConfigError(f"{name}={value!r} is out of range; expected bytes >= 0 (total_ram > 0) and fractions "
                               "in (0, 1] (headroom in [0, 1)). Fix: pass a value in range.")
     head = int(ram * headroom)
-    usable = ram - head - int(offload_bytes) - int(pinned_bytes)
+    usable = ram - head - int(offload_bytes) - int(pinned_bytes) - int(local_checkpoint_bytes)
     if usable < RAY_MIN_OBJECT_STORE:
         raise ConfigError(
             f"no safe object store size: total RAM {_gib(ram)} - headroom {_gib(head)} ({headroom:.0%}) - CPU offload "
-            f"{_gib(offload_bytes)} - pinned buffers {_gib(pinned_bytes)} = {_gib(usable)}, below Ray's minimum object "
-            f"store of {_gib(RAY_MIN_OBJECT_STORE)}; short by {_gib(RAY_MIN_OBJECT_STORE - usable)}. Fix: offload less "
-            "(fewer ranks per node, or keep optimizer states on the GPU), use nodes with more RAM, or lower headroom.")
+            f"{_gib(offload_bytes)} - pinned buffers {_gib(pinned_bytes)} - in-memory checkpoints "
+            f"{_gib(local_checkpoint_bytes)} = {_gib(usable)}, below Ray's minimum object store of "
+            f"{_gib(RAY_MIN_OBJECT_STORE)}; short by {_gib(RAY_MIN_OBJECT_STORE - usable)}. Fix: offload less "
+            "(fewer ranks per node, or keep optimizer states on the GPU), keep fewer in-memory checkpoints "
+            "(checkpoint.local_keep_last 1, replicas 0), use nodes with more RAM, or lower headroom.")
     store = min(int(fraction * ram), usable)
     return MemoryPlan(total_ram=ram, headroom_bytes=head, offload_bytes=int(offload_bytes),
-                      pinned_bytes=int(pinned_bytes), object_store_memory=store)
+                      pinned_bytes=int(pinned_bytes), object_store_memory=store,
+                      local_checkpoint_bytes=int(local_checkpoint_bytes))
 
 
 def estimate_offload_bytes(model: torch.nn.Module, optimizer: Any = "adam", *, include_grads: bool = True,

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.optim import Optimizer
 
-from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint
+from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint, LocalSaveInfo, LocalTier
 from robustdist.dataloader import SafeDataLoader
 
 __all__ = ["Stateful", "TrainState"]
@@ -65,8 +65,21 @@ class TrainState:
         per_rank = {"loader": self.loader.state_dict()} if isinstance(self.loader, SafeDataLoader) else None
         return checkpointer.save(step, {**self.entries(), **(extra or {})}, per_rank=per_rank, **kwargs)
 
-    def load(self, checkpointer: AtomicCheckpointer, *, missing_ok: bool = False) -> LoadedCheckpoint | None:
+    def save_local(self, tier: LocalTier, step: int) -> LocalSaveInfo:
+        """Take an in-memory checkpoint of every entry and this rank's loader position (``LocalTier.save``)."""
+        per_rank = {"loader": self.loader.state_dict()} if isinstance(self.loader, SafeDataLoader) else None
+        return tier.save(step, self.entries(), per_rank=per_rank)
+
+    def load(self, checkpointer: AtomicCheckpointer, *, missing_ok: bool = False,
+             local: LocalTier | None = None) -> LoadedCheckpoint | None:
         """Restore the newest valid checkpoint into every entry and the loader (see ``AtomicCheckpointer.load``);
-        None when there is none and ``missing_ok``."""
+        None when there is none and ``missing_ok``. With ``local``, the in-memory tier is tried first: its
+        newest step complete across the job, if not older than the durable tier's newest (``LocalTier.load``);
+        the durable tier otherwise."""
         per_rank = {"loader": self.loader} if isinstance(self.loader, SafeDataLoader) else None
+        if local is not None:
+            steps = checkpointer.steps() if checkpointer.rank == 0 else []
+            loaded = local.load(state=self.entries(), per_rank=per_rank, at_least=steps[-1] if steps else None)
+            if loaded is not None:
+                return loaded
         return checkpointer.load(state=self.entries(), per_rank=per_rank, missing_ok=missing_ok)

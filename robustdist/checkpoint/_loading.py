@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.serialization import MAP_LOCATION
 
-__all__ = ["is_ray_checkpoint", "load_checkpoint", "torch_load"]
+__all__ = ["check_entries", "is_ray_checkpoint", "load_checkpoint", "torch_load"]
 
 _RETRIES = 3
 
@@ -153,6 +153,10 @@ def _check_entries(step_dir: str, kinds: dict[str, str], replicated: dict[str, A
                 raise CheckpointError(f"per_rank[{name!r}] is a {type(live).__name__}, which has no load_state_dict")
             kind = "module" if isinstance(live, nn.Module) else "stateful"
             _check_live(f"{step_dir} per-rank entry {name!r}", live, saved_per_rank[name], kind)
+
+
+check_entries = _check_entries
+"""Each saved entry against the live object it is restored into (the in-memory tier checks the same way)."""
 
 
 def _check_live(where: str, live: Any, saved: Any, kind: str) -> None:

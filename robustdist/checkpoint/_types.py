@@ -44,6 +44,12 @@ class LoadedCheckpoint:
     per_rank: dict[str, Any]
     metadata: dict[str, Any]
     manifest: dict[str, Any]
+    source: str = "durable"
+    """Where this rank's state came from: ``"durable"`` (the checkpoint directory), ``"memory"`` (the in-memory
+    tier on this node), ``"replica"`` (the copy a peer node held for this rank) or ``"peer"`` (another rank's
+    in-memory copy on another node)."""
+    source_detail: str = ""
+    """The copy used, in words (in-memory tier only)."""
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,9 @@ from robustdist.checkpoint._collective import checkpoint_collectives
 from robustdist.checkpoint._loading import is_ray_checkpoint, load_checkpoint
 from robustdist.checkpoint._protocol import Committer, staging_dir
 from robustdist.checkpoint._schema import MAX_STEP, is_int
-from robustdist.checkpoint._sharded import is_sharded_stateful, save_sharded
+from robustdist.checkpoint._sharded import save_sharded
 from robustdist.checkpoint._shared import check_shared_dir
+from robustdist.checkpoint._snapshot import collect
 from robustdist.checkpoint._types import CheckpointInfo, Context, LoadedCheckpoint, SaveJob
 from robustdist.errors import CheckpointError
 from robustdist.log import get_logger
@@ -305,40 +306,13 @@ class AtomicCheckpointer:
         if self._closed:
             raise CheckpointError("this AtomicCheckpointer is closed; expected an open one. Fix: create a new one.")
 
-    def _check_entries(self, state: object, per_rank: object) -> None:
-        for what, value in (("state", state), ("per_rank", per_rank if per_rank is not None else {})):
-            if not isinstance(value, dict):
-                raise CheckpointError(f"{what} is a {type(value).__name__}; expected a dict of named entries. Fix: "
-                                      "pass {'model': model, 'optimizer': optimizer, ...}.", rank=self.err_rank)
-        names = [n for n in (*state, *(per_rank or {})) if type(n) is not str or not 0 < len(n) <= 256]
-        if names:
-            raise CheckpointError(f"entry name {names[0]!r:.60} is a {type(names[0]).__name__}; expected a str of 1 "
-                                  "to 256 characters (the manifest records names as JSON strings). Fix: name entries "
-                                  "with short strings.", rank=self.err_rank)
-
     def _collect(self, job: SaveJob, state: dict[str, Any], per_rank: dict[str, Any] | None, *,
                  clone: bool) -> dict[str, Any]:
-        """Step 2: snapshot into ``job`` (replicated entries on rank 0, this rank's RNG and per-rank entries,
-        every entry's kind); return the sharded entries, which DCP writes from the live objects."""
-        self._check_entries(state, per_rank)
-        sharded: dict[str, Any] = {}
-        shared, own = [_payload.MAX_VALUES], [_payload.MAX_VALUES - 2000]  # one budget per file (RNG state: ~700)
-        for name, value in state.items():
-            if _payload.is_sharded(value) or is_sharded_stateful(value):
-                job.kinds[name] = "sharded"
-                sharded[name] = value
-                continue
-            kind, entry = _payload.entry_state(name, value)
-            entry = _payload.plain(entry, f"state[{name!r}]", shared)
-            job.kinds[name] = kind
-            if self.rank == 0:
-                job.replicated[name] = _payload.snapshot(entry, clone=clone, staging=self._staging, key=("r", name))
-        job.mine = {"rng": _payload.capture_rng(), "per_rank": {}}
-        for name, value in (per_rank or {}).items():
-            kind, entry = _payload.entry_state(name, value)
-            entry = _payload.plain(entry, f"per_rank[{name!r}]", own)
-            job.mine["per_rank"][name] = _payload.snapshot(entry, clone=clone, staging=self._staging, key=("p", name))
-        return sharded
+        """Step 2: snapshot into ``job`` (:mod:`._snapshot`); return the sharded entries, which DCP writes from the
+        live objects."""
+        snap = collect(state, per_rank, rank=self.rank, clone=clone, staging=self._staging, err_rank=self.err_rank)
+        job.kinds, job.replicated, job.mine = snap.kinds, snap.replicated, snap.mine
+        return snap.sharded
 
     def _background(self, job: SaveJob) -> None:
         try:

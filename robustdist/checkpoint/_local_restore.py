@@ -1,0 +1,326 @@
+"""Recovery from the in-memory tier (``LocalTier.load``): agree on a step, fetch, verify, restore.
+
+Every rank calls it; the collectives run on the tier's own group.
+
+1. Each rank lists the copies its node holds (:func:`._local_layout.scan`: validated ``meta.json``, this
+   lineage and world size only). **Collective: all_gather** of the lists, with rank 0's durable step.
+2. Candidates: the steps, newest first, not older than the durable tier's newest, for which every rank's
+   state has at least one copy somewhere in the job (and rank 0's has the replicated entries). For one
+   candidate, every rank computes the same assignment: rank r's state comes from r's own copy if it holds one,
+   else from a copy on another rank of the same node, else from the replica a peer node holds.
+3. Each assigned holder reads its copies (confined, exact size, CRC-32 against ``meta.json``). **Collective:
+   all_gather** of the problems: a copy that failed is excluded, with a warning naming the rank, the copy
+   and the reason, and the assignment is made again (the next source, then the next step).
+4. The replicated entries are broadcast from their holder (**collective: broadcast**); each rank whose state is
+   held elsewhere receives it point to point (:mod:`._local_wire`, CRC-checked).
+5. Each rank deserialises with ``torch.load(weights_only=True)`` (after the same zip and pickle scan as the
+   durable tier), validates the shapes (:mod:`._schema`) and checks every entry against its live object
+   (:mod:`._live`, as the durable loader does). **Collective: all_gather** of the problems: corrupt content
+   excludes its source (back to 3); entries that do not fit the live objects end the in-memory attempt
+   (None: the durable tier decides, and names the problem).
+6. Restore as the durable loader does (:mod:`._restore`: unchecked objects with copies first, then this
+   rank's local shards for FSDP entries, then the checked entries; **collective: all_gather** after each
+   stage), then the RNG. The result is bit-identical to loading the same step from the durable tier.
+
+Nothing is deleted or written during recovery, so a crash in it leaves every copy for the next attempt.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from robustdist.checkpoint import _local_layout as layout
+from robustdist.checkpoint import _payload, _restore, _schema
+from robustdist.checkpoint._loading import check_entries
+from robustdist.checkpoint._local_wire import as_tensor, broadcast_bytes, exchange
+from robustdist.checkpoint._safeio import check_torch_zip
+from robustdist.checkpoint._schema import weights_only_reason
+from robustdist.checkpoint._sharded import _optimizer_pair, _state_dicts
+from robustdist.checkpoint._types import LoadedCheckpoint
+from robustdist.errors import CheckpointCorruptError, CheckpointError
+from robustdist.log import get_logger, user_stacklevel, warn
+
+
+
+class LocalTier(Protocol):
+    """What recovery uses of :class:`robustdist.checkpoint.local_tier.LocalTier` (which imports this module)."""
+
+    directory: str
+    lineage: str
+    rank: int
+    world_size: int
+    nodes: list[int]
+    timeout: float
+    group: Any
+    collectives: Any
+
+__all__ = ["local_shards", "recover"]
+
+log = get_logger(__name__)
+Source = tuple[int, int, str]
+"""``(holder rank, owner rank, role)``: one copy of one owner's state."""
+
+
+# ---------------------------------------------------------------------- FSDP shards
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _to_local(value: Any, staging: dict[tuple[Any, ...], torch.Tensor], key: tuple[Any, ...]) -> Any:
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if _is_dtensor(value) else value
+        return _payload.snapshot(local, clone=True, staging=staging, key=key)
+    if isinstance(value, dict):
+        return {k: _to_local(v, staging, (*key, k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_local(v, staging, (*key, i)) for i, v in enumerate(value))
+    return value
+
+
+def local_shards(sharded: dict[str, Any], staging: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, Any]:
+    """This rank's local shards of the sharded (FSDP2) entries, as plain CPU tensors and data."""
+    if not sharded:
+        return {}
+    out = {}
+    for name, sd in _state_dicts(sharded).items():
+        out[name] = _payload.plain(_to_local(sd, staging, ("s", name)), f"state[{name!r}] (local shards)")
+    return out
+
+
+def _fill(template: Any, saved: Any, where: str) -> Any:
+    """``template`` (a live state dict with DTensors) with every local shard and value taken from ``saved``."""
+    if isinstance(template, torch.Tensor):
+        local = template.to_local() if _is_dtensor(template) else template
+        if not isinstance(saved, torch.Tensor) or saved.shape != local.shape or saved.dtype != local.dtype:
+            shown = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise CheckpointError(f"{where}: saved shard {shown} does not fit the live shard {tuple(local.shape)} "
+                                  f"{local.dtype} (another world size or model?)")
+        with torch.no_grad():
+            local.copy_(saved)
+        return template
+    if isinstance(template, dict):
+        if not isinstance(saved, dict) or set(saved) != set(template):
+            raise CheckpointError(f"{where}: saved keys differ from the live object's")
+        return type(template)((k, _fill(template[k], saved[k], f"{where}.{k}")) for k in template)
+    if isinstance(template, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(template):
+            raise CheckpointError(f"{where}: saved list differs in length from the live object's")
+        return type(template)(_fill(t, s, f"{where}[{i}]") for i, (t, s) in enumerate(zip(template, saved)))
+    return saved
+
+
+def _restore_shards(entries: dict[str, Any], shards: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    templates = _state_dicts(entries)
+    for name, value in entries.items():
+        if name not in shards:
+            raise CheckpointError(f"state[{name!r}]: no local shards saved for it")
+        filled = _fill(templates[name], shards[name], f"state[{name!r}]")
+        if isinstance(value, nn.Module):
+            value.load_state_dict(filled)
+        elif isinstance(value, torch.optim.Optimizer):
+            set_optimizer_state_dict(_optimizer_pair(entries, value), value, filled)
+
+
+# ---------------------------------------------------------------------- reading
+def _torch_loads(data: Any, where: str) -> Any:
+    fh = io.BytesIO(data)
+    check_torch_zip(fh, where, length=len(memoryview(data)))
+    try:
+        payload = torch.load(fh, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointCorruptError(f"{where}: refused to load: {weights_only_reason(e)}; nothing was executed") \
+            from e
+    except Exception as e:
+        raise CheckpointCorruptError(f"{where}: not a loadable torch file ({type(e).__name__}: {str(e)[:200]})") from e
+    _schema.check_size(where, payload, _schema.MAX_VALUES + 16)
+    return payload
+
+
+def _inventory(tier: LocalTier) -> list[tuple[int, str, int, dict[str, int], dict[str, str], str]]:
+    holdings, skipped = layout.scan(tier.directory)
+    for line in skipped[:8]:
+        warn(f"rank {tier.rank}: in-memory checkpoint copy skipped as invalid: {line}", stacklevel=user_stacklevel())
+    rows = []
+    for h in holdings:
+        if h.lineage != tier.lineage or h.world_size != tier.world_size:
+            continue
+        rows.append((h.owner, h.role, h.step, {n: e["size"] for n, e in h.files.items()}, h.kinds, h.path))
+    return rows
+
+
+def _assign(step: int, everyone: list[Any], nodes: list[int], excluded: set[Source]) -> dict[int, Source] | None:
+    """owner -> the copy to use (the same on every rank), or None when some owner has no usable copy."""
+    out: dict[int, Source] = {}
+    for owner in range(len(everyone)):
+        options = []
+        for holder, (rows, _) in enumerate(everyone):
+            for o, role, s, files, _, _ in rows:
+                if o != owner or s != step or (holder, owner, role) in excluded:
+                    continue
+                if owner == 0 and layout.REPLICATED not in files:
+                    continue
+                rank_order = (0 if holder == owner else 1 if nodes[holder] == nodes[owner] else 2,
+                              0 if role == "own" else 1, holder)
+                options.append((rank_order, (holder, owner, role)))
+        if not options:
+            return None
+        out[owner] = min(options)[1]
+    return out
+
+
+def _row(everyone: list[Any], source: Source, step: int) -> tuple[Any, ...]:
+    holder, owner, role = source
+    return next(r for r in everyone[holder][0] if r[0] == owner and r[1] == role and r[2] == step)
+
+
+def _find(tier: LocalTier, source: Source, step: int) -> layout.Holding:
+    holdings, _ = layout.scan(tier.directory)
+    _, owner, role = source
+    for h in holdings:
+        if h.owner == owner and h.role == role and h.step == step and h.lineage == tier.lineage:
+            return h
+    raise CheckpointCorruptError(f"{layout.step_path(tier.directory, owner, role, step)}: gone since it was listed")
+
+
+def _describe(source: Source, step: int) -> str:
+    holder, owner, role = source
+    what = "its own copy" if role == "own" else "the replica"
+    return f"{what} of rank {owner}'s step {step} held by rank {holder}"
+
+
+# ---------------------------------------------------------------------- the protocol
+def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any],
+            at_least: int | None) -> LoadedCheckpoint | None:
+    """Steps 1 to 6 of the module docstring on this rank."""
+    c = tier.collectives
+    everyone = c.all_gather((_inventory(tier), at_least if tier.rank == 0 else None), "local inventory")
+    floor = everyone[0][1]
+    steps = sorted({row[2] for rows, _ in everyone for row in rows if floor is None or row[2] >= floor},
+                   reverse=True)
+    excluded: set[Source] = set()
+    for step in steps:
+        while (assigned := _assign(step, everyone, tier.nodes, excluded)) is not None:
+            outcome = _attempt(tier, step, assigned, everyone, state, per_rank, excluded)
+            if outcome == "unfit":
+                return None
+            if isinstance(outcome, LoadedCheckpoint):
+                return outcome
+    return None
+
+
+def _attempt(tier: LocalTier, step: int, assigned: dict[int, Source], everyone: list[Any], state: dict[str, Any],
+             per_rank: dict[str, Any], excluded: set[Source]) -> LoadedCheckpoint | str | None:
+    """One assignment of sources for ``step``: the loaded checkpoint, "unfit", or None (a source was excluded)."""
+    c, rank = tier.collectives, tier.rank
+    mine = [s for s in assigned.values() if s[0] == rank]
+    data: dict[Source, dict[str, Any]] = {}
+    problems: list[tuple[Source, str]] = []
+    for source in mine:
+        try:
+            holding = _find(tier, source, step)
+            data[source] = {name: layout.read_verified(holding, name) for name in holding.files}
+        except CheckpointCorruptError as e:
+            problems.append((source, str(e)[:500]))
+    if _exclude(tier, step, c.all_gather(problems, "local read"), excluded):
+        return None
+    # step 4: move the bytes
+    source0 = assigned[0]
+    size0 = _row(everyone, source0, step)[3][layout.REPLICATED]
+    blob0 = as_tensor(data[source0][layout.REPLICATED]) if source0[0] == rank else None
+    replicated_bytes = broadcast_bytes(tier.group, rank, source0[0], blob0, size0, timeout=tier.timeout,
+                                       what=f"recovery of step {step} (replicated entries)") \
+        if tier.world_size > 1 else blob0
+    sends = {owner: [as_tensor(data[src][layout.PAYLOAD])] for owner, src in assigned.items()
+             if src[0] == rank and owner != rank}
+    mine_src = assigned[rank]
+    receive = [mine_src[0]] if mine_src[0] != rank else []
+    got = exchange(tier.group, rank, sends, receive, timeout=tier.timeout, what=f"recovery of step {step}") \
+        if sends or receive or tier.world_size > 1 else {}
+    payload_bytes = got[mine_src[0]][0] if receive else as_tensor(data[mine_src][layout.PAYLOAD])
+    # step 5: deserialise and check
+    kinds = _row(everyone, source0, step)[4]
+    checked, problem, corrupt_of = None, None, None
+    try:
+        where0 = f"{_describe(source0, step)} ({layout.REPLICATED})"
+        corrupt_of = source0
+        replicated = _schema.check_replicated(where0, _torch_loads(replicated_bytes.numpy(), where0), kinds)
+        where = f"{_describe(mine_src, step)} ({layout.PAYLOAD})"
+        corrupt_of = mine_src
+        payload = _torch_loads(payload_bytes.numpy(), where)
+        if not isinstance(payload, dict) or not isinstance(payload.get("shards"), dict):
+            raise CheckpointCorruptError(f"{where}: expected a dict with 'mine' and 'shards'")
+        own = _schema.check_rank_payload(where, payload.get("mine"))
+        corrupt_of = None
+        for name in state:
+            if name not in kinds:
+                raise CheckpointError(f"state[{name!r}] is not in in-memory step {step} (it holds {sorted(kinds)})")
+        saved_per_rank = own.get("per_rank", {})
+        check_entries(where, kinds, replicated, state, saved_per_rank, per_rank)
+        checked = (replicated, own, payload["shards"], _restore.plan(kinds, replicated, state, saved_per_rank,
+                                                                      per_rank))
+    except CheckpointCorruptError as e:
+        problem = ("corrupt", corrupt_of, str(e)[:500])
+    except Exception as e:
+        problem = ("unfit", None, f"{type(e).__name__}: {str(e)[:500]}" if not isinstance(e, CheckpointError)
+                   else str(e)[:500])
+    rows = c.all_gather(problem, "local check")
+    corrupt = [(r[1], f"rank {i}: {r[2]}") for i, r in enumerate(rows) if r and r[0] == "corrupt"]
+    if corrupt:
+        _exclude(tier, step, [[(tuple(s), p)] for s, p in corrupt], excluded)  # type: ignore[misc]
+        return None
+    unfit = [f"rank {i}: {r[2]}" for i, r in enumerate(rows) if r]
+    if unfit:
+        warn(f"in-memory checkpoint step {step} does not fit the live objects ({'; '.join(unfit)[:1500]}); the "
+             "durable tier is used instead.", stacklevel=user_stacklevel())
+        return "unfit"
+    assert checked is not None
+    return _restore_all(tier, step, checked, state, mine_src)
+
+
+def _exclude(tier: LocalTier, step: int, rows: list[Any], excluded: set[Source]) -> bool:
+    bad = [(tuple(source), text) for row in rows for source, text in row]
+    for source, text in bad:
+        if source not in excluded:
+            excluded.add(source)  # type: ignore[arg-type]
+            if tier.rank == 0:
+                warn(f"in-memory checkpoint: {_describe(source, step)} is unusable ({text}); falling back to the next "
+                     "source (another copy, an older step, then the durable tier).", stacklevel=user_stacklevel())
+    return bool(bad)
+
+
+def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: dict[str, Any],
+                 source: Source) -> LoadedCheckpoint | None:
+    c = tier.collectives
+    replicated, own, shards, plan = checked
+    sharded = dict(plan.sharded)
+    plan.sharded = {}
+    copies, problem = _restore.restore_unchecked(plan, "", None, tier.group)
+    if sharded and problem is None:
+        try:
+            copies += [(f"state[{n!r}]", v, _restore._capture(v)) for n, v in sharded.items()]
+            _restore_shards(sharded, shards)
+        except Exception as e:
+            problem = f"{type(e).__name__}: {str(e)[:500]}"
+    bad = [p for p in c.all_gather(problem, "local restore") if p]
+    if not bad:
+        bad = [p for p in c.all_gather(_restore.restore_checked(plan), "local apply") if p]
+    if bad:
+        _restore.put_back(copies)
+        warn(f"in-memory checkpoint step {step} could not be restored ({'; '.join(bad)[:1500]}); the durable tier is "
+             "used instead.", stacklevel=user_stacklevel())
+        return None
+    _payload.restore_rng(own["rng"])
+    holder, owner, role = source
+    kind = "memory" if role == "own" and tier.nodes[holder] == tier.nodes[tier.rank] else "replica" \
+        if role == "replica" else "peer"
+    log.info("rank %d restored step %d from %s", tier.rank, step, _describe(source, step))
+    return LoadedCheckpoint(step=step, path=layout.step_path(tier.directory, owner, role, step), state=replicated,
+                            per_rank=own.get("per_rank", {}), metadata={}, manifest={}, source=kind,
+                            source_detail=_describe(source, step))

@@ -1,0 +1,425 @@
+"""``LocalTier``: an in-memory checkpoint tier, replicated to a peer node, beside the durable one.
+
+A durable checkpoint (:class:`~robustdist.checkpoint.AtomicCheckpointer`) survives anything, but it is slow to
+write at scale, so it is taken rarely, and a crash loses every step since. This tier is taken often and cheaply:
+
+* **Save** (collective, every rank): the only blocking part is the snapshot to host memory (the same snapshot
+  the durable tier takes, :mod:`._snapshot`; under FSDP each rank's own shards). On a background thread,
+  each rank then serialises its state and commits it into its node's ``directory`` (``/dev/shm`` by
+  default; staged, checksummed, renamed into place: :mod:`._local_layout`), sends a copy to its peer (the same
+  local rank on the next node, over this tier's own gloo group: :mod:`._local_wire`), and commits the copy
+  it receives. Rank 0 also writes the replicated entries, once for the job (not once per rank), and
+  replicates them to its peer. Finally one small all_gather: the step is *complete* only when every rank's
+  copy and its replica are in place. Only then are older steps deleted (``keep_last`` complete steps stay),
+  so a crash at any point leaves the previous complete step intact. A background error is raised at the next
+  ``save``, ``wait``, ``load`` or ``close``, naming the ranks.
+* **Memory** is checked at the first save: each node needs ``(keep_last + 1)`` times the copies it holds (the
+  one being written beside the ones kept); a tier that does not fit in the directory's free space or in
+  available RAM is refused on every rank, with the numbers and the fix.
+* **Load** (collective): every rank lists what its node holds; the ranks agree on the newest step that is
+  complete across the job from any source (its own copy, the replica a peer node holds for it, or a copy
+  left on this node by another rank) and newer than the durable tier's; each rank fetches what it lacks from
+  the rank that holds it, verifies it and restores it exactly as the durable tier would
+  (:mod:`._local_restore`). A corrupt or missing copy falls back, with a warning naming the rank and the
+  source, to the next source, then the next step; ``load`` returns None when the durable tier must be used.
+
+One node (or ``replicas=0``): no replica is kept; a node loss is then a job loss, recovered from the durable
+tier. The tier's files stay when a job fails (the restart needs them) and are removed by ``close(clean=True)``
+when every rank closes cleanly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from robustdist import _dist
+from robustdist._dist import Collectives
+from robustdist._node import node_rank
+from robustdist.checkpoint import _faults, _local_restore
+from robustdist.checkpoint import _local_layout as layout
+from robustdist.checkpoint._local_wire import as_tensor, exchange
+from robustdist.checkpoint._io import fsync_dir
+from robustdist.checkpoint._safeio import read_in
+from robustdist.checkpoint._schema import MAX_STEP, is_int
+from robustdist.checkpoint._snapshot import collect
+from robustdist.errors import CheckpointCorruptError, CheckpointError, ranks_phrase
+from robustdist.log import get_logger
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from robustdist.checkpoint._types import LoadedCheckpoint
+
+__all__ = ["LINEAGE", "LocalSaveInfo", "LocalTier", "default_local_dir", "lineage_of", "node_need"]
+
+log = get_logger(__name__)
+OPS = ("local save", "local load")
+LINEAGE = ".robustdist-lineage"
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def lineage_of(directory: str, rank: int, collectives: Collectives) -> str:
+    """The lineage of the in-memory copies that belong to this durable directory: a random token rank 0 keeps
+    in ``<directory>/.robustdist-lineage`` (the durable checkpoint directory; created when missing or not a token; shared with every rank). A wiped or
+    replaced checkpoint directory gets a new token, so stale copies left in ``/dev/shm`` are never restored."""
+    token: str | None = None
+    if rank == 0:
+        try:
+            token = read_in(directory, LINEAGE, max_size=64).decode("ascii", "replace").strip()
+        except CheckpointCorruptError:
+            token = None
+        if token is None or not _TOKEN.fullmatch(token):
+            path = os.path.join(directory, LINEAGE)
+            if os.path.lexists(path):
+                log.warning("%s is not a lineage token robustdist writes; a new one is made (in-memory copies of "
+                            "the old one are not used)", path)
+                os.unlink(path)
+            token = uuid.uuid4().hex
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "x", encoding="ascii") as fh:
+                fh.write(token)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            fsync_dir(directory)
+    return str(collectives.broadcast(token, "lineage"))
+
+
+def default_local_dir(lineage: str) -> str:
+    """``/dev/shm/robustdist-<uid>-<lineage hash>`` (the temp directory where there is no ``/dev/shm``)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+    digest = hashlib.sha256(lineage.encode()).hexdigest()[:12]
+    return os.path.join(base, f"robustdist-{os.getuid()}-{digest}")
+
+
+@dataclass
+class LocalSaveInfo:
+    """What a local save did: ``blocking_seconds`` (the snapshot), then, when the background part is done,
+    ``total_seconds``, ``bytes`` (what this rank wrote and received) and whether the step is ``complete``."""
+
+    step: int
+    blocking_seconds: float = 0.0
+    total_seconds: float | None = None
+    bytes: int | None = None
+    complete: bool = False
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+
+def node_need(sizes: list[int], nodes: list[int], peers: list[int | None], keep_last: int) -> dict[int, int]:
+    """Bytes each node needs: ``(keep_last + 1)`` x (its ranks' own copies + the replicas it holds)."""
+    need: dict[int, int] = {n: 0 for n in nodes}
+    for r, size in enumerate(sizes):
+        need[nodes[r]] += size
+        if peers[r] is not None:
+            need[nodes[peers[r]]] += size  # type: ignore[index]
+    return {n: (keep_last + 1) * b for n, b in need.items()}
+
+
+def _free(directory: str) -> tuple[int, int | None]:
+    st = os.statvfs(directory)
+    available = None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return st.f_bavail * st.f_frsize, available
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 64
+
+
+def _serialise(obj: Any) -> bytearray:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return bytearray(buf.getbuffer())
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class LocalTier:
+    """The in-memory tier (see the module docstring).
+
+    Args:
+        directory: the node-local directory (default :func:`default_local_dir` of ``lineage``).
+        lineage: names what the copies belong to (harden uses a token kept in the durable directory); copies
+            of another lineage or world size are never sources.
+        replicas: 1 (a copy on the next node) or 0.
+        keep_last: complete steps kept (1 or 2).
+        timeout: seconds bounding every wait (default 1800).
+        arrival_timeout: seconds every rank has to reach ``save``/``load`` once another rank has (default 60).
+        group: the process group for the tier (default: a gloo group of all ranks created here).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, lineage: str = "default",
+                 replicas: int = 1, keep_last: int = 1, timeout: float | None = None,
+                 arrival_timeout: float | None = None, group: ProcessGroup | None = None):
+        if replicas not in (0, 1) or isinstance(replicas, bool):
+            raise CheckpointError(f"replicas={replicas!r}; expected 0 or 1. Fix: pass replicas=1 (a copy on the next "
+                                  "node) or 0.")
+        if keep_last not in (1, 2) or isinstance(keep_last, bool):
+            raise CheckpointError(f"keep_last={keep_last!r}; expected 1 or 2 complete in-memory steps. Fix: pass 1 "
+                                  "or 2 (the durable tier keeps the history).")
+        self.lineage = str(lineage)
+        self.directory = os.path.abspath(os.fspath(directory)) if directory is not None else default_local_dir(
+            self.lineage)
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self.keep_last = keep_last
+        self.timeout = float(timeout) if timeout is not None else 1800.0
+        self.arrival_timeout = float(arrival_timeout) if arrival_timeout is not None else 60.0
+        self.distributed = _dist.is_multi()
+        self._own_group: ProcessGroup | None = None
+        if self.distributed and group is None:
+            group = self._own_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        self.group = group
+        self.rank = _dist.rank(group) if self.distributed else 0
+        self.world_size = _dist.world_size(group) if self.distributed else 1
+        self.collectives = Collectives(group, self.rank, self.world_size, timeout=self.timeout,
+                                       arrival_timeout=self.arrival_timeout, error=CheckpointError,
+                                       scope="local-ckpt", noun="in-memory checkpoint", owner="in-memory tier",
+                                       ops=OPS, knob="checkpoint.arrival_timeout")
+        key = (str(node_rank()) if node_rank() is not None else socket.gethostname(), self.directory)
+        keys = self.collectives.all_gather(key[0], "node map")
+        order = list(dict.fromkeys(keys))
+        self.nodes = [order.index(k) for k in keys]
+        """Node index of every rank (in order of each node's lowest rank)."""
+        self.peers = self._peers(replicas)
+        """The rank holding each rank's replica (None: no replica)."""
+        self.senders = [r for r, p in enumerate(self.peers) if p == self.rank]
+        if replicas and len(order) == 1 and self.rank == 0:
+            log.info("in-memory checkpoints: one node, so no replica is kept (a replica must be on another node); "
+                     "a node loss is a job loss here, recovered from the durable tier")
+        self.last_complete: int | None = None
+        """The newest step this rank saw complete (saved or loaded)."""
+        self.node_bytes: int | None = None
+        """What the tier needs on this node, estimated at the first save (for ``ray_memory_plan``)."""
+        self._memory_checked = False
+        self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    def _peers(self, replicas: int) -> list[int | None]:
+        if not replicas:
+            return [None] * self.world_size
+        count = max(self.nodes) + 1
+        members = {n: [r for r, m in enumerate(self.nodes) if m == n] for n in range(count)}
+        peers: list[int | None] = []
+        for r, n in enumerate(self.nodes):
+            if count == 1:
+                peers.append(None)
+                continue
+            local = members[n].index(r)
+            nxt = members[(n + 1) % count]
+            peers.append(nxt[local % len(nxt)])
+        return peers
+
+    @property
+    def err_rank(self) -> int | None:
+        return self.rank if self.distributed else None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: dict[str, Any], *, per_rank: dict[str, Any] | None = None) -> LocalSaveInfo:
+        """Snapshot ``state``/``per_rank`` and commit it in the background (see the module docstring)."""
+        self._check_open()
+        self.wait()
+        start = time.perf_counter()
+        if not is_int(step, 0, MAX_STEP):
+            raise CheckpointError(f"step={step!r:.60}; expected a non-negative integer. Fix: pass the training step.",
+                                  rank=self.err_rank)
+        self.collectives.arrive("local save")
+        snap, shards, error = None, {}, None
+        try:
+            snap = collect(state, per_rank, rank=self.rank, clone=True, staging=self._staging, err_rank=self.err_rank)
+            shards = _local_restore.local_shards(snap.sharded, self._staging)
+        except BaseException as e:  # told to every rank in the agreement below; every rank raises there
+            error = e
+        size = _nbytes(snap.replicated) + _nbytes(snap.mine) + _nbytes(shards) if snap is not None else 0
+        self._agree_snapshot(step, error, size)
+        assert snap is not None
+        info = LocalSaveInfo(step=step, blocking_seconds=time.perf_counter() - start)
+        job = (step, snap.kinds, snap.replicated, {"mine": snap.mine, "shards": shards}, info, start)
+        self._thread = threading.Thread(target=self._background, args=(job,), name=f"robustdist-local-ckpt-{step}",
+                                        daemon=True)
+        self._thread.start()
+        return info
+
+    def _agree_snapshot(self, step: int, error: BaseException | None, size: int) -> None:
+        text = None if error is None else f"{type(error).__name__}: {str(error)[:1500]}"
+        everyone = self.collectives.all_gather((text, step, size), "local snapshot")
+        failed = {r: t for r, (t, _, _) in enumerate(everyone) if t}
+        steps = {s for _, s, _ in everyone}
+        if failed:
+            detail = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items()))
+            exc = CheckpointError(f"in-memory checkpoint step {step} was not taken: {ranks_phrase(failed)} could not "
+                                  f"snapshot ({detail}). Nothing was written; the previous complete step stays. Fix: "
+                                  "see the named ranks' errors.", rank=self.err_rank, ranks=sorted(failed))
+            raise exc from error
+        if len(steps) > 1:
+            raise CheckpointError(f"ranks disagree on the in-memory checkpoint step ({sorted(steps)}); expected every "
+                                  "rank to pass the same step. Nothing was written. Fix: pass the same step on every "
+                                  "rank.", rank=self.err_rank)
+        if not self._memory_checked:
+            self._check_memory([s for _, _, s in everyone])
+            self._memory_checked = True
+
+    def _check_memory(self, sizes: list[int]) -> None:
+        need = node_need(sizes, self.nodes, self.peers, self.keep_last)[self.nodes[self.rank]]
+        self.node_bytes = need
+        staging = sum(s for r, s in enumerate(sizes) if self.nodes[r] == self.nodes[self.rank])
+        shm, ram = _free(self.directory)
+        problem = None
+        if need > shm:
+            problem = (f"node {self.nodes[self.rank]} needs {_gib(need)} in {self.directory} for the in-memory tier "
+                       f"({self.keep_last} kept + 1 being written, x the copies it holds) and has {_gib(shm)} free")
+        elif ram is not None and need + staging > ram:
+            problem = (f"node {self.nodes[self.rank]} needs {_gib(need)} for the in-memory tier plus {_gib(staging)} "
+                       f"of snapshot buffers, and has {_gib(ram)} of RAM available")
+        everyone = self.collectives.all_gather(problem, "local memory check")
+        bad = [(r, p) for r, p in enumerate(everyone) if p]
+        if bad:
+            shown = "; ".join(f"rank {r}: {p}" for r, p in bad[:4])
+            raise CheckpointError(
+                f"the in-memory checkpoint tier does not fit: {shown}. Expected it to fit beside training. Fix: set "
+                "checkpoint.local_keep_last to 1, checkpoint.replicas to 0, point checkpoint.local_dir at a larger "
+                "tmpfs (or raise /dev/shm's size), or turn the tier off (checkpoint.local_every_n_steps: null).",
+                rank=self.err_rank, ranks=[r for r, _ in bad])
+
+    def _background(self, job: tuple[Any, ...]) -> None:
+        step, kinds, replicated, payload, info, start = job
+        try:
+            info.bytes = self._write_and_replicate(step, kinds, replicated, payload)
+            info.complete = True
+            info.total_seconds = time.perf_counter() - start
+        except BaseException as e:  # surfaces at the next save(), wait(), load() or close()
+            self._error = e
+            log.error("in-memory checkpoint step %d failed: %s", step, e)
+        finally:
+            info.done.set()
+
+    def _write_and_replicate(self, step: int, kinds: dict[str, str], replicated: dict[str, Any],
+                             payload: dict[str, Any]) -> int:
+        token = uuid.uuid4().hex[:12]
+        meta = {"world_size": self.world_size, "lineage": self.lineage, "kinds": kinds}
+        blobs = [_serialise(payload)] + ([_serialise(replicated)] if self.rank == 0 else [])
+        files = dict(zip((layout.PAYLOAD, layout.REPLICATED), blobs))
+        written, problem = 0, None
+        try:
+            layout.remove_stale(self.directory, self.rank, "own")
+            written += layout.commit_copy(self.directory, self.rank, "own", step, token, files, meta)
+        except Exception as e:  # still take part in the exchange (the peers wait for it), then report
+            problem = f"writing its own copy into {self.directory}: {type(e).__name__}: {e}"
+        _faults.phase("local_own_committed")
+        peer = self.peers[self.rank]
+        sends = {peer: [as_tensor(b) for b in blobs]} if peer is not None else {}
+        try:
+            received = exchange(self.group, self.rank, sends, self.senders, timeout=self.timeout,
+                                what=f"replication of step {step}") if sends or self.senders else {}
+            for src, got in received.items():
+                names = (layout.PAYLOAD, layout.REPLICATED)[: len(got)]
+                layout.remove_stale(self.directory, src, "replica")
+                written += layout.commit_copy(self.directory, src, "replica", step, token,
+                                              {n: memoryview(t.numpy()) for n, t in zip(names, got)}, meta)
+        except Exception as e:
+            problem = problem or f"replicating: {e}"
+        _faults.phase("local_replicated")
+        everyone = self.collectives.all_gather(problem, "local commit")
+        failed = {r: p for r, p in enumerate(everyone) if p}
+        if failed:
+            detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
+            raise CheckpointError(f"in-memory checkpoint step {step} is not complete: {ranks_phrase(failed)} failed "
+                                  f"({detail[:2000]}). The previous complete step ({self.last_complete}) stays. Fix: "
+                                  "see the named ranks' errors (a full /dev/shm? a dead peer?).", rank=self.err_rank,
+                                  ranks=sorted(failed))
+        keep = {step} | ({self.last_complete} if self.keep_last == 2 and self.last_complete is not None else set())
+        layout.rotate(self.directory, self.rank, "own", keep)
+        for src in self.senders:
+            layout.rotate(self.directory, src, "replica", keep)
+        self.last_complete = step
+        return written
+
+    def wait(self) -> None:
+        """Wait for the background part of the last save; raise its error (once) if it failed."""
+        if self._thread is not None:
+            self._thread.join(self.timeout + 60.0)
+            if self._thread.is_alive():
+                raise CheckpointError(f"the in-memory checkpoint's background part did not finish within "
+                                      f"{self.timeout + 60:g} s; expected it to finish or fail. Fix: check the peers' "
+                                      "logs.", rank=self.err_rank)
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"the in-memory checkpoint's background part failed: {error}",
+                                  rank=self.err_rank) from error
+
+    # ------------------------------------------------------------------ load
+    def load(self, *, state: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
+             at_least: int | None = None) -> LoadedCheckpoint | None:
+        """Restore the newest step complete across the job (from any rank's copy or replica) that is at least
+        ``at_least`` (rank 0's value counts: the durable tier's newest step); None when there is none, so
+        the caller loads the durable tier. Collective."""
+        self._check_open()
+        try:
+            self.wait()
+        except CheckpointError as e:  # a failed last save leaves the previous complete step: recover from it
+            log.warning("the last in-memory save failed before this load: %s", e)
+        self.collectives.arrive("local load")
+        loaded = _local_restore.recover(self, dict(state or {}), dict(per_rank or {}), at_least)
+        if loaded is not None:
+            self.last_complete = loaded.step
+        return loaded
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, *, clean: bool = False) -> None:
+        """Wait for the background part (raising its error), then destroy the group created here. With
+        ``clean=True`` (the job finished), every rank agrees, and only if all did is this node's directory
+        removed; else it stays for a restart (its path is logged)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+            if clean:
+                everyone = self.collectives.all_gather(True, "local close") if self.distributed else [True]
+                if all(everyone):
+                    import shutil
+
+                    shutil.rmtree(self.directory, ignore_errors=True)
+        finally:
+            self._staging.clear()
+            group, self._own_group = self._own_group, None
+            if group is not None and _dist.is_up():
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError) as e:
+                    log.debug("in-memory tier group not destroyed: %s", e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this LocalTier is closed; expected an open one. Fix: create a new one.")
