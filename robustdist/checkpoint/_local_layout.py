@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +31,9 @@ from typing import Any
 from robustdist.checkpoint import _faults
 from robustdist.checkpoint._safeio import lexists_dir, open_in, read_in
 from robustdist.checkpoint._schema import KINDS, MAX_STEP, is_int
-from robustdist.errors import CheckpointCorruptError
+from robustdist.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["PAYLOAD", "REPLICATED", "Holding", "commit_copy", "read_verified", "remove_stale", "rotate", "scan",
+__all__ = ["PAYLOAD", "REPLICATED", "Holding", "check_root", "commit_copy", "read_verified", "remove_stale", "rotate", "scan",
            "step_path"]
 
 FORMAT = 1
@@ -73,9 +74,31 @@ def _role_dir(root: str, owner: int, role: str) -> str:
     return os.path.join(root, f"owner_{owner:05d}", role)
 
 
+def _real_role_dir(root: str, owner: int, role: str) -> str | None:
+    """The role directory, if it and its owner directory are real directories (never a path through a link)."""
+    base = _role_dir(root, owner, role)
+    return base if lexists_dir(os.path.dirname(base)) and lexists_dir(base) else None
+
+
+def check_root(root: str) -> None:
+    """The tier's directory must be a real directory owned by this user and closed to others: ``/dev/shm`` is
+    shared by every user of the node, and a directory someone else made (or a link planted at its name) would
+    let them read or replace the copies."""
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(
+            st.st_mode) else f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else \
+            f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+        raise CheckpointError(f"the in-memory checkpoint directory {root} is {what}; expected a directory of this "
+                              f"user's (uid {os.getuid()}) that no one else can write. Fix: remove it, or set "
+                              "checkpoint.local_dir to a directory of your own.")
+
+
 def remove_stale(root: str, owner: int, role: str) -> None:
     """Remove the staging and set-aside directories an interrupted write of this owner's copies left."""
-    base = _role_dir(root, owner, role)
+    base = _real_role_dir(root, owner, role)
+    if base is None:
+        return
     try:
         names = os.listdir(base)
     except OSError:
@@ -92,7 +115,14 @@ def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: 
 
     No fsync: the tier is in memory (tmpfs); it protects against process and node loss, not power loss."""
     base = _role_dir(root, owner, role)
-    os.makedirs(base, exist_ok=True)
+    for path in (os.path.dirname(base), base):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        if not lexists_dir(path):
+            raise CheckpointCorruptError(f"{path}: not a real directory (a symbolic link?); refused to write through "
+                                         "it. Fix: remove it (robustdist recreates it).")
     final = step_path(root, owner, role, step)
     staging = os.path.join(base, f".tmp-step_{step:010d}-{token}")
     os.mkdir(staging)
@@ -123,7 +153,9 @@ def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: 
 
 def rotate(root: str, owner: int, role: str, keep: set[int]) -> None:
     """Delete this owner's copies (of ``role``) of every step not in ``keep``."""
-    base = _role_dir(root, owner, role)
+    base = _real_role_dir(root, owner, role)
+    if base is None:
+        return
     try:
         names = os.listdir(base)
     except OSError:
@@ -180,13 +212,22 @@ def scan(root: str) -> tuple[list[Holding], list[str]]:
         if not m:
             continue
         owner = int(m.group(1))
+        if not lexists_dir(os.path.join(root, owner_name)):
+            skipped.append(f"{os.path.join(root, owner_name)}: not a real directory (a symbolic link?); refused")
+            continue
         for role in ROLES:
             base = os.path.join(root, owner_name, role)
+            if os.path.lexists(base) and not lexists_dir(base):
+                skipped.append(f"{base}: not a real directory (a symbolic link?); refused")
+                continue
             names = [n for n in _listdir(base) if _STEP_RE.fullmatch(n)]
             for name in names[-MAX_STEPS_PER_OWNER:]:
                 step = int(name[5:])
                 path = os.path.join(base, name)
-                if step > MAX_STEP or not lexists_dir(path):
+                if step > MAX_STEP:
+                    continue
+                if not lexists_dir(path):
+                    skipped.append(f"{path}: not a real directory (a symbolic link?); refused")
                     continue
                 try:
                     raw = read_in(path, META, max_size=MAX_META_BYTES)

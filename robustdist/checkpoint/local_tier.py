@@ -157,8 +157,8 @@ def _serialise(obj: Any) -> bytearray:
     return bytearray(buf.getbuffer())
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 class LocalTier:
@@ -188,6 +188,7 @@ class LocalTier:
         self.directory = os.path.abspath(os.fspath(directory)) if directory is not None else default_local_dir(
             self.lineage)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        layout.check_root(self.directory)
         self.keep_last = keep_last
         self.timeout = float(timeout) if timeout is not None else 1800.0
         self.arrival_timeout = float(arrival_timeout) if arrival_timeout is not None else 60.0
@@ -294,11 +295,11 @@ class LocalTier:
         shm, ram = _free(self.directory)
         problem = None
         if need > shm:
-            problem = (f"node {self.nodes[self.rank]} needs {_gib(need)} in {self.directory} for the in-memory tier "
-                       f"({self.keep_last} kept + 1 being written, x the copies it holds) and has {_gib(shm)} free")
+            problem = (f"node {self.nodes[self.rank]} needs {_size(need)} in {self.directory} for the in-memory tier "
+                       f"({self.keep_last} kept + 1 being written, x the copies it holds) and has {_size(shm)} free")
         elif ram is not None and need + staging > ram:
-            problem = (f"node {self.nodes[self.rank]} needs {_gib(need)} for the in-memory tier plus {_gib(staging)} "
-                       f"of snapshot buffers, and has {_gib(ram)} of RAM available")
+            problem = (f"node {self.nodes[self.rank]} needs {_size(need)} for the in-memory tier plus {_size(staging)} "
+                       f"of snapshot buffers, and has {_size(ram)} of RAM available")
         everyone = self.collectives.all_gather(problem, "local memory check")
         bad = [(r, p) for r, p in enumerate(everyone) if p]
         if bad:

@@ -1,0 +1,224 @@
+"""A hostile or broken in-memory tier directory never runs code, reads outside itself, hangs or crashes a load.
+
+``/dev/shm`` is shared by every process on a node, and a stale tier survives a job: the tier's directory is
+input like a durable checkpoint directory. Each case below damages the newest in-memory copy (step 8) in one
+way; the load must skip it, with a warning naming the copy, and fall back to the durable tier (step 4), with
+the live objects restored exactly as a plain durable load restores them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from robustdist.checkpoint import AtomicCheckpointer, LocalTier
+from robustdist.train_state import TrainState
+
+pytestmark = pytest.mark.timeout(60)
+MARKER = "robustdist-local-tier-pwned"
+
+
+class _RunsCode:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.path}",))
+
+
+def _state(seed: int) -> TrainState:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    return TrainState(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+def _step(state: TrainState) -> None:
+    state.model(torch.randn(4, 8)).sum().backward()
+    assert state.optimizer is not None
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    """A durable step 4 and an in-memory step 8 of the same run; the durable load's result for reference."""
+    state = _state(0)
+    durable = AtomicCheckpointer(tmp_path / "durable")
+    local = LocalTier(tmp_path / "shm", lineage="hostile")
+    for step in range(1, 9):
+        _step(state)
+        if step == 4:
+            state.save(durable, step)
+        if step == 8:
+            state.save_local(local, step)
+            local.wait()
+    reference = _state(1)
+    reference.load(durable)
+    copy = Path(local.directory, "owner_00000", "own", "step_0000000008")
+    assert copy.is_dir()
+    yield durable, local, copy, reference, tmp_path
+    local.close()
+    durable.close()
+
+
+def _rewrite(copy: Path, name: str, data: bytes) -> None:
+    """Replace one file and make meta.json agree with it (a forger who knows the format)."""
+    (copy / name).write_bytes(data)
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["files"][name] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    (copy / "meta.json").write_text(json.dumps(meta))
+
+
+def _torch_file(obj: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _zip_bomb() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+        z.writestr("archive/data/0", b"\0" * (64 << 20))
+    return buf.getvalue()
+
+
+def _damage(kind: str, copy: Path, tmp: Path) -> None:
+    payload = copy / "payload.pt"
+    if kind == "code":
+        _rewrite(copy, "payload.pt", _torch_file({"mine": _RunsCode(str(tmp / MARKER)), "shards": {}}))
+    elif kind == "code_replicated":
+        _rewrite(copy, "replicated.pt", _torch_file({"model": _RunsCode(str(tmp / MARKER))}))
+    elif kind == "flipped":
+        data = bytearray(payload.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        payload.write_bytes(bytes(data))
+    elif kind == "truncated":
+        payload.write_bytes(payload.read_bytes()[:100])
+    elif kind == "symlink_file":
+        payload.unlink()
+        payload.symlink_to("/etc/passwd")
+    elif kind == "fifo":
+        payload.unlink()
+        os.mkfifo(payload)
+    elif kind == "symlink_step":
+        outside = tmp / "outside"
+        shutil.copytree(copy, outside)
+        shutil.rmtree(copy)
+        copy.symlink_to(outside)
+    elif kind == "symlink_owner":
+        owner = copy.parent.parent
+        outside = tmp / "outside-owner"
+        shutil.move(str(owner), outside)
+        owner.symlink_to(outside)
+    elif kind == "meta_huge":
+        (copy / "meta.json").write_text(" " * (2 << 20) + "{}")
+    elif kind == "meta_escape":
+        meta = json.loads((copy / "meta.json").read_text())
+        meta["files"]["../../../etc/passwd"] = {"size": 10, "crc32": "00000000"}
+        (copy / "meta.json").write_text(json.dumps(meta))
+    elif kind == "meta_types":
+        meta = json.loads((copy / "meta.json").read_text())
+        meta["world_size"], meta["kinds"] = "1", {"model": "exec"}
+        (copy / "meta.json").write_text(json.dumps(meta))
+    elif kind == "meta_other_step":
+        meta = json.loads((copy / "meta.json").read_text())
+        meta["step"] = 9
+        (copy / "meta.json").write_text(json.dumps(meta))
+    elif kind == "zip_bomb":
+        _rewrite(copy, "payload.pt", _zip_bomb())
+    elif kind == "wrong_shape":
+        _rewrite(copy, "payload.pt", _torch_file([1, 2, 3]))
+    elif kind == "other_model":
+        _rewrite(copy, "replicated.pt", _torch_file({"model": {"0.weight": torch.zeros(3, 3)}, "optimizer": {}}))
+    else:
+        raise AssertionError(kind)
+
+
+KINDS = ["code", "code_replicated", "flipped", "truncated", "symlink_file", "fifo", "symlink_step", "symlink_owner",
+         "meta_huge", "meta_escape", "meta_types", "meta_other_step", "zip_bomb", "wrong_shape", "other_model"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_damaged_copy_falls_back_to_the_durable_tier(tiers, kind):
+    durable, local, copy, reference, tmp = tiers
+    _damage(kind, copy, tmp)
+    state = _state(2)
+    with pytest.warns(Warning) as seen:
+        loaded = state.load(durable, local=local)
+    assert loaded is not None and (loaded.step, loaded.source) == (4, "durable")
+    assert not (tmp / MARKER).exists(), "a crafted copy ran code"
+    for a, b in zip(state.model.state_dict().values(), reference.model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert state.optimizer is not None and reference.optimizer is not None
+    assert str(state.optimizer.state_dict()) == str(reference.optimizer.state_dict())
+    text = " ".join(str(w.message) for w in seen)
+    assert "in-memory checkpoint" in text, text
+
+
+def test_the_undamaged_copy_is_used(tiers):
+    durable, local, _, _, _ = tiers
+    loaded = _state(2).load(durable, local=local)
+    assert loaded is not None and (loaded.step, loaded.source) == (8, "memory")
+
+
+def test_a_hostile_lineage_file_is_replaced_not_trusted(tmp_path):
+    from robustdist._dist import Collectives
+    from robustdist.checkpoint.local_tier import LINEAGE, lineage_of
+
+    single = Collectives(None, 0, 1, timeout=10, arrival_timeout=10)
+    (tmp_path / LINEAGE).symlink_to("/etc/passwd")
+    token = lineage_of(str(tmp_path), 0, single)  # the read refuses the link; nothing is read through it
+    assert len(token) == 32 and not (tmp_path / LINEAGE).is_symlink()
+    assert lineage_of(str(tmp_path), 0, single) == token  # kept from then on
+    (tmp_path / LINEAGE).unlink()
+    os.mkfifo(tmp_path / LINEAGE)
+    assert lineage_of(str(tmp_path), 0, single) != token
+
+
+@pytest.mark.parametrize("planted", ["symlink", "other_owner", "world_writable"])
+def test_a_directory_planted_at_the_tier_path_is_refused(tmp_path, planted):
+    """``/dev/shm`` is shared: another user could make the tier's directory first, or plant a link there."""
+    from robustdist.errors import CheckpointError
+
+    path = tmp_path / "shm"
+    if planted == "symlink":
+        (tmp_path / "elsewhere").mkdir()
+        path.symlink_to(tmp_path / "elsewhere")
+    else:
+        path.mkdir()
+        if planted == "other_owner":
+            os.chown(path, 12345, 12345)
+        else:
+            path.chmod(0o777)
+    with pytest.raises(CheckpointError, match="expected a directory of this user's"):
+        LocalTier(path, lineage="x")
+    assert not list(tmp_path.rglob("step_*"))
+
+
+def test_a_link_planted_inside_the_tier_is_never_written_through(tmp_path):
+    local = LocalTier(tmp_path / "shm", lineage="x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "shm" / "owner_00000").symlink_to(outside)
+    state = _state(0)
+    from robustdist.errors import CheckpointError
+
+    state.save_local(local, 1)
+    with pytest.raises(CheckpointError, match="refused to write through"):
+        local.wait()
+    assert list(outside.iterdir()) == []
+    local.close()
