@@ -45,7 +45,9 @@ class Hardened:
         self.last_loaded: LoadedCheckpoint | None = None
         self._resumed_from: int | None = None
         self._progress_marked = True  # until resume() runs there is no record to mark
-        self._pending: list[CheckpointInfo | LocalSaveInfo] = []
+        self._pending: list[CheckpointInfo] = []
+        if local is not None:
+            local.on_complete = self._committed
         self._step = 0
         self._closed = False
         health = config.health
@@ -123,8 +125,7 @@ class Hardened:
         Saved: the model (prefix-free, or sharded for FSDP), the optimizer and scheduler (given here or
         earlier), ``extra`` entries (stateful objects or plain data), every rank's RNG state and loader
         position. Returns the durable :class:`CheckpointInfo`, else the in-memory tier's
-        :class:`~robustdist.checkpoint.LocalSaveInfo`, or None when this step is not a saving step. (``extra``
-        entries that are plain data go to the durable tier only.)
+        :class:`~robustdist.checkpoint.LocalSaveInfo`, or None when this step is not a saving step.
         """
         if self.checkpointer is None:
             if force:
@@ -142,8 +143,7 @@ class Hardened:
         info: CheckpointInfo | LocalSaveInfo | None = None
         if local and self.local is not None:
             with self._bounded("in-memory checkpoint save"):
-                info = self.state.save_local(self.local, step)
-            self._pending.append(info)
+                info = self.state.save_local(self.local, step, extra)
         if durable:
             with self._bounded("checkpoint save"):
                 info = self.state.save(self.checkpointer, step, extra)
@@ -161,8 +161,9 @@ class Hardened:
         if self.checkpointer is None:
             return None
         self._remember(optimizer, scheduler, extra)
+        self._guard_restarts()
         step = self._load(missing_ok=True)
-        self._guard_restarts(step)
+        self._resumed(step)
         level = logging.INFO if logging_configured() or self.init_report.rank != 0 else logging.WARNING
         if step is None:
             log.log(level, "nothing to resume in %s: starting from step 0", self.checkpointer.directory)
@@ -171,29 +172,39 @@ class Hardened:
         log.log(level, "resumed from checkpoint step %d (%s) in %s", step, source, self.checkpointer.directory)
         return step
 
-    def _guard_restarts(self, step: int | None) -> None:
-        """The restart-loop guard (:mod:`robustdist._restart_guard`): rank 0 decides, every rank raises."""
+    def _guard_restarts(self) -> None:
+        """The restart-loop guard (:mod:`robustdist._restart_guard`), before anything is loaded: rank 0 counts
+        this attempt and decides, every rank raises."""
         assert self.checkpointer is not None
         message = None
         if self.checkpointer.rank == 0:
-            message = _restart_guard.check(self.checkpointer.directory, attempt=self.attempt, resumed_step=step,
+            message = _restart_guard.begin(self.checkpointer.directory, attempt=self.attempt,
                                            limit=self.config.health.max_restarts_without_progress)
         message = self.checkpointer.collectives.broadcast(message, "restart guard")
-        self._resumed_from, self._progress_marked, self._pending = step, False, []
         if message:
             raise RestartLoopError(message, rank=self._err_rank())
 
-    def _mark_progress(self) -> None:
-        """Tell the restart record (rank 0) once a step newer than the one resumed from is committed."""
+    def _resumed(self, step: int | None) -> None:
+        assert self.checkpointer is not None
+        self._resumed_from, self._progress_marked, self._pending = step, False, []
+        if self.checkpointer.rank == 0:
+            _restart_guard.resumed(self.checkpointer.directory, step)
+
+    def _committed(self, step: int) -> None:
+        """A step is committed (a durable save, or an in-memory one completing on its background thread): on rank
+        0, the first one newer than the step resumed from marks progress in the restart record."""
         if self._progress_marked or self.checkpointer is None:
             return
+        if self._resumed_from is None or step > self._resumed_from:
+            self._progress_marked = True
+            if self.checkpointer.rank == 0:
+                _restart_guard.mark_progress(self.checkpointer.directory, step)
+
+    def _mark_progress(self) -> None:
+        """Durable async saves commit in the background: look at them at the next save."""
         for info in self._pending:
-            complete = info.complete if isinstance(info, LocalSaveInfo) else info.total_seconds is not None
-            if info.done.is_set() and complete and (self._resumed_from is None or info.step > self._resumed_from):
-                self._progress_marked = True
-                if self.checkpointer.rank == 0:
-                    _restart_guard.mark_progress(self.checkpointer.directory, self._resumed_from, info.step)
-                break
+            if info.done.is_set() and info.total_seconds is not None:
+                self._committed(info.step)
         self._pending = [i for i in self._pending if not i.done.is_set()]
 
     def _load(self, *, missing_ok: bool = False) -> int | None:

@@ -2,13 +2,14 @@
 
 A job that crashes on the same step after every restart (a bad batch, a node that keeps failing, an error
 the restart cannot fix) otherwise burns the cluster until ``--max-restarts`` runs out, which is often
-unbounded. At every ``resume()``, rank 0 keeps a record in the durable checkpoint directory
-(``.robustdist-restarts.json``): the step this attempt resumed from and the attempts (the job-wide
-attempt number, :attr:`robustdist.harden.Hardened.attempt`) that resumed from it. A commit newer than the
-resumed step, in either tier, marks progress, and the next resume starts a new record. When
-``health.max_restarts_without_progress`` attempts in a row resumed from the same step and none marked
-progress, the next ``resume()`` raises :class:`~robustdist.errors.RestartLoopError` on every rank, naming the
-step, the attempts and the last errors they recorded.
+unbounded. At every ``resume()``, before anything is loaded, rank 0 counts the attempt (the job-wide attempt
+number, :attr:`robustdist.harden.Hardened.attempt`) in a record in the durable checkpoint directory
+(``.robustdist-restarts.json``), and after the load it notes the step resumed from. A commit newer than the
+resumed step, in either tier, marks progress (at once, from the thread that completes it), and the next
+resume starts a new record. When ``health.max_restarts_without_progress`` attempts in a row made no progress
+(crashing while training, or while resuming), the next ``resume()`` raises
+:class:`~robustdist.errors.RestartLoopError` on every rank before loading anything, naming the step, the
+attempts and the last errors they recorded.
 
 Errors are recorded per rank and attempt in ``.robustdist-errors/`` when an exception leaves
 ``with harden(...) as h:`` (a process killed by a signal or the OOM killer records none, and says so).
@@ -20,18 +21,19 @@ Attempt 0 (a fresh launch) and a launch with another ``TORCHELASTIC_RUN_ID`` sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import traceback
+import uuid
 from typing import Any
 
-from robustdist.checkpoint._io import write_json_atomic
 from robustdist.checkpoint._safeio import read_in
 from robustdist.errors import CheckpointCorruptError
 from robustdist.log import get_logger
 
-__all__ = ["RECORD", "check", "mark_progress", "record_error"]
+__all__ = ["RECORD", "begin", "mark_progress", "record_error", "resumed"]
 
 log = get_logger(__name__)
 RECORD = ".robustdist-restarts.json"
@@ -72,48 +74,67 @@ def _read(directory: str) -> dict[str, Any] | None:
 
 
 def _write(directory: str, record: dict[str, Any]) -> None:
+    """Atomically replace the record: a new file with a random name (``O_EXCL | O_NOFOLLOW``, so nothing planted
+    is written through), then a rename over whatever is at the record's name (a rename replaces a link, never
+    follows it)."""
     path = os.path.join(directory, RECORD)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
-            os.unlink(path)  # never write through a link or into a FIFO planted there
-        write_json_atomic(path, record)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(record, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         log.warning("could not write the restart record %s (%s: %s); the restart-loop guard is off for this attempt",
                     path, type(e).__name__, e)
 
 
-def check(directory: str, *, attempt: int, resumed_step: int | None, limit: int) -> str | None:
-    """Rank 0 at ``resume()``: update the record; the error message when this attempt is one too many, else None."""
+def begin(directory: str, *, attempt: int, limit: int) -> str | None:
+    """Rank 0, at ``resume()`` before anything is loaded: count this attempt; the error message when the
+    ``limit`` attempts before it all ended without committing anything newer than they resumed from (whether
+    they crashed while training or while loading), else None."""
     record = _read(directory)
-    if record is None or attempt == 0 or record["job"] != _job() or record["step"] != resumed_step \
-            or record["progress"] or (record["attempts"] and attempt <= max(record["attempts"])):
+    if record is None or attempt == 0 or record["job"] != _job() or record["progress"] \
+            or (record["attempts"] and attempt <= max(record["attempts"])):
         if record is not None:
             _clear_errors(directory)
-        record = {"job": _job(), "step": resumed_step, "attempts": [], "progress": False}
+        record = {"job": _job(), "step": record["step"] if record else None, "attempts": [], "progress": False}
     earlier = list(record["attempts"])
     record["attempts"] = (earlier + [attempt])[-MAX_ATTEMPTS_KEPT:]
     _write(directory, record)
     if len(earlier) < limit:
         return None
     shown = ", ".join(map(str, earlier[-limit:]))
-    where = f"step {resumed_step}" if resumed_step is not None else "the start (no checkpoint)"
+    where = f"step {record['step']}" if record["step"] is not None else "the start (no checkpoint)"
     errors = _last_errors(directory, earlier[-limit:])
-    return (f"{limit} restart attempts in a row ({shown}) resumed from {where} and none committed a newer "
-            f"checkpoint; this is attempt {attempt}. Expected progress between restarts, so this is a crash loop "
-            f"(it would burn the cluster until --max-restarts runs out). Last errors: {errors}. Fix: fix the cause "
-            f"above (a bad batch near {where}, a failing node, a bug), then relaunch: a fresh launch (attempt 0) "
-            f"starts a new count; or raise health.max_restarts_without_progress. The record is "
+    return (f"{limit} restart attempts in a row ({shown}) resumed from {where} (or crashed while resuming) and none "
+            f"committed a newer checkpoint; this is attempt {attempt}. Expected progress between restarts, so this is "
+            f"a crash loop (it would burn the cluster until --max-restarts runs out). Last errors: {errors}. Fix: fix "
+            f"the cause above (a bad batch near {where}, a failing node, a bug), then relaunch: a fresh launch "
+            f"(attempt 0) starts a new count; or raise health.max_restarts_without_progress. The record is "
             f"{os.path.join(directory, RECORD)}.")
 
 
-def mark_progress(directory: str, resumed_step: int | None, committed: int) -> None:
-    """Rank 0, once per attempt: a step newer than the one resumed from is committed."""
+def resumed(directory: str, step: int | None) -> None:
+    """Rank 0, after the load: note the step this attempt resumed from (for the message of a later attempt)."""
     record = _read(directory)
-    if record is None or record["progress"] or record["step"] != resumed_step:
+    if record is not None and record["job"] == _job() and record["step"] != step:
+        record["step"] = step
+        _write(directory, record)
+
+
+def mark_progress(directory: str, committed: int) -> None:
+    """Rank 0, once per attempt: a step newer than the one resumed from is committed (in either tier)."""
+    record = _read(directory)
+    if record is None or record["progress"]:
         return
     record["progress"] = True
     _write(directory, record)
-    log.debug("restart record: step %d committed after resuming from %s", committed, resumed_step)
+    log.debug("restart record: step %d committed after resuming from %s", committed, record["step"])
 
 
 def record_error(directory: str, attempt: int, rank: int, error: BaseException) -> None:

@@ -113,8 +113,9 @@ class CheckpointConfig(_Section):
     local_every_n_steps: int | None = _f(None, "Take an in-memory checkpoint (node-local, replicated to a peer node) "
                                          "every N steps from harden().save(); None turns the tier off.",
                                          v.optional(v.integer(minimum=1)))
-    local_dir: str | None = _f(None, "The in-memory tier's node-local directory; None: /dev/shm/robustdist-<uid>-<id "
-                               "of checkpoint.dir>.", v.optional(v.path()))
+    local_dir: str | None = _f(None, "Where the in-memory tier lives on each node (the same path on every node; it "
+                               "writes only in <local_dir>/robustdist-<uid>-<id>); None: /dev/shm.",
+                               v.optional(v.path()))
     local_keep_last: int = _f(1, "Complete in-memory steps kept on each node (1 or 2).",
                               v.integer(minimum=1, maximum=2))
     replicas: int = _f(1, "In-memory copies of each rank's state kept on another node (1 or 0).",

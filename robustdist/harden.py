@@ -112,8 +112,9 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
                                               arrival_timeout=ckpt.arrival_timeout,
                                               config_fingerprint=config.fingerprint())
             if ckpt.local_every_n_steps is not None:
-                local = LocalTier(ckpt.local_dir, lineage=lineage_of(checkpointer.directory, checkpointer.rank,
-                                                                     checkpointer.collectives), replicas=ckpt.replicas,
+                lineage = lineage_of(checkpointer.directory, checkpointer.rank, checkpointer.collectives,
+                                     renew=report.attempt == 0)
+                local = LocalTier(ckpt.local_dir, lineage=lineage, replicas=ckpt.replicas,
                                   keep_last=ckpt.local_keep_last, timeout=config.distributed.timeout,
                                   arrival_timeout=ckpt.arrival_timeout)
         health = config.health

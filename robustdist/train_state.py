@@ -65,10 +65,11 @@ class TrainState:
         per_rank = {"loader": self.loader.state_dict()} if isinstance(self.loader, SafeDataLoader) else None
         return checkpointer.save(step, {**self.entries(), **(extra or {})}, per_rank=per_rank, **kwargs)
 
-    def save_local(self, tier: LocalTier, step: int) -> LocalSaveInfo:
-        """Take an in-memory checkpoint of every entry and this rank's loader position (``LocalTier.save``)."""
+    def save_local(self, tier: LocalTier, step: int, extra: Mapping[str, Any] | None = None) -> LocalSaveInfo:
+        """Take an in-memory checkpoint of every entry, ``extra`` and this rank's loader position
+        (``LocalTier.save``): the same content as :meth:`save`."""
         per_rank = {"loader": self.loader.state_dict()} if isinstance(self.loader, SafeDataLoader) else None
-        return tier.save(step, self.entries(), per_rank=per_rank)
+        return tier.save(step, {**self.entries(), **(extra or {})}, per_rank=per_rank)
 
     def load(self, checkpointer: AtomicCheckpointer, *, missing_ok: bool = False,
              local: LocalTier | None = None) -> LoadedCheckpoint | None:

@@ -95,14 +95,15 @@ def _each_source(rank: int, root: str) -> list[tuple[Any, ...]]:
     tier, durable = _save_both(rank, root)
     _, reference = _load(durable)
     out = []
+    here = tier.directory  # this "node"'s tier
     for case in ("memory", "replica of rank 1", "replica of both", "nothing local"):
         if case == "replica of rank 1" and rank == 1:
-            shutil.rmtree(os.path.join(root, "node1", "owner_00001", "own"))  # rank 1's own copy is lost
+            shutil.rmtree(os.path.join(here, "owner_00001", "own"))  # rank 1's own copy is lost
         if case == "replica of both" and rank == 0:
-            shutil.rmtree(os.path.join(root, "node0", "owner_00000", "own"))
+            shutil.rmtree(os.path.join(here, "owner_00000", "own"))
         if case == "nothing local":
             for role in ("own", "replica"):
-                shutil.rmtree(os.path.join(root, f"node{rank}", f"owner_{1 - rank:05d}", role), ignore_errors=True)
+                shutil.rmtree(os.path.join(here, f"owner_{1 - rank:05d}", role), ignore_errors=True)
         torch.distributed.barrier()
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
@@ -152,8 +153,8 @@ def _background_failure(rank: int, root: str) -> tuple[str, str, int | None]:
     tier.save(1, {"model": model, "optimizer": opt})
     tier.wait()
     if rank == 1:  # the next write of rank 1's own copy fails in the background
-        shutil.rmtree(os.path.join(root, "node1", "owner_00001"))
-        Path(root, "node1", "owner_00001").write_text("not a directory")
+        shutil.rmtree(os.path.join(tier.directory, "owner_00001"))
+        Path(tier.directory, "owner_00001").write_text("not a directory")
     tier.save(2, {"model": model, "optimizer": opt})  # returns after the snapshot
     try:
         tier.save(3, {"model": model, "optimizer": opt})
@@ -205,7 +206,7 @@ def _rotation(rank: int, root: str, keep_last: int) -> list[str]:
         tier.save(step, {"model": model, "optimizer": opt})
     tier.wait()
     tier.close()
-    return sorted(str(p.relative_to(root)) for p in Path(root, f"node{rank}").rglob("step_*"))
+    return sorted(str(p.relative_to(tier.directory)) for p in Path(tier.directory).rglob("step_*"))
 
 
 @pytest.mark.parametrize("keep_last", [1, 2])
@@ -215,8 +216,8 @@ def test_only_the_newest_complete_steps_stay(tmp_path, keep_last):
     kept = ["step_0000000015"] if keep_last == 1 else ["step_0000000010", "step_0000000015"]
     for rank, listing in enumerate(results):
         other = 1 - rank
-        expected = sorted([f"node{rank}/owner_{rank:05d}/own/{s}" for s in kept]
-                          + [f"node{rank}/owner_{other:05d}/replica/{s}" for s in kept])
+        expected = sorted([f"owner_{rank:05d}/own/{s}" for s in kept]
+                          + [f"owner_{other:05d}/replica/{s}" for s in kept])
         assert listing == expected
 
 
@@ -261,20 +262,21 @@ def _lineage_and_close(rank: int, root: str) -> tuple[Any, ...]:
     tier.save(4, {"model": model, "optimizer": opt})
     tier.close()  # not clean: the files stay (a restart would need them)
     kept = os.path.isdir(tier.directory)
-    other = LocalTier(tier.directory, lineage="another durable directory")
+    other = LocalTier(os.path.join(root, f"node{rank}"), lineage="another durable directory")
     stranger = other.load(state={"model": model, "optimizer": opt})
     mine = _tier(root, rank)
     found = mine.load(state={"model": model, "optimizer": opt})
     mine.close(clean=True)
+    other_kept = os.path.isdir(other.directory)
     other.close()
-    return kept, stranger, found.step if found else None, os.path.exists(mine.directory)
+    return kept, stranger, found.step if found else None, os.path.exists(mine.directory), other_kept
 
 
-def test_other_lineages_are_never_sources_and_a_clean_close_removes_the_files(tmp_path):
+def test_other_lineages_are_never_sources_and_a_clean_close_removes_only_its_own_files(tmp_path):
     results = run_ranks(_lineage_and_close, 2, args=(str(tmp_path),),
                         env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}], timeout=120)
-    for kept, stranger, found, exists in results:
-        assert kept and stranger is None and found == 4 and not exists
+    for kept, stranger, found, exists, other_kept in results:
+        assert kept and stranger is None and found == 4 and not exists and other_kept
 
 
 def test_node_need_counts_kept_plus_one_times_own_and_held_copies():
@@ -304,18 +306,19 @@ def test_a_tier_that_does_not_fit_is_refused_with_the_numbers(tiny_tmpfs):
     with pytest.raises(CheckpointError) as err:
         tier.save(1, {"model": model})
     text = str(err.value)
-    assert re.search(r"node 0 needs 2\.\d MiB in .* and has (0\.9|1\.0) MiB free", text), text
+    assert re.search(r"node 0 needs 2\.\d MiB in .* and has (0\.9|1\.0) MiB free plus 0\.0 MiB", text), text
     assert "does not fit" in text
     assert "checkpoint.local_keep_last" in text and "checkpoint.local_dir" in text
     assert not list(tiny_tmpfs.rglob("step_*"))
-    tier.close()
+    tier.close(clean=True)
+    assert list(tiny_tmpfs.iterdir()) == [], "a clean close leaves nothing"
 
 
 def test_through_harden_a_restarted_process_resumes_from_memory(tmp_path):
     """One process, no launcher: the tier survives the process (it is in /dev/shm), so a rerun resumes from it."""
     from robustdist import ConfigError, harden
 
-    cfg = {"checkpoint": {"dir": str(tmp_path / "ckpt"), "every_n_steps": 10, "local_every_n_steps": 2,
+    cfg = {"checkpoint": {"dir": str(tmp_path / "ckpt"), "every_n_steps": 4, "local_every_n_steps": 2,
                           "local_dir": str(tmp_path / "shm")}, "health": {"hang_timeout": None}}
     model, opt = _objects()
     h = harden(model, None, cfg, optimizer=opt)
@@ -323,7 +326,7 @@ def test_through_harden_a_restarted_process_resumes_from_memory(tmp_path):
     at_six = None
     for step in range(1, 8):
         _train(model, opt, 1, step)
-        info = h.save(step)
+        info = h.save(step, epoch=step // 3)  # plain data goes into both tiers
         assert (info is None) == (step % 2 == 1)
         if step == 6:
             h.local.wait()
@@ -333,7 +336,88 @@ def test_through_harden_a_restarted_process_resumes_from_memory(tmp_path):
     with harden(model2, None, cfg, optimizer=opt2) as h2:
         assert h2.resume() == 6
         assert h2.last_loaded is not None and h2.last_loaded.source == "memory"
+        assert h2.last_loaded.state["epoch"] == 2
         assert all(torch.equal(a, b) for a, b in zip(model2.state_dict().values(), at_six))
-    assert not (tmp_path / "shm").exists()  # a clean close removes the tier's files
+    assert list((tmp_path / "shm").iterdir()) == []  # a clean close removes the tier's files
     with pytest.raises(ConfigError, match="checkpoint.local_every_n_steps is set but checkpoint.dir is None"):
         harden(nn.Linear(2, 2), None, {"checkpoint": {"local_every_n_steps": 5}})
+
+
+def _mixed_saves(rank: int, root: str) -> tuple[int | None, str | None]:
+    """Two failed saves of step 2 (say, in two attempts): rank 0's copy from the first, rank 1's from the second.
+    They are never combined into one step 2: step 1, which is whole, loads."""
+    model, opt = _objects()
+    tier = _tier(root, rank, replicas=0)
+    tier.save(1, {"model": model, "optimizer": opt}, per_rank={"counter": Counter(1)})
+    tier.wait()
+    for failing, value in ((1, 100), (0, 200)):
+        _faults.HOOK = (lambda phase, f=failing: _no_space() if phase == "local_writing" and rank == f else None)
+        tier.save(2, {"model": model, "optimizer": opt}, per_rank={"counter": Counter(value + rank)})
+        with pytest.raises(CheckpointError, match="not complete"):
+            tier.wait()
+        _faults.HOOK = None
+    counter = Counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = tier.load(state={"model": model, "optimizer": opt}, per_rank={"counter": counter})
+    tier.close()
+    return (loaded.step if loaded else None), counter.value
+
+
+def _no_space() -> None:
+    raise OSError(28, "No space left on device")
+
+
+def test_copies_of_one_step_from_two_saves_are_never_combined(tmp_path):
+    results = run_ranks(_mixed_saves, 2, args=(str(tmp_path),), env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}],
+                        timeout=120)
+    assert results == [(1, 1), (1, 1)]
+
+
+def _close_one_failed(rank: int, root: str) -> tuple[float, bool]:
+    import time
+
+    model, opt = _objects()
+    tier = _tier(root, rank, arrival_timeout=30)
+    tier.save(1, {"model": model, "optimizer": opt})
+    start = time.monotonic()
+    tier.close(clean=rank == 0)  # rank 1 leaves with an exception: it closes with clean=False
+    return time.monotonic() - start, os.path.isdir(tier.directory)
+
+
+def test_a_clean_close_on_some_ranks_keeps_the_files_without_waiting(tmp_path):
+    results = run_ranks(_close_one_failed, 2, args=(str(tmp_path),), env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}],
+                        timeout=60)
+    for seconds, kept in results:
+        assert kept and seconds < 10, results
+
+
+def test_a_restart_whose_kept_copies_fill_the_tmpfs_still_fits(tiny_tmpfs):
+    """2.5 copies of room: the first run needs 2; after a restart one copy is already there (only 1.5 copies
+    are free), and it is replaced, so the tier still fits."""
+    model = nn.Linear(320, 320)  # ~0.4 MiB a copy, 1 MiB of tmpfs
+    tier = LocalTier(tiny_tmpfs, lineage="tiny")
+    tier.save(1, {"model": model})
+    tier.wait()
+    tier.close()
+    again = LocalTier(tiny_tmpfs, lineage="tiny")
+    again.save(2, {"model": model})
+    again.wait()
+    again.close(clean=True)
+
+
+def test_a_fresh_launch_on_a_wiped_directory_gets_a_new_lineage(tmp_path):
+    """``rm -rf ckpt/*`` keeps the dotfile lineage token: a fresh launch (attempt 0) on a directory without any
+    committed checkpoint makes a new one, so the old run's copies in /dev/shm are not resurrected."""
+    from robustdist._dist import Collectives
+    from robustdist.checkpoint.local_tier import lineage_of
+
+    single = Collectives(None, 0, 1, timeout=10, arrival_timeout=10)
+    first = lineage_of(str(tmp_path), 0, single, renew=True)
+    assert lineage_of(str(tmp_path), 0, single) == first  # a restart (attempt > 0) keeps it
+    assert lineage_of(str(tmp_path), 0, single, renew=True) != first  # a fresh launch, no checkpoint: a new one
+    durable = AtomicCheckpointer(tmp_path)
+    durable.save(1, {"x": torch.zeros(1)})
+    durable.close()
+    kept = lineage_of(str(tmp_path), 0, single, renew=True)
+    assert lineage_of(str(tmp_path), 0, single, renew=True) == kept  # a checkpoint to resume: the copies belong

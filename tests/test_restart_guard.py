@@ -28,16 +28,24 @@ def _job(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
 
 
+def _attempt(d: str, attempt: int, step: int | None, limit: int) -> str | None:
+    """What ``Hardened.resume`` does on rank 0: count the attempt, then (if it may go on) note the step."""
+    message = guard.begin(d, attempt=attempt, limit=limit)
+    if message is None:
+        guard.resumed(d, step)
+    return message
+
+
 def test_fires_after_n_attempts_in_a_row_without_progress(tmp_path):
     d = str(tmp_path)
-    assert guard.check(d, attempt=0, resumed_step=None, limit=3) is None  # fresh run, then it crashes
-    guard.mark_progress(d, None, 10)  # ... after committing step 10
+    assert _attempt(d, 0, None, 3) is None  # fresh run, then it crashes
+    guard.mark_progress(d, 10)  # ... after committing step 10
     for attempt in (1, 2, 3):
-        assert guard.check(d, attempt=attempt, resumed_step=10, limit=3) is None
+        assert _attempt(d, attempt, 10, 3) is None
         if attempt == 1:
             guard.record_error(d, 1, 0, RuntimeError("CUDA error: an illegal memory access"))
         guard.record_error(d, attempt, 1, ValueError(f"bad batch in attempt {attempt}"))
-    message = guard.check(d, attempt=4, resumed_step=10, limit=3)
+    message = _attempt(d, 4, 10, 3)
     assert message is not None
     assert "3 restart attempts in a row (1, 2, 3) resumed from step 10" in message
     assert "this is attempt 4" in message
@@ -45,36 +53,44 @@ def test_fires_after_n_attempts_in_a_row_without_progress(tmp_path):
     assert "attempt 1 rank 0: RuntimeError: CUDA error" in message
     assert "health.max_restarts_without_progress" in message
     # and again at every further restart (each fails at resume, within seconds)
-    assert guard.check(d, attempt=5, resumed_step=10, limit=3) is not None
+    assert _attempt(d, 5, 10, 3) is not None
+
+
+def test_crashes_while_loading_count_too(tmp_path):
+    """An attempt that dies inside the load (an OOM, a hang abort) never notes a step: it still counts."""
+    d = str(tmp_path)
+    assert _attempt(d, 1, 10, 2) is None
+    assert guard.begin(d, attempt=2, limit=2) is None  # ... and dies while loading
+    message = guard.begin(d, attempt=3, limit=2)
+    assert message is not None and "(1, 2) resumed from step 10 (or crashed while resuming)" in message
 
 
 def test_never_fires_while_restarts_make_progress(tmp_path):
     d = str(tmp_path)
     step = None
     for attempt in range(12):
-        assert guard.check(d, attempt=attempt, resumed_step=step, limit=2) is None
-        committed = (step or 0) + 5
-        guard.mark_progress(d, step, committed)
-        step = committed
+        assert _attempt(d, attempt, step, 2) is None
+        step = (step or 0) + 5
+        guard.mark_progress(d, step)
 
 
 def test_a_commit_after_the_resume_counts_even_if_a_later_resume_lands_on_the_same_step(tmp_path):
     """The in-memory copy of step 20 was lost with a node: the job resumes from 10 again, but it did progress."""
     d = str(tmp_path)
-    assert guard.check(d, attempt=1, resumed_step=10, limit=1) is None
-    guard.mark_progress(d, 10, 20)
-    assert guard.check(d, attempt=2, resumed_step=10, limit=1) is None
-    assert guard.check(d, attempt=3, resumed_step=10, limit=1) is not None
+    assert _attempt(d, 1, 10, 1) is None
+    guard.mark_progress(d, 20)
+    assert _attempt(d, 2, 10, 1) is None
+    assert _attempt(d, 3, 10, 1) is not None
 
 
 def test_a_fresh_launch_or_another_job_starts_a_new_count(tmp_path, monkeypatch):
     d = str(tmp_path)
     for attempt in (1, 2):
-        assert guard.check(d, attempt=attempt, resumed_step=10, limit=2) is None
-    assert guard.check(d, attempt=0, resumed_step=10, limit=2) is None  # relaunched by hand
-    assert guard.check(d, attempt=1, resumed_step=10, limit=2) is None
+        assert _attempt(d, attempt, 10, 2) is None
+    assert _attempt(d, 0, 10, 2) is None  # relaunched by hand
+    assert _attempt(d, 1, 10, 2) is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
-    assert guard.check(d, attempt=2, resumed_step=10, limit=2) is None
+    assert _attempt(d, 2, 10, 2) is None
     assert json.loads((tmp_path / guard.RECORD).read_text())["attempts"] == [2]
 
 
@@ -96,16 +112,26 @@ def _plant(path: Path, kind: str) -> None:
         raise AssertionError(kind)
 
 
+def test_a_link_planted_at_a_temporary_name_is_never_written_through(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    for pid in range(os.getpid() - 5, os.getpid() + 5):  # the names an older version used
+        (tmp_path / f"{guard.RECORD}.tmp-{pid}").symlink_to(victim)
+    assert _attempt(str(tmp_path), 1, 3, 2) is None
+    assert victim.read_text() == "precious"
+    assert json.loads((tmp_path / guard.RECORD).read_text())["attempts"] == [1]
+
+
 @pytest.mark.parametrize("kind", ["garbage", "wrong_types", "huge", "symlink", "fifo", "directory"])
 def test_a_hostile_record_is_replaced_never_trusted(tmp_path, kind, caplog):
     record = tmp_path / guard.RECORD
     _plant(record, kind)
     passwd = Path("/etc/passwd").read_bytes()
     if kind == "directory":  # not ours to delete: the guard is off for the attempt, training goes on
-        assert guard.check(str(tmp_path), attempt=3, resumed_step=10, limit=1) is None
+        assert _attempt(str(tmp_path), 3, 10, 1) is None
         assert "could not write the restart record" in caplog.text
         return
-    assert guard.check(str(tmp_path), attempt=3, resumed_step=10, limit=1) is None  # a new record, not [1, 2, 3]
+    assert _attempt(str(tmp_path), 3, 10, 1) is None  # a new record, not [1, 2, 3]
     assert Path("/etc/passwd").read_bytes() == passwd
     assert not record.is_symlink() and record.is_file()
     assert json.loads(record.read_text()) == {"job": "job-a", "step": 10, "attempts": [3], "progress": False}
@@ -115,14 +141,14 @@ def test_a_hostile_record_is_replaced_never_trusted(tmp_path, kind, caplog):
 def test_hostile_error_files_are_bounded_and_never_followed(tmp_path):
     d = str(tmp_path)
     for attempt in (1, 2):
-        assert guard.check(d, attempt=attempt, resumed_step=4, limit=2) is None
+        assert _attempt(d, attempt, 4, 2) is None
     errors = tmp_path / guard.ERRORS
     errors.mkdir(exist_ok=True)
     (errors / "attempt_1_rank_0.txt").symlink_to("/etc/passwd")
     (errors / "attempt_2_rank_0.txt").write_text("x" * (10 << 20))
     os.mkfifo(errors / "attempt_2_rank_1.txt")
     (errors / "attempt_2_rank_2.txt").write_text("Traceback\nOSError: disk on fire\n")
-    message = guard.check(d, attempt=3, resumed_step=4, limit=2)
+    message = _attempt(d, 3, 4, 2)
     assert message is not None and "attempt 2 rank 2: OSError: disk on fire" in message
     assert "root:" not in message and "xxxx" not in message
 

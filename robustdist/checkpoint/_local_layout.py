@@ -19,6 +19,7 @@ exact size) and checked against their CRC before use. A copy that fails any of t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -33,8 +34,8 @@ from robustdist.checkpoint._safeio import lexists_dir, open_in, read_in
 from robustdist.checkpoint._schema import KINDS, MAX_STEP, is_int
 from robustdist.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["PAYLOAD", "REPLICATED", "Holding", "check_root", "commit_copy", "read_verified", "remove_stale", "rotate", "scan",
-           "step_path"]
+__all__ = ["PAYLOAD", "REPLICATED", "Holding", "check_root", "commit_copy", "read_verified", "remove_stale", "rotate",
+           "rotate_all", "scan", "siblings", "step_path", "tier_root"]
 
 FORMAT = 1
 META = "meta.json"
@@ -47,6 +48,9 @@ MAX_STEPS_PER_OWNER = 64
 _OWNER_RE = re.compile(r"owner_(\d{5})")
 _STEP_RE = re.compile(r"step_(\d{10,19})")
 _HEX8 = re.compile(r"[0-9a-f]{8}")
+_SAVE = re.compile(r"[0-9a-f]{12,32}")
+_OLD_RE = re.compile(r"\.old-step_(\d{10,19})-[0-9a-f]{12}")
+PREFIX = "robustdist-"
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class Holding:
     path: str
     world_size: int
     lineage: str
+    save: str
+    """The id every rank of one save shares (rank 0's token): copies of one step from different saves (a
+    failed save repeated after a restart) are never combined."""
     files: dict[str, dict[str, Any]]
     kinds: dict[str, str]
 
@@ -78,6 +85,27 @@ def _real_role_dir(root: str, owner: int, role: str) -> str | None:
     """The role directory, if it and its owner directory are real directories (never a path through a link)."""
     base = _role_dir(root, owner, role)
     return base if lexists_dir(os.path.dirname(base)) and lexists_dir(base) else None
+
+
+def tier_root(base: str, lineage: str) -> str:
+    """The tier's own directory under ``base``: ``<base>/robustdist-<uid>-<hash of the lineage>``. Only this
+    directory is ever written, rotated or removed, so jobs that share ``base`` never touch each other's copies."""
+    digest = hashlib.sha256(lineage.encode()).hexdigest()[:16]
+    return os.path.join(base, f"{PREFIX}{os.getuid()}-{digest}")
+
+
+def siblings(root: str) -> list[tuple[str, int]]:
+    """Other tiers of this user beside ``root`` (stale ones hold RAM on a tmpfs), with their sizes."""
+    from robustdist.checkpoint._local_memory import held_bytes
+
+    base, own = os.path.split(root)
+    mine = f"{PREFIX}{os.getuid()}-"
+    out = []
+    for name in _listdir(base)[:1000]:
+        path = os.path.join(base, name)
+        if name.startswith(mine) and name != own and lexists_dir(path):
+            out.append((path, held_bytes(path, limit=10_000)))
+    return out
 
 
 def check_root(root: str) -> None:
@@ -166,6 +194,16 @@ def rotate(root: str, owner: int, role: str, keep: set[int]) -> None:
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
+def rotate_all(root: str, keep: set[int]) -> None:
+    """Delete every copy under ``root`` (every owner, both roles) of a step not in ``keep``: after a complete
+    save, copies of other steps are older, or stale ones of an earlier rank-to-node mapping."""
+    for owner_name in _listdir(root)[:MAX_OWNERS]:
+        m = _OWNER_RE.fullmatch(owner_name)
+        if m and lexists_dir(os.path.join(root, owner_name)):
+            for role in ROLES:
+                rotate(root, int(m.group(1)), role, keep)
+
+
 def _check_meta(path: str, meta: Any, owner: int, step: int) -> dict[str, Any]:
     def bad(problem: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{os.path.join(path, META)}: {problem}")
@@ -179,6 +217,8 @@ def _check_meta(path: str, meta: Any, owner: int, step: int) -> dict[str, Any]:
         raise bad(f"world_size {meta.get('world_size')!r:.20} is not an int above the owner {owner}")
     if not isinstance(meta.get("lineage"), str) or len(meta["lineage"]) > 200:
         raise bad("lineage is not a short string")
+    if not isinstance(meta.get("save"), str) or not _SAVE.fullmatch(meta["save"]):
+        raise bad("save is not a save id")
     kinds = meta.get("kinds")
     if not isinstance(kinds, dict) or len(kinds) > 4096 or not all(
             isinstance(k, str) and 0 < len(k) <= 256 and v in KINDS for k, v in kinds.items()):
@@ -220,9 +260,13 @@ def scan(root: str) -> tuple[list[Holding], list[str]]:
             if os.path.lexists(base) and not lexists_dir(base):
                 skipped.append(f"{base}: not a real directory (a symbolic link?); refused")
                 continue
-            names = [n for n in _listdir(base) if _STEP_RE.fullmatch(n)]
+            listing = _listdir(base)
+            finals = {n for n in listing if _STEP_RE.fullmatch(n)}
+            # a re-save of a step moves the previous copy aside for the instant between its two renames
+            names = sorted(finals | {n for n in listing if (m := _OLD_RE.fullmatch(n)) and
+                                     f"step_{m.group(1)}" not in finals})
             for name in names[-MAX_STEPS_PER_OWNER:]:
-                step = int(name[5:])
+                step = int(name.split("step_")[1].split("-")[0])
                 path = os.path.join(base, name)
                 if step > MAX_STEP:
                     continue
@@ -236,7 +280,8 @@ def scan(root: str) -> tuple[list[Holding], list[str]]:
                     skipped.append(f"{path}: {str(e)[:300]}")
                     continue
                 found.append(Holding(owner=owner, role=role, step=step, path=path, world_size=meta["world_size"],
-                                     lineage=meta["lineage"], files=meta["files"], kinds=meta["kinds"]))
+                                     lineage=meta["lineage"], save=meta["save"], files=meta["files"],
+                                     kinds=meta["kinds"]))
     return found, skipped
 
 

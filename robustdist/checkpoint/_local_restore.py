@@ -64,6 +64,8 @@ __all__ = ["local_shards", "recover"]
 log = get_logger(__name__)
 Source = tuple[int, int, str]
 """``(holder rank, owner rank, role)``: one copy of one owner's state."""
+Candidate = tuple[int, str]
+"""``(step, save id)``: one save of one step (copies of two saves of a step are never combined)."""
 
 
 # ---------------------------------------------------------------------- FSDP shards
@@ -128,6 +130,10 @@ def _restore_shards(entries: dict[str, Any], shards: dict[str, Any]) -> None:
             set_optimizer_state_dict(_optimizer_pair(entries, value), value, filled)
 
 
+class _Skip(Exception):
+    """This rank already found its copies corrupt: skip the checks against the live objects."""
+
+
 # ---------------------------------------------------------------------- reading
 def _torch_loads(data: Any, where: str) -> Any:
     fh = io.BytesIO(data)
@@ -143,7 +149,7 @@ def _torch_loads(data: Any, where: str) -> Any:
     return payload
 
 
-def _inventory(tier: LocalTier) -> list[tuple[int, str, int, dict[str, int], dict[str, str], str]]:
+def _inventory(tier: LocalTier) -> list[tuple[int, str, int, dict[str, int], dict[str, str], str, str]]:
     holdings, skipped = layout.scan(tier.directory)
     for line in skipped[:8]:
         warn(f"rank {tier.rank}: in-memory checkpoint copy skipped as invalid: {line}", stacklevel=user_stacklevel())
@@ -151,23 +157,33 @@ def _inventory(tier: LocalTier) -> list[tuple[int, str, int, dict[str, int], dic
     for h in holdings:
         if h.lineage != tier.lineage or h.world_size != tier.world_size:
             continue
-        rows.append((h.owner, h.role, h.step, {n: e["size"] for n, e in h.files.items()}, h.kinds, h.path))
+        rows.append((h.owner, h.role, h.step, {n: e["size"] for n, e in h.files.items()}, h.kinds, h.path, h.save))
     return rows
 
 
-def _assign(step: int, everyone: list[Any], nodes: list[int], excluded: set[Source]) -> dict[int, Source] | None:
-    """owner -> the copy to use (the same on every rank), or None when some owner has no usable copy."""
+def _local_index(nodes: list[int], rank: int) -> int:
+    return [r for r, n in enumerate(nodes) if n == nodes[rank]].index(rank)
+
+
+def _assign(cand: Candidate, everyone: list[Any], nodes: list[int], excluded: set[tuple[Any, ...]]
+            ) -> dict[int, Source] | None:
+    """owner -> the copy of ``cand`` (a step and a save id) to use, the same on every rank, or None when some
+    owner has no usable copy. ``excluded`` holds ``(node, owner, role, step)``: a bad copy is one directory,
+    whichever rank of its node lists it. Among equal choices the rank with the owner's local index is taken,
+    so the reads spread over a node's ranks instead of landing on its lowest."""
     out: dict[int, Source] = {}
+    step, save = cand
     for owner in range(len(everyone)):
         options = []
         for holder, (rows, _) in enumerate(everyone):
-            for o, role, s, files, _, _ in rows:
-                if o != owner or s != step or (holder, owner, role) in excluded:
+            for o, role, s, files, _, _, sid in rows:
+                if o != owner or s != step or sid != save or (nodes[holder], owner, role, step) in excluded:
                     continue
                 if owner == 0 and layout.REPLICATED not in files:
                     continue
                 rank_order = (0 if holder == owner else 1 if nodes[holder] == nodes[owner] else 2,
-                              0 if role == "own" else 1, holder)
+                              0 if role == "own" else 1,
+                              0 if _local_index(nodes, holder) == _local_index(nodes, owner) else 1, holder)
                 options.append((rank_order, (holder, owner, role)))
         if not options:
             return None
@@ -175,16 +191,17 @@ def _assign(step: int, everyone: list[Any], nodes: list[int], excluded: set[Sour
     return out
 
 
-def _row(everyone: list[Any], source: Source, step: int) -> tuple[Any, ...]:
+def _row(everyone: list[Any], source: Source, cand: Candidate) -> tuple[Any, ...]:
     holder, owner, role = source
-    return next(r for r in everyone[holder][0] if r[0] == owner and r[1] == role and r[2] == step)
+    return next(r for r in everyone[holder][0] if r[0] == owner and r[1] == role and (r[2], r[6]) == cand)
 
 
-def _find(tier: LocalTier, source: Source, step: int) -> layout.Holding:
+def _find(tier: LocalTier, source: Source, cand: Candidate) -> layout.Holding:
     holdings, _ = layout.scan(tier.directory)
     _, owner, role = source
+    step, save = cand
     for h in holdings:
-        if h.owner == owner and h.role == role and h.step == step and h.lineage == tier.lineage:
+        if (h.owner, h.role, h.step, h.save, h.lineage) == (owner, role, step, save, tier.lineage):
             return h
     raise CheckpointCorruptError(f"{layout.step_path(tier.directory, owner, role, step)}: gone since it was listed")
 
@@ -202,12 +219,12 @@ def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any],
     c = tier.collectives
     everyone = c.all_gather((_inventory(tier), at_least if tier.rank == 0 else None), "local inventory")
     floor = everyone[0][1]
-    steps = sorted({row[2] for rows, _ in everyone for row in rows if floor is None or row[2] >= floor},
-                   reverse=True)
-    excluded: set[Source] = set()
-    for step in steps:
-        while (assigned := _assign(step, everyone, tier.nodes, excluded)) is not None:
-            outcome = _attempt(tier, step, assigned, everyone, state, per_rank, excluded)
+    candidates = sorted({(row[2], row[6]) for rows, _ in everyone for row in rows if floor is None or row[2] >= floor},
+                        reverse=True)
+    excluded: set[tuple[Any, ...]] = set()
+    for cand in candidates:
+        while (assigned := _assign(cand, everyone, tier.nodes, excluded)) is not None:
+            outcome = _attempt(tier, cand, assigned, everyone, state, per_rank, excluded)
             if outcome == "unfit":
                 return None
             if isinstance(outcome, LoadedCheckpoint):
@@ -215,16 +232,19 @@ def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any],
     return None
 
 
-def _attempt(tier: LocalTier, step: int, assigned: dict[int, Source], everyone: list[Any], state: dict[str, Any],
-             per_rank: dict[str, Any], excluded: set[Source]) -> LoadedCheckpoint | str | None:
-    """One assignment of sources for ``step``: the loaded checkpoint, "unfit", or None (a source was excluded)."""
+def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], everyone: list[Any],
+             state: dict[str, Any], per_rank: dict[str, Any], excluded: set[tuple[Any, ...]]
+             ) -> LoadedCheckpoint | str | None:
+    """One assignment of sources for ``cand``: the loaded checkpoint, "unfit" (the in-memory attempt ends: the
+    durable tier decides), or None (a source was excluded: assign again)."""
     c, rank = tier.collectives, tier.rank
+    step = cand[0]
     mine = [s for s in assigned.values() if s[0] == rank]
     data: dict[Source, dict[str, Any]] = {}
     problems: list[tuple[Source, str]] = []
     for source in mine:
         try:
-            holding = _find(tier, source, step)
+            holding = _find(tier, source, cand)
             data[source] = {name: layout.read_verified(holding, name) for name in holding.files}
         except CheckpointCorruptError as e:
             problems.append((source, str(e)[:500]))
@@ -232,7 +252,7 @@ def _attempt(tier: LocalTier, step: int, assigned: dict[int, Source], everyone: 
         return None
     # step 4: move the bytes
     source0 = assigned[0]
-    size0 = _row(everyone, source0, step)[3][layout.REPLICATED]
+    size0 = _row(everyone, source0, cand)[3][layout.REPLICATED]
     blob0 = as_tensor(data[source0][layout.REPLICATED]) if source0[0] == rank else None
     replicated_bytes = broadcast_bytes(tier.group, rank, source0[0], blob0, size0, timeout=tier.timeout,
                                        what=f"recovery of step {step} (replicated entries)") \
@@ -245,8 +265,10 @@ def _attempt(tier: LocalTier, step: int, assigned: dict[int, Source], everyone: 
         if sends or receive or tier.world_size > 1 else {}
     payload_bytes = got[mine_src[0]][0] if receive else as_tensor(data[mine_src][layout.PAYLOAD])
     # step 5: deserialise and check
-    kinds = _row(everyone, source0, step)[4]
-    checked, problem, corrupt_of = None, None, None
+    kinds = _row(everyone, source0, cand)[4]
+    checked, replicated, own, payload = None, None, None, None
+    problem: tuple[Any, ...] | None = None
+    corrupt_of: Source = source0
     try:
         where0 = f"{_describe(source0, step)} ({layout.REPLICATED})"
         corrupt_of = source0
@@ -257,7 +279,13 @@ def _attempt(tier: LocalTier, step: int, assigned: dict[int, Source], everyone: 
         if not isinstance(payload, dict) or not isinstance(payload.get("shards"), dict):
             raise CheckpointCorruptError(f"{where}: expected a dict with 'mine' and 'shards'")
         own = _schema.check_rank_payload(where, payload.get("mine"))
-        corrupt_of = None
+    except CheckpointCorruptError as e:  # the bytes of one copy are wrong: exclude it, try the next source
+        problem = ("corrupt", corrupt_of, str(e)[:500])
+    except Exception as e:  # a check that itself failed on a crafted value: still that copy's problem
+        problem = ("corrupt", corrupt_of, f"could not be checked ({type(e).__name__}: {str(e)[:400]})")
+    try:
+        if problem is not None:
+            raise _Skip
         for name in state:
             if name not in kinds:
                 raise CheckpointError(f"state[{name!r}] is not in in-memory step {step} (it holds {sorted(kinds)})")
@@ -265,15 +293,15 @@ def _attempt(tier: LocalTier, step: int, assigned: dict[int, Source], everyone: 
         check_entries(where, kinds, replicated, state, saved_per_rank, per_rank)
         checked = (replicated, own, payload["shards"], _restore.plan(kinds, replicated, state, saved_per_rank,
                                                                       per_rank))
-    except CheckpointCorruptError as e:
-        problem = ("corrupt", corrupt_of, str(e)[:500])
-    except Exception as e:
-        problem = ("unfit", None, f"{type(e).__name__}: {str(e)[:500]}" if not isinstance(e, CheckpointError)
-                   else str(e)[:500])
+    except _Skip:
+        pass
+    except Exception as e:  # well-formed copies that do not fit the live objects: the durable tier decides
+        problem = ("unfit", None, str(e)[:500] if isinstance(e, CheckpointError) else
+                   f"{type(e).__name__}: {str(e)[:500]}")
     rows = c.all_gather(problem, "local check")
     corrupt = [(r[1], f"rank {i}: {r[2]}") for i, r in enumerate(rows) if r and r[0] == "corrupt"]
     if corrupt:
-        _exclude(tier, step, [[(tuple(s), p)] for s, p in corrupt], excluded)  # type: ignore[misc]
+        _exclude(tier, step, [[(s, p)] for s, p in corrupt], excluded)
         return None
     unfit = [f"rank {i}: {r[2]}" for i, r in enumerate(rows) if r]
     if unfit:
@@ -281,14 +309,15 @@ def _attempt(tier: LocalTier, step: int, assigned: dict[int, Source], everyone: 
              "durable tier is used instead.", stacklevel=user_stacklevel())
         return "unfit"
     assert checked is not None
-    return _restore_all(tier, step, checked, state, mine_src)
+    return _restore_all(tier, step, checked, state, mine_src) or "unfit"
 
 
-def _exclude(tier: LocalTier, step: int, rows: list[Any], excluded: set[Source]) -> bool:
+def _exclude(tier: LocalTier, step: int, rows: list[Any], excluded: set[tuple[Any, ...]]) -> bool:
     bad = [(tuple(source), text) for row in rows for source, text in row]
     for source, text in bad:
-        if source not in excluded:
-            excluded.add(source)  # type: ignore[arg-type]
+        key = (tier.nodes[source[0]], source[1], source[2], step)
+        if key not in excluded:
+            excluded.add(key)
             if tier.rank == 0:
                 warn(f"in-memory checkpoint: {_describe(source, step)} is unusable ({text}); falling back to the next "
                      "source (another copy, an older step, then the durable tier).", stacklevel=user_stacklevel())
@@ -297,6 +326,7 @@ def _exclude(tier: LocalTier, step: int, rows: list[Any], excluded: set[Source])
 
 def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: dict[str, Any],
                  source: Source) -> LoadedCheckpoint | None:
+    """Step 6; None when the restore failed somewhere (the live objects are put back)."""
     c = tier.collectives
     replicated, own, shards, plan = checked
     sharded = dict(plan.sharded)

@@ -5,17 +5,21 @@ write at scale, so it is taken rarely, and a crash loses every step since. This 
 
 * **Save** (collective, every rank): the only blocking part is the snapshot to host memory (the same snapshot
   the durable tier takes, :mod:`._snapshot`; under FSDP each rank's own shards). On a background thread,
-  each rank then serialises its state and commits it into its node's ``directory`` (``/dev/shm`` by
-  default; staged, checksummed, renamed into place: :mod:`._local_layout`), sends a copy to its peer (the same
+  each rank then serialises its state and commits it into its node's tier directory
+  (``<base>/robustdist-<uid>-<hash of the lineage>``, ``base`` ``/dev/shm`` by default; staged, checksummed,
+  renamed into place: :mod:`._local_layout`), sends a copy to its peer (the same
   local rank on the next node, over this tier's own gloo group: :mod:`._local_wire`), and commits the copy
   it receives. Rank 0 also writes the replicated entries, once for the job (not once per rank), and
-  replicates them to its peer. Finally one small all_gather: the step is *complete* only when every rank's
-  copy and its replica are in place. Only then are older steps deleted (``keep_last`` complete steps stay),
+  replicates them to its peer. Every copy carries the save's id (rank 0's, agreed with the snapshot), so
+  copies of one step from two different saves are never combined. Finally one small all_gather: the step is
+  *complete* only when every rank's copy and its replica are in place. Only then are older steps deleted, on
+  each node by its lowest rank (``keep_last`` complete steps stay),
   so a crash at any point leaves the previous complete step intact. A background error is raised at the next
   ``save``, ``wait``, ``load`` or ``close``, naming the ranks.
-* **Memory** is checked at the first save: each node needs ``(keep_last + 1)`` times the copies it holds (the
-  one being written beside the ones kept); a tier that does not fit in the directory's free space or in
-  available RAM is refused on every rank, with the numbers and the fix.
+* **Memory** is checked at the first save and whenever the copies grow (:mod:`._local_memory`): each node
+  needs ``(keep_last + 1)`` times the copies it holds; a tier that does not fit in the directory's free space
+  (plus what it already holds there) or in available RAM is refused on every rank, with the numbers and the
+  fix, before anything is written. Other tiers of this user left on the node are named.
 * **Load** (collective): every rank lists what its node holds; the ranks agree on the newest step that is
   complete across the job from any source (its own copy, the replica a peer node holds for it, or a copy
   left on this node by another rank) and newer than the durable tier's; each rank fetches what it lacks from
@@ -25,31 +29,33 @@ write at scale, so it is taken rarely, and a crash loses every step since. This 
 
 One node (or ``replicas=0``): no replica is kept; a node loss is then a job loss, recovered from the durable
 tier. The tier's files stay when a job fails (the restart needs them) and are removed by ``close(clean=True)``
-when every rank closes cleanly.
+when every rank closes cleanly (every rank takes part in that agreement, clean or not).
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
-import socket
+import shutil
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from robustdist import _dist
 from robustdist._dist import Collectives
-from robustdist._node import node_rank
+from robustdist._node import node_label, node_rank
 from robustdist.checkpoint import _faults, _local_restore
 from robustdist.checkpoint import _local_layout as layout
+from robustdist.checkpoint import _local_memory as memory
+from robustdist.checkpoint._layout import committed_steps
+from robustdist.checkpoint._local_memory import node_need
 from robustdist.checkpoint._local_wire import as_tensor, exchange
 from robustdist.checkpoint._io import fsync_dir
 from robustdist.checkpoint._safeio import read_in
@@ -63,46 +69,45 @@ if TYPE_CHECKING:
 
     from robustdist.checkpoint._types import LoadedCheckpoint
 
-__all__ = ["LINEAGE", "LocalSaveInfo", "LocalTier", "default_local_dir", "lineage_of", "node_need"]
+__all__ = ["LINEAGE", "LocalSaveInfo", "LocalTier", "lineage_of", "node_need"]
 
 log = get_logger(__name__)
-OPS = ("local save", "local load")
+OPS = ("local save", "local load", "local close")
 LINEAGE = ".robustdist-lineage"
 _TOKEN = re.compile(r"[0-9a-f]{32}")
 
 
-def lineage_of(directory: str, rank: int, collectives: Collectives) -> str:
+def lineage_of(directory: str, rank: int, collectives: Collectives, *, renew: bool = False) -> str:
     """The lineage of the in-memory copies that belong to this durable directory: a random token rank 0 keeps
-    in ``<directory>/.robustdist-lineage`` (the durable checkpoint directory; created when missing or not a token; shared with every rank). A wiped or
-    replaced checkpoint directory gets a new token, so stale copies left in ``/dev/shm`` are never restored."""
+    in ``<directory>/.robustdist-lineage`` (the durable checkpoint directory; created when missing or not a
+    token; shared with every rank). A wiped or replaced checkpoint directory gets a new token, so stale copies
+    left in ``/dev/shm`` are never restored. ``renew`` (a fresh launch, attempt 0): a directory that holds no
+    committed durable step gets a new token too, so ``rm -rf ckpt/*`` (which keeps dotfiles) starts afresh."""
     token: str | None = None
     if rank == 0:
         try:
             token = read_in(directory, LINEAGE, max_size=64).decode("ascii", "replace").strip()
         except CheckpointCorruptError:
             token = None
+        if token is not None and renew and not committed_steps(directory):
+            token = None
         if token is None or not _TOKEN.fullmatch(token):
             path = os.path.join(directory, LINEAGE)
             if os.path.lexists(path):
-                log.warning("%s is not a lineage token robustdist writes; a new one is made (in-memory copies of "
-                            "the old one are not used)", path)
+                log.info("%s: a new lineage token (the previous one is missing, not a token, or this is a fresh "
+                         "launch on a directory without checkpoints); in-memory copies of the old one are not used",
+                         path)
                 os.unlink(path)
             token = uuid.uuid4().hex
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "x", encoding="ascii") as fh:
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w", encoding="ascii") as fh:
                 fh.write(token)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
             fsync_dir(directory)
     return str(collectives.broadcast(token, "lineage"))
-
-
-def default_local_dir(lineage: str) -> str:
-    """``/dev/shm/robustdist-<uid>-<lineage hash>`` (the temp directory where there is no ``/dev/shm``)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
-    digest = hashlib.sha256(lineage.encode()).hexdigest()[:12]
-    return os.path.join(base, f"robustdist-{os.getuid()}-{digest}")
 
 
 @dataclass
@@ -118,29 +123,6 @@ class LocalSaveInfo:
     done: threading.Event = field(default_factory=threading.Event, repr=False)
 
 
-def node_need(sizes: list[int], nodes: list[int], peers: list[int | None], keep_last: int) -> dict[int, int]:
-    """Bytes each node needs: ``(keep_last + 1)`` x (its ranks' own copies + the replicas it holds)."""
-    need: dict[int, int] = {n: 0 for n in nodes}
-    for r, size in enumerate(sizes):
-        need[nodes[r]] += size
-        if peers[r] is not None:
-            need[nodes[peers[r]]] += size  # type: ignore[index]
-    return {n: (keep_last + 1) * b for n, b in need.items()}
-
-
-def _free(directory: str) -> tuple[int, int | None]:
-    st = os.statvfs(directory)
-    available = None
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return st.f_bavail * st.f_frsize, available
-
-
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -151,33 +133,31 @@ def _nbytes(value: Any) -> int:
     return 64
 
 
-def _serialise(obj: Any) -> bytearray:
+def _serialise(obj: Any) -> memoryview:
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return bytearray(buf.getbuffer())
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return buf.getbuffer()  # no copy: the view keeps the buffer alive
 
 
 class LocalTier:
     """The in-memory tier (see the module docstring).
 
     Args:
-        directory: the node-local directory (default :func:`default_local_dir` of ``lineage``).
+        base: where the tier's directory is made (default ``/dev/shm``, else the temp directory); the tier
+            writes only inside ``<base>/robustdist-<uid>-<hash of lineage>`` (:attr:`directory`). The same path
+            on every node.
         lineage: names what the copies belong to (harden uses a token kept in the durable directory); copies
             of another lineage or world size are never sources.
         replicas: 1 (a copy on the next node) or 0.
         keep_last: complete steps kept (1 or 2).
         timeout: seconds bounding every wait (default 1800).
-        arrival_timeout: seconds every rank has to reach ``save``/``load`` once another rank has (default 60).
-        group: the process group for the tier (default: a gloo group of all ranks created here).
+        arrival_timeout: seconds every rank has to reach ``save``/``load``/``close`` once another rank has
+            (default 60).
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None, *, lineage: str = "default",
+    def __init__(self, base: str | os.PathLike[str] | None = None, *, lineage: str = "default",
                  replicas: int = 1, keep_last: int = 1, timeout: float | None = None,
-                 arrival_timeout: float | None = None, group: ProcessGroup | None = None):
+                 arrival_timeout: float | None = None):
         if replicas not in (0, 1) or isinstance(replicas, bool):
             raise CheckpointError(f"replicas={replicas!r}; expected 0 or 1. Fix: pass replicas=1 (a copy on the next "
                                   "node) or 0.")
@@ -185,40 +165,57 @@ class LocalTier:
             raise CheckpointError(f"keep_last={keep_last!r}; expected 1 or 2 complete in-memory steps. Fix: pass 1 "
                                   "or 2 (the durable tier keeps the history).")
         self.lineage = str(lineage)
-        self.directory = os.path.abspath(os.fspath(directory)) if directory is not None else default_local_dir(
-            self.lineage)
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        base = os.fspath(base) if base is not None else ("/dev/shm" if os.path.isdir("/dev/shm")
+                                                          else os.environ.get("TMPDIR", "/tmp"))
+        self.directory = layout.tier_root(os.path.abspath(base), self.lineage)
+        """The tier's own directory: the only one it writes, rotates or removes."""
+        os.makedirs(os.path.dirname(self.directory), exist_ok=True)
+        try:
+            os.mkdir(self.directory, 0o700)
+        except FileExistsError:
+            pass
         layout.check_root(self.directory)
         self.keep_last = keep_last
         self.timeout = float(timeout) if timeout is not None else 1800.0
         self.arrival_timeout = float(arrival_timeout) if arrival_timeout is not None else 60.0
         self.distributed = _dist.is_multi()
-        self._own_group: ProcessGroup | None = None
-        if self.distributed and group is None:
-            group = self._own_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
-        self.group = group
-        self.rank = _dist.rank(group) if self.distributed else 0
-        self.world_size = _dist.world_size(group) if self.distributed else 1
-        self.collectives = Collectives(group, self.rank, self.world_size, timeout=self.timeout,
-                                       arrival_timeout=self.arrival_timeout, error=CheckpointError,
-                                       scope="local-ckpt", noun="in-memory checkpoint", owner="in-memory tier",
-                                       ops=OPS, knob="checkpoint.arrival_timeout")
-        key = (str(node_rank()) if node_rank() is not None else socket.gethostname(), self.directory)
-        keys = self.collectives.all_gather(key[0], "node map")
+        self.group: ProcessGroup | None = None
+        if self.distributed:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        try:
+            self.rank = _dist.rank(self.group) if self.distributed else 0
+            self.world_size = _dist.world_size(self.group) if self.distributed else 1
+            self.collectives = Collectives(self.group, self.rank, self.world_size, timeout=self.timeout,
+                                           arrival_timeout=self.arrival_timeout, error=CheckpointError,
+                                           scope="local-ckpt", noun="in-memory checkpoint", owner="in-memory tier",
+                                           ops=OPS, knob="checkpoint.arrival_timeout")
+            keys = self.collectives.all_gather(_node_key(), "node map")
+        except BaseException:
+            self._destroy_group()
+            raise
         order = list(dict.fromkeys(keys))
         self.nodes = [order.index(k) for k in keys]
         """Node index of every rank (in order of each node's lowest rank)."""
         self.peers = self._peers(replicas)
         """The rank holding each rank's replica (None: no replica)."""
         self.senders = [r for r, p in enumerate(self.peers) if p == self.rank]
+        self.leader = self.nodes.index(self.nodes[self.rank]) == self.rank
+        """Whether this rank is its node's lowest: it rotates every copy on the node."""
         if replicas and len(order) == 1 and self.rank == 0:
             log.info("in-memory checkpoints: one node, so no replica is kept (a replica must be on another node); "
                      "a node loss is a job loss here, recovered from the durable tier")
+        self.others = layout.siblings(self.directory) if self.leader else []
+        if self.others:
+            log.warning("other in-memory checkpoint tiers of this user hold %s of RAM on this node (%s); remove them if "
+                        "their jobs are gone", memory.size(sum(b for _, b in self.others)),
+                        ", ".join(p for p, _ in self.others[:3]))
         self.last_complete: int | None = None
         """The newest step this rank saw complete (saved or loaded)."""
         self.node_bytes: int | None = None
-        """What the tier needs on this node, estimated at the first save (for ``ray_memory_plan``)."""
-        self._memory_checked = False
+        """What the tier needs on this node (updated at each save whose copies grew), for ``ray_memory_plan``."""
+        self.on_complete: Callable[[int], None] | None = None
+        """Called on the background thread with the step each time a save completes (harden's progress mark)."""
+        self._checked_sizes: list[int] | None = None
         self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -259,21 +256,23 @@ class LocalTier:
             shards = _local_restore.local_shards(snap.sharded, self._staging)
         except BaseException as e:  # told to every rank in the agreement below; every rank raises there
             error = e
-        size = _nbytes(snap.replicated) + _nbytes(snap.mine) + _nbytes(shards) if snap is not None else 0
-        self._agree_snapshot(step, error, size)
+        nbytes = _nbytes(snap.replicated) + _nbytes(snap.mine) + _nbytes(shards) if snap is not None else 0
+        save_id = self._agree_snapshot(step, error, nbytes)
         assert snap is not None
         info = LocalSaveInfo(step=step, blocking_seconds=time.perf_counter() - start)
-        job = (step, snap.kinds, snap.replicated, {"mine": snap.mine, "shards": shards}, info, start)
+        job = (step, save_id, snap.kinds, snap.replicated, {"mine": snap.mine, "shards": shards}, info, start)
         self._thread = threading.Thread(target=self._background, args=(job,), name=f"robustdist-local-ckpt-{step}",
                                         daemon=True)
         self._thread.start()
         return info
 
-    def _agree_snapshot(self, step: int, error: BaseException | None, size: int) -> None:
+    def _agree_snapshot(self, step: int, error: BaseException | None, nbytes: int) -> str:
+        """Every rank's snapshot outcome, step and size; the save id (rank 0's). Raises the same error on every
+        rank when one failed or they disagree; checks the memory when the copies grew."""
         text = None if error is None else f"{type(error).__name__}: {str(error)[:1500]}"
-        everyone = self.collectives.all_gather((text, step, size), "local snapshot")
-        failed = {r: t for r, (t, _, _) in enumerate(everyone) if t}
-        steps = {s for _, s, _ in everyone}
+        everyone = self.collectives.all_gather((text, step, nbytes, uuid.uuid4().hex[:16]), "local snapshot")
+        failed = {r: row[0] for r, row in enumerate(everyone) if row[0]}
+        steps = {row[1] for row in everyone}
         if failed:
             detail = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items()))
             exc = CheckpointError(f"in-memory checkpoint step {step} was not taken: {ranks_phrase(failed)} could not "
@@ -284,48 +283,47 @@ class LocalTier:
             raise CheckpointError(f"ranks disagree on the in-memory checkpoint step ({sorted(steps)}); expected every "
                                   "rank to pass the same step. Nothing was written. Fix: pass the same step on every "
                                   "rank.", rank=self.err_rank)
-        if not self._memory_checked:
-            self._check_memory([s for _, _, s in everyone])
-            self._memory_checked = True
+        sizes = [row[2] for row in everyone]
+        if self._checked_sizes is None or any(a > b for a, b in zip(sizes, self._checked_sizes)):
+            self._check_memory(sizes)
+            self._checked_sizes = sizes
+        return str(everyone[0][3])
 
     def _check_memory(self, sizes: list[int]) -> None:
-        need = node_need(sizes, self.nodes, self.peers, self.keep_last)[self.nodes[self.rank]]
+        node = self.nodes[self.rank]
+        need = memory.node_need(sizes, self.nodes, self.peers, self.keep_last)[node]
         self.node_bytes = need
-        staging = sum(s for r, s in enumerate(sizes) if self.nodes[r] == self.nodes[self.rank])
-        shm, ram = _free(self.directory)
-        problem = None
-        if need > shm:
-            problem = (f"node {self.nodes[self.rank]} needs {_size(need)} in {self.directory} for the in-memory tier "
-                       f"({self.keep_last} kept + 1 being written, x the copies it holds) and has {_size(shm)} free")
-        elif ram is not None and need + staging > ram:
-            problem = (f"node {self.nodes[self.rank]} needs {_size(need)} for the in-memory tier plus {_size(staging)} "
-                       f"of snapshot buffers, and has {_size(ram)} of RAM available")
-        everyone = self.collectives.all_gather(problem, "local memory check")
-        bad = [(r, p) for r, p in enumerate(everyone) if p]
+        mine = [r for r in range(self.world_size) if self.nodes[r] == node]
+        held = [r for r, p in enumerate(self.peers) if p is not None and self.nodes[p] == node]
+        in_flight = 2 * sum(sizes[r] for r in mine) + sum(sizes[r] for r in held)  # snapshot + serialised; incoming
+        problem = memory.fits(self.directory, node, need, in_flight, self.others) if self.leader else None
+        bad = [(r, p) for r, p in enumerate(self.collectives.all_gather(problem, "local memory check")) if p]
         if bad:
             shown = "; ".join(f"rank {r}: {p}" for r, p in bad[:4])
             raise CheckpointError(
                 f"the in-memory checkpoint tier does not fit: {shown}. Expected it to fit beside training. Fix: set "
                 "checkpoint.local_keep_last to 1, checkpoint.replicas to 0, point checkpoint.local_dir at a larger "
-                "tmpfs (or raise /dev/shm's size), or turn the tier off (checkpoint.local_every_n_steps: null).",
-                rank=self.err_rank, ranks=[r for r, _ in bad])
+                "tmpfs (or raise /dev/shm's size), or turn the tier off (checkpoint.local_every_n_steps: null). "
+                "Nothing was written.", rank=self.err_rank, ranks=[r for r, _ in bad])
 
     def _background(self, job: tuple[Any, ...]) -> None:
-        step, kinds, replicated, payload, info, start = job
+        step, save_id, kinds, replicated, payload, info, start = job
         try:
-            info.bytes = self._write_and_replicate(step, kinds, replicated, payload)
+            info.bytes = self._write_and_replicate(step, save_id, kinds, replicated, payload)
             info.complete = True
             info.total_seconds = time.perf_counter() - start
+            if self.on_complete is not None:
+                self.on_complete(step)
         except BaseException as e:  # surfaces at the next save(), wait(), load() or close()
             self._error = e
             log.error("in-memory checkpoint step %d failed: %s", step, e)
         finally:
             info.done.set()
 
-    def _write_and_replicate(self, step: int, kinds: dict[str, str], replicated: dict[str, Any],
+    def _write_and_replicate(self, step: int, save_id: str, kinds: dict[str, str], replicated: dict[str, Any],
                              payload: dict[str, Any]) -> int:
         token = uuid.uuid4().hex[:12]
-        meta = {"world_size": self.world_size, "lineage": self.lineage, "kinds": kinds}
+        meta = {"world_size": self.world_size, "lineage": self.lineage, "kinds": kinds, "save": save_id}
         blobs = [_serialise(payload)] + ([_serialise(replicated)] if self.rank == 0 else [])
         files = dict(zip((layout.PAYLOAD, layout.REPLICATED), blobs))
         written, problem = 0, None
@@ -357,9 +355,8 @@ class LocalTier:
                                   "see the named ranks' errors (a full /dev/shm? a dead peer?).", rank=self.err_rank,
                                   ranks=sorted(failed))
         keep = {step} | ({self.last_complete} if self.keep_last == 2 and self.last_complete is not None else set())
-        layout.rotate(self.directory, self.rank, "own", keep)
-        for src in self.senders:
-            layout.rotate(self.directory, src, "replica", keep)
+        if self.leader:  # every copy on this node, stale ones of earlier rank-to-node mappings included
+            layout.rotate_all(self.directory, keep)
         self.last_complete = step
         return written
 
@@ -383,12 +380,14 @@ class LocalTier:
     def load(self, *, state: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
              at_least: int | None = None) -> LoadedCheckpoint | None:
         """Restore the newest step complete across the job (from any rank's copy or replica) that is at least
-        ``at_least`` (rank 0's value counts: the durable tier's newest step); None when there is none, so
-        the caller loads the durable tier. Collective."""
+        ``at_least`` (rank 0's value counts: the durable tier's newest step); None when there is none, so the
+        caller loads the durable tier. Collective."""
         self._check_open()
         try:
             self.wait()
         except CheckpointError as e:  # a failed last save leaves the previous complete step: recover from it
+            if self._thread is not None:  # still running: its collectives would interleave with the load's
+                raise
             log.warning("the last in-memory save failed before this load: %s", e)
         self.collectives.arrive("local load")
         loaded = _local_restore.recover(self, dict(state or {}), dict(per_rank or {}), at_least)
@@ -398,29 +397,47 @@ class LocalTier:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, clean: bool = False) -> None:
-        """Wait for the background part (raising its error), then destroy the group created here. With
-        ``clean=True`` (the job finished), every rank agrees, and only if all did is this node's directory
-        removed; else it stays for a restart (its path is logged)."""
+        """Wait for the background part, then agree with every rank (each says whether it closes cleanly) and,
+        only if every rank did, remove this tier's directory on this node; else it stays for a restart. Then
+        destroy the tier's group and raise the background part's error, if any."""
         if self._closed:
             return
         self._closed = True
+        error: BaseException | None = None
         try:
-            self.wait()
-            if clean:
-                everyone = self.collectives.all_gather(True, "local close") if self.distributed else [True]
+            try:
+                self.wait()
+            except BaseException as e:  # raised after the agreement: the other ranks are waiting in it
+                error, clean = e, False
+            if self._thread is None:
+                everyone = [clean]
+                if self.distributed:
+                    self.collectives.arrive("local close")
+                    everyone = self.collectives.all_gather(clean, "local close")
                 if all(everyone):
-                    import shutil
-
                     shutil.rmtree(self.directory, ignore_errors=True)
+                elif self.leader:
+                    log.info("in-memory checkpoints kept in %s for a restart", self.directory)
         finally:
             self._staging.clear()
-            group, self._own_group = self._own_group, None
-            if group is not None and _dist.is_up():
-                try:
-                    dist.destroy_process_group(group)
-                except (ValueError, RuntimeError) as e:
-                    log.debug("in-memory tier group not destroyed: %s", e)
+            self._destroy_group()
+        if error is not None:
+            raise error
+
+    def _destroy_group(self) -> None:
+        group, self.group = self.group, None
+        if group is not None and _dist.is_up():
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError) as e:
+                log.debug("in-memory tier group not destroyed: %s", e)
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this LocalTier is closed; expected an open one. Fix: create a new one.")
+
+
+def _node_key() -> str:
+    """What tells this node from the others: the launcher's node rank, else the hostname and address."""
+    rank = node_rank()
+    return f"rank {rank}" if rank is not None else node_label()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from robustdist.checkpoint import AtomicCheckpointer, LocalTier
+from robustdist.checkpoint._local_layout import tier_root
 from robustdist.train_state import TrainState
 
 pytestmark = pytest.mark.timeout(60)
@@ -142,6 +143,10 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
         _rewrite(copy, "payload.pt", _zip_bomb())
     elif kind == "wrong_shape":
         _rewrite(copy, "payload.pt", _torch_file([1, 2, 3]))
+    elif kind == "optimizer_mismatch":  # well-formed, CRC-valid, but not this optimizer's state
+        saved = torch.load(copy / "replicated.pt", weights_only=True)
+        saved["optimizer"]["param_groups"][0]["params"] = [0]
+        _rewrite(copy, "replicated.pt", _torch_file(saved))
     elif kind == "other_model":
         _rewrite(copy, "replicated.pt", _torch_file({"model": {"0.weight": torch.zeros(3, 3)}, "optimizer": {}}))
     else:
@@ -149,7 +154,8 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
 
 
 KINDS = ["code", "code_replicated", "flipped", "truncated", "symlink_file", "fifo", "symlink_step", "symlink_owner",
-         "meta_huge", "meta_escape", "meta_types", "meta_other_step", "zip_bomb", "wrong_shape", "other_model"]
+         "meta_huge", "meta_escape", "meta_types", "meta_other_step", "zip_bomb", "wrong_shape", "other_model",
+         "optimizer_mismatch"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -194,7 +200,8 @@ def test_a_directory_planted_at_the_tier_path_is_refused(tmp_path, planted):
     """``/dev/shm`` is shared: another user could make the tier's directory first, or plant a link there."""
     from robustdist.errors import CheckpointError
 
-    path = tmp_path / "shm"
+    path = Path(tier_root(str(tmp_path / "shm"), "x"))
+    path.parent.mkdir()
     if planted == "symlink":
         (tmp_path / "elsewhere").mkdir()
         path.symlink_to(tmp_path / "elsewhere")
@@ -205,7 +212,7 @@ def test_a_directory_planted_at_the_tier_path_is_refused(tmp_path, planted):
         else:
             path.chmod(0o777)
     with pytest.raises(CheckpointError, match="expected a directory of this user's"):
-        LocalTier(path, lineage="x")
+        LocalTier(tmp_path / "shm", lineage="x")
     assert not list(tmp_path.rglob("step_*"))
 
 
@@ -213,7 +220,7 @@ def test_a_link_planted_inside_the_tier_is_never_written_through(tmp_path):
     local = LocalTier(tmp_path / "shm", lineage="x")
     outside = tmp_path / "outside"
     outside.mkdir()
-    (tmp_path / "shm" / "owner_00000").symlink_to(outside)
+    Path(local.directory, "owner_00000").symlink_to(outside)
     state = _state(0)
     from robustdist.errors import CheckpointError
 
