@@ -107,9 +107,48 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+README = HERE.parent / "README.md"
+GOODPUT_START = "<!-- goodput-table:start (generated: python benchmarks/run.py --render) -->"
+GOODPUT_END = "<!-- goodput-table:end -->"
+_VARIANTS = (("plain", "rank 0 `torch.save` (the DDP tutorial)"), ("durable", "robustdist, durable tier only"),
+             ("memory", "robustdist, + in-memory tier"))
+
+
+def goodput_table(results: dict) -> str:
+    """The README's goodput table (benchmark P9), from ``results.json``: one row per variant."""
+    record = results["benchmarks"].get("P9")
+    if record is None:
+        return "(benchmark P9 has not been run: `make bench BENCH=bench_recovery`)"
+    m = record["metrics"]
+
+    def num(key: str, fmt: str) -> str:
+        value = m.get(key)
+        return "-" if value is None or value != value else format(value, fmt)
+
+    lines = [f"Measured {record.get('date', '?')}: {num('failures_memory', '.0f')} failures in each run, the same "
+             f"schedule for every variant; restart floor {num('floor_seconds', '.1f')} s.", "",
+             "| variant | goodput | ceiling | steps lost per failure | kill to next step (s) | restore (s) |",
+             "|---|---|---|---|---|---|"]
+    for key, name in _VARIANTS:
+        if f"goodput_{key}" in m:
+            lines.append(f"| {name} | {num(f'goodput_{key}', '.2f')} | {num(f'ceiling_{key}', '.2f')} | "
+                         f"{num(f'steps_lost_mean_{key}', '.1f')} | {num(f'recovery_seconds_{key}', '.1f')} | "
+                         f"{num(f'restore_seconds_{key}', '.2f')} |")
+    return "\n".join(lines)
+
+
+def render_readme(results: dict) -> None:
+    """Replace the README's generated goodput block with :func:`goodput_table`."""
+    text = README.read_text()
+    start, end = text.index(GOODPUT_START) + len(GOODPUT_START), text.index(GOODPUT_END)
+    README.write_text(text[:start] + "\n" + goodput_table(results) + "\n" + text[end:])
+
+
 def main(argv: list[str]) -> int:
-    if argv == ["--render"]:  # rewrite RESULTS.md from results.json (after editing findings.md)
-        (HERE / "RESULTS.md").write_text(render(json.loads((HERE / "results.json").read_text())))
+    if argv == ["--render"]:  # rewrite RESULTS.md (and the README's table) from results.json
+        results_now = json.loads((HERE / "results.json").read_text())
+        (HERE / "RESULTS.md").write_text(render(results_now))
+        render_readme(results_now)
         return 0
     wanted = {a.removesuffix(".py") for a in argv}
     scripts = [s for s in sorted(HERE.glob("bench_*.py")) if not wanted or s.stem in wanted]
@@ -130,7 +169,8 @@ def main(argv: list[str]) -> int:
                    command=" ".join(["python", "benchmarks/run.py", *map(shlex.quote, argv)]), machine=_machine())
     path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     (HERE / "RESULTS.md").write_text(render(results))
-    print(f"wrote {path} and {HERE / 'RESULTS.md'}")
+    render_readme(results)
+    print(f"wrote {path}, {HERE / 'RESULTS.md'} and the README's goodput table")
     if failed:
         print(f"make bench: failed: {', '.join(failed)}")
     return 1 if failed else 0

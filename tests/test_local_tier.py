@@ -421,3 +421,33 @@ def test_a_fresh_launch_on_a_wiped_directory_gets_a_new_lineage(tmp_path):
     durable.close()
     kept = lineage_of(str(tmp_path), 0, single, renew=True)
     assert lineage_of(str(tmp_path), 0, single, renew=True) == kept  # a checkpoint to resume: the copies belong
+
+
+def _replaced_node(rank: int, root: str) -> tuple[int, str, bool]:
+    node = rank // 2
+    model, opt = _objects()
+    _train(model, opt, 2, rank)
+    tier = LocalTier(os.path.join(root, f"node{node}"), lineage="2x2")
+    durable = AtomicCheckpointer(os.path.join(root, "durable"))
+    for saver in (tier, durable):
+        torch.manual_seed(5 + rank)
+        saver.save(2, {"model": model, "optimizer": opt}, per_rank={"counter": Counter(rank)})
+    tier.wait()
+    torch.distributed.barrier()
+    if rank == 2:  # node 1 is replaced: its memory is empty (no own copies, no replicas, no replicated entries)
+        shutil.rmtree(tier.directory)
+        os.mkdir(tier.directory, 0o700)
+    torch.distributed.barrier()
+    _, reference = _load(durable)
+    loaded, got = _load(tier)
+    tier.close()
+    durable.close()
+    return loaded.step, loaded.source, all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
+def test_a_replaced_node_of_two_ranks_gets_its_payloads_and_the_replicated_entries_from_the_other(tmp_path):
+    """2 nodes x 2 ranks: node 1's ranks fetch their own state from the replicas on node 0 and the replicated
+    entries (which node 1 no longer holds) from rank 0; node 0's ranks read theirs locally."""
+    results = run_ranks(_replaced_node, 4, args=(str(tmp_path),), env=[{"GROUP_RANK": str(r // 2)} for r in range(4)],
+                        timeout=120)
+    assert results == [(2, "memory", True), (2, "memory", True), (2, "replica", True), (2, "replica", True)]

@@ -122,15 +122,20 @@ def check_root(root: str) -> None:
                               "checkpoint.local_dir to a directory of your own.")
 
 
-def remove_stale(root: str, owner: int, role: str) -> None:
-    """Remove the staging and set-aside directories an interrupted write of this owner's copies left."""
+def _entries(root: str, owner: int, role: str) -> tuple[str, list[str]]:
+    """The role directory of this owner and its entries (none when it is missing or not a real directory)."""
     base = _real_role_dir(root, owner, role)
     if base is None:
-        return
+        return "", []
     try:
-        names = os.listdir(base)
+        return base, os.listdir(base)
     except OSError:
-        return
+        return base, []
+
+
+def remove_stale(root: str, owner: int, role: str) -> None:
+    """Remove the staging and set-aside directories an interrupted write of this owner's copies left."""
+    base, names = _entries(root, owner, role)
     for name in names:
         if name.startswith((".tmp-", ".old-")):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
@@ -181,13 +186,7 @@ def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: 
 
 def rotate(root: str, owner: int, role: str, keep: set[int]) -> None:
     """Delete this owner's copies (of ``role``) of every step not in ``keep``."""
-    base = _real_role_dir(root, owner, role)
-    if base is None:
-        return
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return
+    base, names = _entries(root, owner, role)
     for name in names:
         m = _STEP_RE.fullmatch(name)
         if m and int(m.group(1)) not in keep:

@@ -37,7 +37,7 @@ from torch import nn
 from robustdist.checkpoint import _local_layout as layout
 from robustdist.checkpoint import _payload, _restore, _schema
 from robustdist.checkpoint._loading import check_entries
-from robustdist.checkpoint._local_wire import as_tensor, broadcast_bytes, exchange
+from robustdist.checkpoint._local_wire import as_tensor, exchange
 from robustdist.checkpoint._safeio import check_torch_zip
 from robustdist.checkpoint._schema import weights_only_reason
 from robustdist.checkpoint._sharded import _optimizer_pair, _state_dicts
@@ -191,6 +191,29 @@ def _assign(cand: Candidate, everyone: list[Any], nodes: list[int], excluded: se
     return out
 
 
+def _replicated_on(node: int, cand: Candidate, everyone: list[Any], nodes: list[int],
+                   excluded: set[tuple[Any, ...]]) -> Source | None:
+    """A copy of rank 0's state holding the replicated entries on ``node`` (own copy first), or None."""
+    options = [(0 if role == "own" else 1, holder, (holder, 0, role))
+               for holder, (rows, _) in enumerate(everyone) if nodes[holder] == node
+               for o, role, s, files, _, _, sid in rows
+               if o == 0 and (s, sid) == cand and layout.REPLICATED in files
+               and (node, 0, role, s) not in excluded]
+    return min(options)[2] if options else None
+
+
+def _reads(rank: int, assigned: dict[int, Source], here: Source | None) -> list[tuple[Source, list[str]]]:
+    """What this rank reads from its node: the payloads it serves (and the replicated entries with rank 0's), and
+    the replicated entries from ``here`` when its node holds a copy."""
+    out: dict[Source, set[str]] = {}
+    for owner, src in assigned.items():
+        if src[0] == rank:
+            out.setdefault(src, set()).update([layout.PAYLOAD] + ([layout.REPLICATED] if owner == 0 else []))
+    if here is not None:
+        out.setdefault(here, set()).add(layout.REPLICATED)
+    return [(src, sorted(names)) for src, names in out.items()]
+
+
 def _row(everyone: list[Any], source: Source, cand: Candidate) -> tuple[Any, ...]:
     holder, owner, role = source
     return next(r for r in everyone[holder][0] if r[0] == owner and r[1] == role and (r[2], r[6]) == cand)
@@ -239,33 +262,39 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     durable tier decides), or None (a source was excluded: assign again)."""
     c, rank = tier.collectives, tier.rank
     step = cand[0]
-    mine = [s for s in assigned.values() if s[0] == rank]
+    source0, mine_src = assigned[0], assigned[rank]
+    # the replicated entries: from a copy on this rank's node if there is one (no transfer), else sent by source0
+    near = {n: _replicated_on(n, cand, everyone, tier.nodes, excluded) for n in set(tier.nodes)}
+    here = near[tier.nodes[rank]]
     data: dict[Source, dict[str, Any]] = {}
     problems: list[tuple[Source, str]] = []
-    for source in mine:
+    for source, names in _reads(rank, assigned, here):
         try:
             holding = _find(tier, source, cand)
-            data[source] = {name: layout.read_verified(holding, name) for name in holding.files}
+            data.setdefault(source, {}).update({n: layout.read_verified(holding, n) for n in names})
         except CheckpointCorruptError as e:
             problems.append((source, str(e)[:500]))
     if _exclude(tier, step, c.all_gather(problems, "local read"), excluded):
         return None
-    # step 4: move the bytes
-    source0 = assigned[0]
-    size0 = _row(everyone, source0, cand)[3][layout.REPLICATED]
-    blob0 = as_tensor(data[source0][layout.REPLICATED]) if source0[0] == rank else None
-    replicated_bytes = broadcast_bytes(tier.group, rank, source0[0], blob0, size0, timeout=tier.timeout,
-                                       what=f"recovery of step {step} (replicated entries)") \
-        if tier.world_size > 1 else blob0
-    sends = {owner: [as_tensor(data[src][layout.PAYLOAD])] for owner, src in assigned.items()
-             if src[0] == rank and owner != rank}
-    mine_src = assigned[rank]
-    receive = [mine_src[0]] if mine_src[0] != rank else []
+    # step 4: move the bytes (point to point: each payload to its owner, the replicated entries to the ranks of
+    # nodes that hold no copy of them)
+    far = [r for r in range(tier.world_size) if near[tier.nodes[r]] is None]
+    sends: dict[int, list[torch.Tensor]] = {}
+    for owner, src in assigned.items():
+        if src[0] == rank and owner != rank:
+            sends.setdefault(owner, []).append(as_tensor(data[src][layout.PAYLOAD]))
+    if source0[0] == rank:
+        for r in far:
+            sends.setdefault(r, []).append(as_tensor(data[source0][layout.REPLICATED]))
+    receive = sorted(({mine_src[0]} if mine_src[0] != rank else set()) | ({source0[0]} if rank in far else set()))
     got = exchange(tier.group, rank, sends, receive, timeout=tier.timeout, what=f"recovery of step {step}") \
-        if sends or receive or tier.world_size > 1 else {}
-    payload_bytes = got[mine_src[0]][0] if receive else as_tensor(data[mine_src][layout.PAYLOAD])
+        if sends or receive else {}
+    payload_bytes = got[mine_src[0]][0] if mine_src[0] != rank else as_tensor(data[mine_src][layout.PAYLOAD])
+    replicated_src = here if here is not None else source0
+    replicated_bytes = got[source0[0]][-1] if rank in far else as_tensor(data[replicated_src][layout.REPLICATED])
     # step 5: deserialise and check
     kinds = _row(everyone, source0, cand)[4]
+    source0 = replicated_src if rank not in far else source0  # the copy whose bytes this rank checks
     checked, replicated, own, payload = None, None, None, None
     problem: tuple[Any, ...] | None = None
     corrupt_of: Source = source0

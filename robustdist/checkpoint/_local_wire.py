@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from robustdist.errors import CheckpointError
 
-__all__ = ["as_tensor", "broadcast_bytes", "exchange"]
+__all__ = ["as_tensor", "exchange"]
 
 MAX_BLOBS = 2
 _HEADER = 1 + 2 * MAX_BLOBS
@@ -86,12 +86,3 @@ def exchange(group: Any, rank: int, sends: dict[int, list[torch.Tensor]], receiv
                                       "than the one it sent; expected the bytes it sent. Fix: check the network.",
                                       rank=rank)
     return received
-
-
-def broadcast_bytes(group: Any, rank: int, src: int, data: torch.Tensor | None, size: int, *, timeout: float,
-                    what: str) -> torch.Tensor:
-    """``src``'s ``data`` (``size`` bytes, known to every rank) on every rank of ``group``."""
-    buf = data if rank == src and data is not None else torch.empty(size, dtype=torch.uint8)
-    work = dist.broadcast(buf, src, group=group, async_op=True)
-    _wait([(work, f"rank {src}")], timeout, rank, what)
-    return buf

@@ -12,17 +12,17 @@ every step when ``--log-steps``, ``error`` (the exception type and message, then
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from robustdist import harden, unwrap_model
+
+from _events import Events  # the script directory is on sys.path
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,19 +39,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--override-master-port", default=None)
     p.add_argument("--log-steps", action="store_true")
     return p.parse_args()
-
-
-class Events:
-    def __init__(self, directory: str):
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        self.path = Path(directory) / f"rank{os.environ.get('RANK', '0')}-pid{os.getpid()}.jsonl"
-
-    def __call__(self, event: str, **fields: object) -> None:
-        record = {"event": event, "time": time.time(), "rank": int(os.environ.get("RANK", "0")),
-                  "group_rank": os.environ.get("GROUP_RANK"), "pid": os.getpid(), **fields}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
 
 
 def main() -> int:

@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import signal
 import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 
 ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: a worker never outlives its torchrun agent
 
@@ -71,6 +69,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from robustdist import harden, unwrap_model  # noqa: E402
 from robustdist.checkpoint import _faults  # noqa: E402
 
+from _events import Events  # noqa: E402  (the script directory is on sys.path)
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
@@ -88,20 +88,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kill-local-save", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=1)
     return p.parse_args()
-
-
-class Events:
-    def __init__(self, directory: str):
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        self.path = Path(directory) / f"rank{os.environ.get('RANK', '0')}-pid{os.getpid()}.jsonl"
-
-    def __call__(self, event: str, **fields: object) -> None:
-        record = {"event": event, "time": time.time(), "rank": int(os.environ.get("RANK", "0")),
-                  "group_rank": os.environ.get("GROUP_RANK"), "pid": os.getpid(), **fields}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
 
 def make_model() -> nn.Module:
