@@ -451,3 +451,36 @@ def test_a_replaced_node_of_two_ranks_gets_its_payloads_and_the_replicated_entri
     results = run_ranks(_replaced_node, 4, args=(str(tmp_path),), env=[{"GROUP_RANK": str(r // 2)} for r in range(4)],
                         timeout=120)
     assert results == [(2, "memory", True), (2, "memory", True), (2, "replica", True), (2, "replica", True)]
+
+
+def _close_after_a_peer_died(rank: int, root: str) -> None:
+    import json
+    import time
+
+    model, opt = _objects()
+    failing_tier = _tier(root, rank, arrival_timeout=3)
+    clean_tier = LocalTier(os.path.join(root, f"other{rank}"), lineage="clean", arrival_timeout=3)
+    failing_tier.save(1, {"model": model, "optimizer": opt})
+    failing_tier.wait()
+    torch.distributed.barrier()
+    if rank == 1:
+        os._exit(0)  # dies without closing anything
+    start = time.monotonic()
+    failing_tier.close(clean=False)  # leaving on an error: never waits for the dead peer
+    failing = time.monotonic() - start
+    start = time.monotonic()
+    clean_tier.close(clean=True)  # waits (bounded) for the vote that never comes, keeps the files, raises nothing
+    Path(root, "result.json").write_text(json.dumps([failing, time.monotonic() - start,
+                                                     os.path.isdir(clean_tier.directory)]))
+
+
+def test_closing_after_a_peer_died_never_hangs(tmp_path):
+    import json
+
+    from robustdist.errors import RanksFailed
+
+    with pytest.raises(RanksFailed, match="rank 1"):  # rank 1 exits without returning, on purpose
+        run_ranks(_close_after_a_peer_died, 2, args=(str(tmp_path),), env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}],
+                  timeout=60)
+    failing, clean, kept = json.loads((tmp_path / "result.json").read_text())
+    assert failing < 1.0 and 2.5 < clean < 10 and kept

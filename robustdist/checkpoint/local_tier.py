@@ -29,7 +29,7 @@ write at scale, so it is taken rarely, and a crash loses every step since. This 
 
 One node (or ``replicas=0``): no replica is kept; a node loss is then a job loss, recovered from the durable
 tier. The tier's files stay when a job fails (the restart needs them) and are removed by ``close(clean=True)``
-when every rank closes cleanly (every rank takes part in that agreement, clean or not).
+when every rank closes cleanly (a vote in the job's store: a rank leaving on an error never waits).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from robustdist import _dist
-from robustdist._dist import Collectives
+from robustdist._dist import Collectives, default_store
 from robustdist._node import node_label, node_rank
 from robustdist.checkpoint import _faults, _local_restore
 from robustdist.checkpoint import _local_layout as layout
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 __all__ = ["LINEAGE", "LocalSaveInfo", "LocalTier", "lineage_of", "node_need"]
 
 log = get_logger(__name__)
-OPS = ("local save", "local load", "local close")
+OPS = ("local save", "local load")
 LINEAGE = ".robustdist-lineage"
 _TOKEN = re.compile(r"[0-9a-f]{32}")
 
@@ -151,8 +151,8 @@ class LocalTier:
         replicas: 1 (a copy on the next node) or 0.
         keep_last: complete steps kept (1 or 2).
         timeout: seconds bounding every wait (default 1800).
-        arrival_timeout: seconds every rank has to reach ``save``/``load``/``close`` once another rank has
-            (default 60).
+        arrival_timeout: seconds every rank has to reach ``save``/``load`` once another rank has, and a clean
+            ``close`` waits for the other ranks' votes (default 60).
     """
 
     def __init__(self, base: str | os.PathLike[str] | None = None, *, lineage: str = "default",
@@ -397,9 +397,13 @@ class LocalTier:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, clean: bool = False) -> None:
-        """Wait for the background part, then agree with every rank (each says whether it closes cleanly) and,
-        only if every rank did, remove this tier's directory on this node; else it stays for a restart. Then
-        destroy the tier's group and raise the background part's error, if any."""
+        """Wait for the background part, vote, and remove this tier's directory on this node only if every rank
+        voted clean; then destroy the tier's group and raise the background part's error, if any.
+
+        The vote goes through the job's store, not a collective: a rank leaving on an error (``clean=False``)
+        posts its vote and returns at once, even when its peers are dead; a clean rank waits at most
+        ``arrival_timeout`` for the other votes, and keeps the files (logging where) when one is missing or not
+        clean. The files are kept for a restart in every doubtful case."""
         if self._closed:
             return
         self._closed = True
@@ -407,22 +411,41 @@ class LocalTier:
         try:
             try:
                 self.wait()
-            except BaseException as e:  # raised after the agreement: the other ranks are waiting in it
+            except BaseException as e:  # raised after the vote
                 error, clean = e, False
-            if self._thread is None:
-                everyone = [clean]
-                if self.distributed:
-                    self.collectives.arrive("local close")
-                    everyone = self.collectives.all_gather(clean, "local close")
-                if all(everyone):
-                    shutil.rmtree(self.directory, ignore_errors=True)
-                elif self.leader:
-                    log.info("in-memory checkpoints kept in %s for a restart", self.directory)
+            if self._thread is None and self._votes_clean(clean):
+                shutil.rmtree(self.directory, ignore_errors=True)
+            elif self.leader:
+                log.info("in-memory checkpoints kept in %s for a restart", self.directory)
         finally:
             self._staging.clear()
             self._destroy_group()
         if error is not None:
             raise error
+
+    def _votes_clean(self, clean: bool) -> bool:
+        if not self.distributed:
+            return clean
+        store = default_store()
+        if store is None:
+            return False
+        base = f"robustdist/local-close/{self.collectives.token}"
+        try:
+            store.set(f"{base}/{self.rank}", "1" if clean else "0")
+            if not clean:
+                return False
+            keys = [f"{base}/{r}" for r in range(self.world_size)]
+            deadline = time.monotonic() + self.arrival_timeout
+            while not store.check(keys):
+                if time.monotonic() > deadline:
+                    log.warning("in-memory checkpoints: not every rank closed within %g s; the files stay in %s",
+                                self.arrival_timeout, self.directory)
+                    return False
+                time.sleep(0.05)
+            return all(store.get(k) == b"1" for k in keys)
+        except Exception as e:  # the store is gone (its host exited): keep the files
+            log.debug("in-memory tier close vote failed: %s", e)
+            return False
 
     def _destroy_group(self) -> None:
         group, self.group = self.group, None
