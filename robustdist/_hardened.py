@@ -176,6 +176,7 @@ class Hardened:
         """The restart-loop guard (:mod:`robustdist._restart_guard`), before anything is loaded: rank 0 counts
         this attempt and decides, every rank raises."""
         assert self.checkpointer is not None
+        self.checkpointer.check_ready("load")
         message = None
         if self.checkpointer.rank == 0:
             message = _restart_guard.begin(self.checkpointer.directory, attempt=self.attempt,

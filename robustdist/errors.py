@@ -17,6 +17,7 @@ working::
         ├── RankDivergenceError                 ranks hold different parameters or configs
         ├── NonFiniteLossError                  a loss or gradients went NaN/Inf (health.nan_policy='raise')
         ├── HangError                           something waited past its bound
+        ├── RestartLoopError                    restart after restart made no progress (a crash loop)
         └── RanksFailed                         one or more ranks of ``testing.run_ranks`` failed
             └── RanksTimeout (+ HangError)      ranks still running at the harness timeout
 

@@ -62,9 +62,9 @@ class MemoryPlan:
     def explanation(self) -> str:
         usable = self.total_ram - self.headroom_bytes - self.offload_bytes - self.pinned_bytes \
             - self.local_checkpoint_bytes
+        tier = f" - in-memory checkpoints {_gib(self.local_checkpoint_bytes)}" if self.local_checkpoint_bytes else ""
         return (f"total RAM {_gib(self.total_ram)} - headroom {_gib(self.headroom_bytes)} - CPU offload "
-                f"{_gib(self.offload_bytes)} - pinned buffers {_gib(self.pinned_bytes)} - in-memory checkpoints "
-                f"{_gib(self.local_checkpoint_bytes)} = usable {_gib(usable)}; "
+                f"{_gib(self.offload_bytes)} - pinned buffers {_gib(self.pinned_bytes)}{tier} = usable {_gib(usable)}; "
                 f"object store {_gib(self.object_store_memory)}")
 
     def ray_init_kwargs(self) -> dict[str, Any]:
@@ -90,8 +90,9 @@ def ray_memory_plan(*, total_ram: int | None = None, offload_bytes: int = 0, pin
     if usable < RAY_MIN_OBJECT_STORE:
         raise ConfigError(
             f"no safe object store size: total RAM {_gib(ram)} - headroom {_gib(head)} ({headroom:.0%}) - CPU offload "
-            f"{_gib(offload_bytes)} - pinned buffers {_gib(pinned_bytes)} - in-memory checkpoints "
-            f"{_gib(local_checkpoint_bytes)} = {_gib(usable)}, below Ray's minimum object store of "
+            f"{_gib(offload_bytes)} - pinned buffers {_gib(pinned_bytes)}"
+            f"{f' - in-memory checkpoints {_gib(local_checkpoint_bytes)}' if local_checkpoint_bytes else ''} = "
+            f"{_gib(usable)}, below Ray's minimum object store of "
             f"{_gib(RAY_MIN_OBJECT_STORE)}; short by {_gib(RAY_MIN_OBJECT_STORE - usable)}. Fix: offload less "
             "(fewer ranks per node, or keep optimizer states on the GPU), keep fewer in-memory checkpoints "
             "(checkpoint.local_keep_last 1, replicas 0), use nodes with more RAM, or lower headroom.")

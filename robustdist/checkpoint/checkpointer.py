@@ -217,6 +217,17 @@ class AtomicCheckpointer:
                 raise error
             raise CheckpointError(f"the background checkpoint save failed: {error}", rank=self.err_rank) from error
 
+    def check_ready(self, op: str = "load") -> None:
+        """Every rank reaches ``op`` (a rank that does not is named, as in ``save``/``load``), and, the first time,
+        every rank sees this directory (:mod:`._shared`). Collective. ``Hardened.resume`` calls it before the
+        restart-loop guard writes its record here, so a node-local directory is refused before anything is
+        written."""
+        self._check_open()
+        self.wait()
+        self.collectives.arrive(op)
+        if not self._shared_ok:
+            self._shared_ok = check_shared_dir(self._ctx, writing=op == "save")
+
     def steps(self) -> list[int]:
         """Committed steps (final name and manifest present), oldest first. Files are not verified here."""
         return _layout.committed_steps(self.directory)
