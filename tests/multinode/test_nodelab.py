@@ -129,13 +129,13 @@ def test_kill_node_kills_every_process_in_it_and_keeps_the_node(node_lab, tmp_pa
 
 def test_teardown_is_complete_even_when_the_test_body_fails(tmp_path):
     _require_lab()
-    before = set(nodelab.leftover_namespaces())
+    before = set(nodelab.leftover_namespaces(owner=os.getpid()))
     with pytest.raises(RuntimeError, match="boom"):
         with NodeLab(2, local_disk=tmp_path / "d", log_dir=tmp_path / "logs") as lab:
             proc = lab.popen(1, ["sleep", "300"])
             raise RuntimeError("boom")
     assert proc.wait(timeout=10) == -9
-    assert set(nodelab.leftover_namespaces()) == before
+    assert set(nodelab.leftover_namespaces(owner=os.getpid())) == before
     for node in lab.nodes:
         assert node.holder is not None and node.holder.poll() is not None  # the mount namespaces are gone too
 
@@ -156,10 +156,10 @@ def test_a_path_that_cannot_be_mounted_is_named(tmp_path):
     _require_lab()
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("x")
-    before = set(nodelab.leftover_namespaces())
+    before = set(nodelab.leftover_namespaces(owner=os.getpid()))
     with pytest.raises(LabError, match="Fix: check that the path can be mounted on"):
         NodeLab(2, local_disk=a_file / "sub", log_dir=tmp_path / "logs")
-    assert set(nodelab.leftover_namespaces()) == before  # a failed build leaves nothing
+    assert set(nodelab.leftover_namespaces(owner=os.getpid())) == before  # a failed build leaves nothing
 
 
 def test_not_root_is_a_named_reason(monkeypatch):
