@@ -5,7 +5,8 @@ Layers, bottom up (each module imports only modules named before it): ``_types``
 ``_pickle_scan``, ``_schema``, ``_live`` (types, limits and validators); ``_io``, ``_safeio``, ``_layout``,
 ``_payload``, ``_sharded``, ``_restore``, ``_cleanup``, ``_collective``, ``_shared``, ``_snapshot`` (mechanisms);
 ``_protocol`` (save) and ``_loading`` (load); ``checkpointer`` (the facade). The in-memory tier stands on
-them: ``_local_layout``, ``_local_wire`` (mechanisms), ``_local_restore`` (recovery), ``local_tier`` (its facade).
+them: ``_local_memory``, ``_local_layout``, ``_local_lineage``, ``_local_wire`` (mechanisms), ``_local_restore``
+(recovery), ``local_tier`` (its facade).
 """
 
 from robustdist.checkpoint._layout import verify_all

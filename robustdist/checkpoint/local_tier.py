@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import shutil
 import threading
 import time
@@ -54,14 +53,12 @@ from robustdist._node import node_label, node_rank
 from robustdist.checkpoint import _faults, _local_restore
 from robustdist.checkpoint import _local_layout as layout
 from robustdist.checkpoint import _local_memory as memory
-from robustdist.checkpoint._layout import committed_steps
+from robustdist.checkpoint._local_lineage import LINEAGE, lineage_of
 from robustdist.checkpoint._local_memory import node_need
 from robustdist.checkpoint._local_wire import as_tensor, exchange
-from robustdist.checkpoint._io import fsync_dir
-from robustdist.checkpoint._safeio import read_in
 from robustdist.checkpoint._schema import MAX_STEP, is_int
 from robustdist.checkpoint._snapshot import collect
-from robustdist.errors import CheckpointCorruptError, CheckpointError, ranks_phrase
+from robustdist.errors import CheckpointError, ranks_phrase
 from robustdist.log import get_logger
 
 if TYPE_CHECKING:
@@ -69,47 +66,10 @@ if TYPE_CHECKING:
 
     from robustdist.checkpoint._types import LoadedCheckpoint
 
-__all__ = ["LINEAGE", "LocalSaveInfo", "LocalTier", "lineage_of", "node_need"]
+__all__ = ["LINEAGE", "LocalSaveInfo", "LocalTier", "lineage_of", "node_need"]  # lineage: _local_lineage
 
 log = get_logger(__name__)
 OPS = ("local save", "local load")
-LINEAGE = ".robustdist-lineage"
-_TOKEN = re.compile(r"[0-9a-f]{32}")
-
-
-def lineage_of(directory: str, rank: int, collectives: Collectives, *, renew: bool = False) -> str:
-    """The lineage of the in-memory copies that belong to this durable directory: a random token rank 0 keeps
-    in ``<directory>/.robustdist-lineage`` (the durable checkpoint directory; created when missing or not a
-    token; shared with every rank). A wiped or replaced checkpoint directory gets a new token, so stale copies
-    left in ``/dev/shm`` are never restored. ``renew`` (a fresh launch, attempt 0): a directory that holds no
-    committed durable step gets a new token too, so ``rm -rf ckpt/*`` (which keeps dotfiles) starts afresh."""
-    token: str | None = None
-    if rank == 0:
-        try:
-            token = read_in(directory, LINEAGE, max_size=64).decode("ascii", "replace").strip()
-        except CheckpointCorruptError:
-            token = None
-        if token is not None and renew and not committed_steps(directory):
-            token = None
-        if token is None or not _TOKEN.fullmatch(token):
-            path = os.path.join(directory, LINEAGE)
-            if os.path.lexists(path):
-                log.info("%s: a new lineage token (the previous one is missing, not a token, or this is a fresh "
-                         "launch on a directory without checkpoints); in-memory copies of the old one are not used",
-                         path)
-                os.unlink(path)
-            token = uuid.uuid4().hex
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "w", encoding="ascii") as fh:
-                fh.write(token)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            fsync_dir(directory)
-    return str(collectives.broadcast(token, "lineage"))
-
-
 @dataclass
 class LocalSaveInfo:
     """What a local save did: ``blocking_seconds`` (the snapshot), then, when the background part is done,
