@@ -5,8 +5,9 @@ Run: python examples/ray_train_example.py   (starts a local Ray cluster with 2 C
 Inside each worker, ``harden()`` finds the process group Ray created and uses it as it is (it never
 re-initialises it, and ``close()`` leaves it alone); ``detect_topology()`` reports launcher "ray_train";
 the model is wrapped by ``wrap_ddp`` (SyncBatchNorm included), the loader by ``safe_dataloader``; the step
-guard and the hang watchdog run; a checkpoint is committed every epoch and rank 0 reports it to Ray Train as
-a ``ray.train.Checkpoint``.
+guard and the hang watchdog run; a checkpoint is committed every epoch and reported to Ray Train (every rank
+its own files, with the metrics given to ``save``); ``h.resume()`` resumes from the newest of robustdist's and
+Ray's checkpoints after a restart. Checkpoints go to ``<checkpoint_dir>/<RunConfig.name>``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from torch.utils.data import TensorDataset
 
 
 def train_loop_per_worker(config: dict) -> None:
-    import ray.train
-
     from robustdist import harden
 
     torch.manual_seed(0)
@@ -34,8 +33,9 @@ def train_loop_per_worker(config: dict) -> None:
            "health": {"hang_timeout": 120}}
     with harden(model, loader, cfg) as h:
         opt = torch.optim.SGD(h.model.parameters(), lr=0.05)
+        start = h.resume(optimizer=opt)
         step = 0
-        for epoch in range(config["epochs"]):
+        for epoch in range(0 if start is None else start + 1, config["epochs"]):
             total = 0.0
             for xb, yb in h.loader:
                 loss = nn.functional.mse_loss(h.model(xb), yb)
@@ -45,12 +45,11 @@ def train_loop_per_worker(config: dict) -> None:
                 opt.zero_grad()
                 step += 1
                 total += loss.item()
-            h.save(epoch, optimizer=opt, force=True)
             metrics = {"epoch": epoch, "loss": total, "launcher": h.topology.launcher,
                        "world_size": h.topology.world_size, "created_group": h.init_report.created,
                        "model": type(h.model).__name__, "agreement": h.guard.agreement}
-            report_ckpt = h.checkpointer.ray_checkpoint(epoch) if h.topology.rank == 0 else None
-            ray.train.report(metrics, checkpoint=report_ckpt)
+            # Every rank: the save commits, then it is reported to Ray with these metrics (each rank its files).
+            h.save(epoch, optimizer=opt, force=True, metrics=metrics)
 
 
 def build_trainer(storage_path: str, checkpoint_dir: str, epochs: int = 2):
@@ -71,7 +70,7 @@ def main() -> None:
     from robustdist import AtomicCheckpointer
 
     ray.init(num_cpus=2, include_dashboard=False,
-             runtime_env={"worker_process_setup_hook": "robustdist.bf16.ray_worker_setup"})
+             runtime_env={"worker_process_setup_hook": "robustdist.ray_setup.worker_setup"})
     try:
         with tempfile.TemporaryDirectory() as tmp:
             result = build_trainer(os.path.join(tmp, "ray"), os.path.join(tmp, "ckpt")).fit()

@@ -62,8 +62,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         distributed,
         safe_init_process_group,
     )
-    from robustdist.ray_actor import RobustGPUActor
-    from robustdist.ray_memory import MemoryPlan, estimate_offload_bytes, ray_memory_plan
+    from robustdist.ray_actor import RobustGPUActor, gpu_actor_options
+    from robustdist.ray_fit import FitFuture, fit_async
+    from robustdist.ray_memory import MemoryPlan, estimate_offload_bytes, ray_default_object_store, ray_memory_plan
     from robustdist.state_dict import LoadReport, load_model_state_dict, model_state_dict, unwrap_model
     from robustdist.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
     from robustdist.testing import run_ranks
@@ -92,8 +93,10 @@ _LAZY: dict[str, str] = {
         "robustdist.process_group",
     ),
     "run_ranks": "robustdist.testing",
-    "RobustGPUActor": "robustdist.ray_actor",
-    **dict.fromkeys(["MemoryPlan", "estimate_offload_bytes", "ray_memory_plan"], "robustdist.ray_memory"),
+    **dict.fromkeys(["RobustGPUActor", "gpu_actor_options"], "robustdist.ray_actor"),
+    **dict.fromkeys(["FitFuture", "fit_async"], "robustdist.ray_fit"),
+    **dict.fromkeys(["MemoryPlan", "estimate_offload_bytes", "ray_default_object_store", "ray_memory_plan"],
+                    "robustdist.ray_memory"),
     **dict.fromkeys(["ConsistencyReport", "check_consistency"], "robustdist.consistency"),
     **dict.fromkeys(["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint", "LocalSaveInfo", "LocalTier"],
                     "robustdist.checkpoint"),

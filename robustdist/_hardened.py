@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
 
-from robustdist import _restart_guard
+from robustdist import _ray_train, _restart_guard
 from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint, LocalSaveInfo, LocalTier
+from robustdist._hardened_ray import RayReporting
+from robustdist.checkpoint._run_owner import RunIdentity
 from robustdist.config import HardenConfig
-from robustdist.errors import ConfigError, RestartLoopError
+from robustdist.errors import CheckpointError, ConfigError, RestartLoopError
 from robustdist.health import StepDecision, StepGuard, Watchdog
 from robustdist.log import get_logger, logging_configured
 from robustdist.process_group import InitReport, destroy_process_group_if_owned
@@ -25,7 +28,7 @@ __all__ = ["Hardened"]
 log = get_logger("robustdist.harden")
 
 
-class Hardened:
+class Hardened(RayReporting):
     """What :func:`~robustdist.harden.harden` returns. Unpacks as ``model, loader = harden(...)``.
 
     Attributes: ``model``, ``loader``, ``attempt`` (0 on a fresh run, then 1, 2, ... after restarts, the same on
@@ -33,16 +36,26 @@ class Hardened:
     checkpoint), ``topology``, ``init_report``, ``checkpointer`` (or None), ``local`` (the in-memory
     :class:`~robustdist.checkpoint.LocalTier`, or None), ``config``, ``watchdog`` (or None),
     ``guard`` (the :class:`~robustdist.health.StepGuard`), ``optimizer`` and ``scheduler`` (settable: used by
-    skip and rollback, and as the default for ``save``/``resume``).
+    skip and rollback, and as the default for ``save``/``resume``), ``ray`` (the Ray Train run this worker
+    belongs to, or None), ``last_metrics`` (the metrics saved with the checkpoint resumed from, or None).
+
+    Inside Ray Train (V2), every committed durable checkpoint is reported to Ray with ``ray.train.report``
+    (each rank its own files), with the ``metrics`` given to ``save``; ``resume`` also considers
+    ``ray.train.get_checkpoint()`` and takes the newest valid of the two; a run resumed at its end reports
+    its last metrics again at ``close`` (so a restored Tune trial that is already done has its result).
     """
 
     def __init__(self, *, state: TrainState, topology: Topology, init_report: InitReport,
                  checkpointer: AtomicCheckpointer | None, config: HardenConfig,
-                 watchdog: Watchdog | None = None, local: LocalTier | None = None):
+                 watchdog: Watchdog | None = None, local: LocalTier | None = None,
+                 ray: _ray_train.RayTrain | None = None, identity: RunIdentity | None = None):
         self.state, self.topology, self.init_report = state, topology, init_report
         self.checkpointer, self.config, self.watchdog = checkpointer, config, watchdog
-        self.local = local
+        self.local, self.ray, self.identity = local, ray, identity
         self.last_loaded: LoadedCheckpoint | None = None
+        self.last_metrics: dict[str, Any] | None = None
+        self._unreported: list[tuple[CheckpointInfo, dict[str, Any]]] = []  # committed (or committing) durable saves
+        self._reported = False  # this attempt reported to Ray
         self._resumed_from: int | None = None
         self._progress_marked = True  # until resume() runs there is no record to mark
         self._pending: list[CheckpointInfo] = []
@@ -118,14 +131,20 @@ class Hardened:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int, *, optimizer: Optimizer | None = None, scheduler: Stateful | None = None,
-             force: bool = False, **extra: Any) -> CheckpointInfo | LocalSaveInfo | None:
+             force: bool = False, metrics: Mapping[str, Any] | None = None,
+             **extra: Any) -> CheckpointInfo | LocalSaveInfo | None:
         """Save when ``checkpoint.every_n_steps`` divides ``step`` (or always with ``force=True``), and take an
         in-memory checkpoint when ``checkpoint.local_every_n_steps`` divides it. Collective: every rank calls it.
 
         Saved: the model (prefix-free, or sharded for FSDP), the optimizer and scheduler (given here or
         earlier), ``extra`` entries (stateful objects or plain data), every rank's RNG state and loader
-        position. Returns the durable :class:`CheckpointInfo`, else the in-memory tier's
+        position. ``metrics`` (e.g. ``{"loss": ...}``) go into the durable checkpoint's manifest and, inside Ray
+        Train, are reported with it (``step`` added unless given); give the same keys on every rank (Ray keeps
+        rank 0's). Returns the durable :class:`CheckpointInfo`, else the in-memory tier's
         :class:`~robustdist.checkpoint.LocalSaveInfo`, or None when this step is not a saving step.
+
+        Inside Ray Train a synchronous durable save is reported to Ray as soon as it commits; an asynchronous
+        one at the next durable save (once it has committed) or at ``close``.
         """
         if self.checkpointer is None:
             if force:
@@ -145,9 +164,18 @@ class Hardened:
             with self._bounded("in-memory checkpoint save"):
                 info = self.state.save_local(self.local, step, extra)
         if durable:
+            shown = {"step": step, **_ray_train.json_metrics(metrics or {})}
+            self._report_committed(wait=True)  # an async save before this one: committed by now (save waits)
+            metadata: dict[str, Any] = {"metrics": shown}
+            if self.identity is not None and not self.identity.empty:
+                metadata["run"] = {"run": self.identity.run, "config": self.identity.config}
             with self._bounded("checkpoint save"):
-                info = self.state.save(self.checkpointer, step, extra)
+                info = self.state.save(self.checkpointer, step, extra, metadata=metadata)
             self._pending.append(info)
+            if self.ray is not None:
+                self._unreported.append((info, {"step": step, **(metrics or {})}))
+            if not self.config.checkpoint.async_save:
+                self._report_committed(wait=False)
         self._mark_progress()
         return info
 
@@ -162,14 +190,18 @@ class Hardened:
             return None
         self._remember(optimizer, scheduler, extra)
         self._guard_restarts()
-        step = self._load(missing_ok=True)
-        self._resumed(step)
         level = logging.INFO if logging_configured() or self.init_report.rank != 0 else logging.WARNING
+        ray_checkpoint, why, ray_step, ray_first = self._ray_candidate(level)
+        step = self._load(missing_ok=True, ray_checkpoint=ray_checkpoint, ray_step=ray_step, ray_first=ray_first)
+        self._resumed(step)
         if step is None:
-            log.log(level, "nothing to resume in %s: starting from step 0", self.checkpointer.directory)
+            log.log(level, "nothing to resume in %s%s: starting from step 0", self.checkpointer.directory,
+                    " or in Ray Train's checkpoints" if self.ray is not None else "")
             return None
-        source = self.last_loaded.source_detail or self.last_loaded.source if self.last_loaded else "durable"
-        log.log(level, "resumed from checkpoint step %d (%s) in %s", step, source, self.checkpointer.directory)
+        loaded = self.last_loaded
+        source = loaded.source_detail or loaded.source if loaded else "durable"
+        where = loaded.path if loaded is not None and source == "ray" else self.checkpointer.directory
+        log.log(level, "resumed from checkpoint step %d (%s%s) in %s", step, source, f"; {why}" if why else "", where)
         return step
 
     def _guard_restarts(self) -> None:
@@ -208,13 +240,31 @@ class Hardened:
                 self._committed(info.step)
         self._pending = [i for i in self._pending if not i.done.is_set()]
 
-    def _load(self, *, missing_ok: bool = False) -> int | None:
+    def _load(self, *, missing_ok: bool = False, ray_checkpoint: Any = None, ray_step: int | None = None,
+              ray_first: bool = False) -> int | None:
         if self.checkpointer is None:  # rollback and resume only reach here with a checkpointer
             raise ConfigError("no checkpointer to load from; expected checkpoint.dir to be set. Fix: set it.")
+        loaded = None
         with self._bounded("checkpoint load"):
-            loaded = self.state.load(self.checkpointer, missing_ok=missing_ok, local=self.local)
+            if ray_checkpoint is not None and ray_first:
+                loaded = self._load_ray(ray_checkpoint, ray_step)
+            if loaded is None:
+                failed: CheckpointError | None = None
+                try:
+                    loaded = self.state.load(self.checkpointer, missing_ok=missing_ok, local=self.local)
+                except CheckpointError as e:  # every copy of robustdist's own failed: Ray's may still be good
+                    if ray_checkpoint is None or ray_first:
+                        raise
+                    failed = e
+                if ray_checkpoint is not None and not ray_first and (loaded is None or loaded.step < (ray_step or 0)):
+                    log.warning("robustdist's own checkpoints gave %s, older than Ray Train's step %s: trying Ray's",
+                                f"step {loaded.step}" if loaded is not None else "nothing valid", ray_step)
+                    loaded = self._load_ray(ray_checkpoint, ray_step) or loaded
+                if loaded is None and failed is not None:
+                    raise failed
         if loaded is None:
             return None
+        self.last_metrics = self._metrics_of(loaded)
         self.last_loaded, self._step = loaded, loaded.step
         self.guard.state_restored()
         self._beat()
@@ -240,6 +290,11 @@ class Hardened:
         if self._closed:
             return
         self._closed = True
+        reporting: BaseException | None = None
+        try:
+            self._report_at_close()
+        except BaseException as e:  # still stop the watchdog, release the lock and the group; then raise it
+            reporting = e
         try:
             if self.watchdog is not None:
                 self.watchdog.close()
@@ -253,6 +308,8 @@ class Hardened:
                 self.checkpointer.close()
         finally:
             destroy_process_group_if_owned(self.init_report)
+        if reporting is not None:
+            raise reporting
 
     def __enter__(self) -> Hardened:
         return self
@@ -262,6 +319,8 @@ class Hardened:
         tier's files (the restart needs them)."""
         if exc is not None and self.checkpointer is not None and isinstance(exc, Exception):
             _restart_guard.record_error(self.checkpointer.directory, self.attempt, self.init_report.rank, exc)
+        if exc is not None:
+            self.ray = None  # no collective reports from a rank that is failing: the others may not be there
         self.close(keep_local=exc is not None)
 
     def _beat(self, step: int | None = None) -> None:

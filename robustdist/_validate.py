@@ -11,6 +11,7 @@ import difflib
 import math
 import numbers
 import os
+import re
 import reprlib
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
@@ -243,6 +244,18 @@ class url(Kind):
         if isinstance(value, str) and value.startswith(self.schemes) and value.strip() == value:
             return value
         return _raise(self.fail(path, value))
+
+
+class run_name(Kind):
+    describe = "1 to 100 characters of letters, digits and ._=- (not '.' or '..'; it names a directory)"
+
+    def check(self, path_: str, value: Any) -> Any:
+        if isinstance(value, str) and _RUN_NAME.fullmatch(value) and value not in (".", ".."):
+            return value
+        return _raise(self.fail(path_, value))
+
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9._=-]{1,100}")
 
 
 class path(Kind):

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 
 from robustdist import _dist, _node
 from robustdist import _watchdog_store as ws
-from robustdist.errors import ConfigError, ranks_phrase
+from robustdist.errors import ConfigError, HangError, ranks_phrase
 from robustdist.log import get_logger
 
 log = get_logger("robustdist.health")
@@ -63,8 +63,14 @@ class Watchdog:
         action: "dump" (keep waiting after reporting) or "abort" (exit with :data:`HANG_EXIT_CODE`).
         rank, world_size: default from the process group (0 and 1 without one).
         grace: at most this many seconds, a rank that saw a hang waits for the live ranks' hang records (where
-            their main thread is) before reporting; it never waits for lost ranks (default min(2, hang_timeout
+            their training thread is) before reporting; it never waits for lost ranks (default min(2, hang_timeout
             / 2)). The whole report, store included, is bounded by ``grace`` plus half a second.
+        hand_over: with ``action="abort"``, called with the :class:`~robustdist.errors.HangError` first; when it
+            returns True (inside Ray Train: the error was handed to the controller, which tears the worker group
+            down and restarts it), the process exits only if it is still alive ``hand_over_grace`` seconds later.
+
+    The training thread is the thread that calls :meth:`beat` (the main thread under torchrun, Ray Train V2's
+    ``TrainingThread`` in a Ray worker): the report names it and where it is, not the process's main thread.
 
     Armed from construction: a hang before the first beat (a stuck first collective) is caught too. With a
     store and more than one rank, a heartbeat thread publishes this rank's liveness from construction to
@@ -73,7 +79,8 @@ class Watchdog:
 
     def __init__(self, hang_timeout: float, *, dump_dir: str | os.PathLike[str] | None = None, store: Any = None,
                  action: str = "dump", rank: int | None = None, world_size: int | None = None,
-                 grace: float | None = None):
+                 grace: float | None = None, hand_over: Callable[[BaseException], bool] | None = None,
+                 hand_over_grace: float = 60.0):
         if isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float)) or not hang_timeout > 0:
             raise ConfigError(f"hang_timeout={hang_timeout!r}; expected seconds > 0. Fix: pass e.g. 600, or do not "
                               "create a Watchdog (health.hang_timeout=None disables it).")
@@ -91,6 +98,8 @@ class Watchdog:
         self._interval = ws.heartbeat_interval(self.hang_timeout)
         self._stale_after = ws.STALE_INTERVALS * self._interval
         self._step: int | None = None
+        self._hand_over, self._hand_over_grace = hand_over, float(hand_over_grace)
+        self._beater = threading.get_ident()  # the thread that beats: the training thread, once it has beaten
         self._seq = 0
         self._last = time.monotonic()
         self._where: str | None = None  # the main thread's frame while a reported hang lasts
@@ -132,6 +141,13 @@ class Watchdog:
         """Record progress. Cheap: attribute writes and one monotonic clock read; no I/O, no collectives."""
         if step is not None:
             self._step = step
+        self._beater = threading.get_ident()
+        self._seq += 1
+        self._last = time.monotonic()
+
+    def _beat_from_autograd(self) -> None:
+        """A beat from a backward hook: autograd may run it on a device thread of its own (CUDA), which is not
+        the training thread, so the thread the report names is left as it is."""
         self._seq += 1
         self._last = time.monotonic()
 
@@ -194,8 +210,9 @@ class Watchdog:
     def _on_hang(self, seq: int, idle: float) -> None:
         header = (f"robustdist watchdog: rank {self.rank} (pid {os.getpid()}, {self._node}) had no beat for "
                   f"{idle:.1f} s (hang_timeout {self.hang_timeout:g} s); last step {self._step}, beat #{seq}")
+        self._where = _thread_where(self._beater)
+        header += f"; training thread {self._where or '(gone)'}"
         path = self._dump(header)  # first, and local: nothing below can delay it
-        self._where = _main_thread_where()
         found = self._report() if self._heartbeat is not None else None
         summary = found.text if found is not None else None
         log.error("%s. Stacks dumped to %s.%s", header, path or "stderr",
@@ -208,10 +225,24 @@ class Watchdog:
             report.store_reachable = found.store_reachable
         self.reports.append(report)
         if self.action == "abort":
-            log.error("health.hang_action='abort': exiting with code %d so the launcher restarts this worker",
-                      HANG_EXIT_CODE, all_ranks=True)
-            _flush()
-            os._exit(HANG_EXIT_CODE)
+            self._abort(report, header, summary)
+
+    def _abort(self, report: HangReport, header: str, summary: str | None) -> None:
+        error = HangError(f"{header}.{f' {summary}' if summary else ''} Stacks: {report.dump_path or 'stderr'}. "
+                          "health.hang_action='abort' ended this worker so that the job restarts from its last "
+                          "checkpoint.", rank=self.rank)
+        if self._stop.is_set():  # close() is under way: the training thread got past the silence
+            return
+        if self._hand_over is not None and self._hand_over(error):
+            log.error("health.hang_action='abort': handed the hang to the launcher as this rank's error; exiting "
+                      "with code %d if this process is still alive in %g s", HANG_EXIT_CODE, self._hand_over_grace,
+                      all_ranks=True)
+            if self._stop.wait(self._hand_over_grace):
+                return  # closed meanwhile (the launcher tore the worker down gracefully)
+        log.error("health.hang_action='abort': exiting with code %d so the launcher restarts this worker",
+                  HANG_EXIT_CODE, all_ranks=True)
+        _flush()
+        os._exit(HANG_EXIT_CODE)
 
     def _dump(self, header: str) -> str | None:
         stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
@@ -280,7 +311,7 @@ class _OutputBeat(_ForwardBeat):
 
 class _BackwardBeat(_ForwardBeat):
     def __call__(self, grad: Any) -> None:  # type: ignore[override]
-        self.watchdog.beat()
+        self.watchdog._beat_from_autograd()
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:
@@ -298,12 +329,14 @@ def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return (rank if rank is not None else _dist.rank()), (world_size if world_size is not None else _dist.world_size())
 
 
-def _main_thread_where() -> str | None:
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+def _thread_where(ident: int) -> str | None:
+    """``TrainingThread(train_fn) in train_fn (script.py:42)``: the named thread and its innermost frame."""
+    frame = sys._current_frames().get(ident)
     if frame is None:
         return None
+    name = next((t.name for t in threading.enumerate() if t.ident == ident), f"thread {ident}")
     code = frame.f_code
-    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
+    return f"{name} in {code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
 
 
 def _append(path: str, text: str) -> None:

@@ -7,7 +7,7 @@ Protocol (every rank runs the same code; every key is the same on every rank):
   every ``interval`` seconds (``min(5, hang_timeout / 4)``) by that rank's heartbeat thread, whether or not
   training beats: one ``set`` per interval per rank, no read. The record says ``alive`` (wall time),
   ``node``/``node_rank`` (:func:`robustdist._node.node_label`), ``pid``, the training progress (``step``,
-  ``seq``: the beat count, ``beat_wall``: the wall time of the last beat), ``where`` (the main thread's frame,
+  ``seq``: the beat count, ``beat_wall``: the wall time of the last beat), ``where`` (the training thread and its frame,
   set once this rank saw a hang) and ``closed`` (the watchdog was closed). ``<generation>`` counts the
   watchdogs this process created, the same sequence on every rank; nothing counted per node (such as
   ``TORCHELASTIC_RESTART_COUNT``, counted per torchrun agent) enters a key.
@@ -274,7 +274,7 @@ def progress(records: dict[int, dict[str, Any]], now: float) -> tuple[list[str],
     for r in behind:
         rec = records[r]
         detail = f" (earlier in that step: beat #{rec['seq']} vs #{best[1]})" if order[r][0] == best[0] else ""
-        where = f", main thread in {rec['where']}" if rec.get("where") else ""
+        where = f", training thread {rec['where']}" if rec.get("where") else ""
         parts.append(f"rank {r} last beat at step {rec['step']}{detail}, {now - rec['beat_wall']:.0f} s ago{where}")
     if behind:
         parts.append(f"{ranks_phrase(r for r in records if order[r] == best)} at step {_step(best)}")

@@ -120,6 +120,10 @@ class CheckpointConfig(_Section):
                               v.integer(minimum=1, maximum=2))
     replicas: int = _f(1, "In-memory copies of each rank's state kept on another node (1 or 0).",
                        v.integer(minimum=0, maximum=1))
+    run_name: str | None = _f(None, "This run's name: a checkpoint directory recorded as another run's is refused. "
+                              "Inside Ray Train it defaults to RunConfig.name, and checkpoints go to "
+                              "<dir>/<run_name> (each Tune trial's run gets its own).",
+                              v.optional(v.run_name()))
 
 
 @dataclass(frozen=True, kw_only=True)

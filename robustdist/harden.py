@@ -45,16 +45,19 @@ A training loop that resumes, and survives a rollback::
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from robustdist import _dist, fsdp
+from robustdist import _dist, _ray_train, fsdp
 from robustdist._hardened import Hardened
 from robustdist.checkpoint import AtomicCheckpointer, LocalTier
+from robustdist.checkpoint._run_owner import RunIdentity, claim
 from robustdist.checkpoint.local_tier import lineage_of
 from robustdist.config import HardenConfig, resolve_config
 from robustdist.dataloader import safe_dataloader
@@ -100,17 +103,21 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
     topo = detect_topology()
     report = _init(config, topo)
     checkpointer: AtomicCheckpointer | None = None
+    identity: RunIdentity | None = None
     local: LocalTier | None = None
     watchdog: Watchdog | None = None
     try:
         wrapped = _wrap(model, config, topo, report, optimizer, shard_policy, init_weights)
         safe = safe_dataloader(loader, config.data) if loader is not None else None
         ckpt = config.checkpoint
+        ray = _ray_train.current() if topo.launcher == "ray_train" else None
         if ckpt.dir is not None:
-            checkpointer = AtomicCheckpointer(ckpt.dir, keep_last=ckpt.keep_last, async_save=ckpt.async_save,
+            directory, identity = _run_directory(ckpt.dir, ckpt.run_name, ray)
+            checkpointer = AtomicCheckpointer(directory, keep_last=ckpt.keep_last, async_save=ckpt.async_save,
                                               timeout=config.distributed.timeout,
                                               arrival_timeout=ckpt.arrival_timeout,
                                               config_fingerprint=config.fingerprint())
+            claim(checkpointer.directory, identity, checkpointer.rank, checkpointer.collectives)
             if ckpt.local_every_n_steps is not None:
                 lineage = lineage_of(checkpointer.directory, checkpointer.rank, checkpointer.collectives,
                                      renew=report.attempt == 0)
@@ -120,10 +127,12 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
         health = config.health
         if health.hang_timeout is not None:
             watchdog = Watchdog(health.hang_timeout, dump_dir=health.dump_dir, action=health.hang_action,
-                                rank=report.rank, world_size=report.world_size).attach(wrapped)
+                                rank=report.rank, world_size=report.world_size,
+                                hand_over=_ray_train.raise_in_training_thread if ray is not None else None
+                                ).attach(wrapped)
         hardened = Hardened(state=TrainState(wrapped, optimizer=optimizer, loader=safe), topology=topo,
                             init_report=report, checkpointer=checkpointer, config=config, watchdog=watchdog,
-                            local=local)
+                            local=local, ray=ray, identity=identity)
     except BaseException:
         if watchdog is not None:
             watchdog.close()
@@ -135,6 +144,29 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
         raise
     log.info("hardened: %s", _describe(hardened))
     return hardened
+
+
+def _run_directory(base: str, run_name: str | None,
+                   ray: _ray_train.RayTrain | None) -> tuple[str, RunIdentity]:
+    """Where this run's checkpoints go, and who it is. Inside Ray Train: ``<base>/<run>`` (the run is
+    ``checkpoint.run_name``, else Ray's ``RunConfig.name``), so Tune trials never share a directory; its
+    identity adds the ``train_loop_config`` fingerprint. Elsewhere: ``base``, and ``checkpoint.run_name``."""
+    if ray is None:
+        return base, RunIdentity(run=run_name)
+    run = run_name or ray.run_name
+    recorded = run if len(run) <= 200 else f"{run[:150]}-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
+    return (os.path.join(base, _safe_component(run)),
+            RunIdentity(run=recorded, config=ray.config,
+                        source="checkpoint.run_name" if run_name else "Ray Train RunConfig.name, train_loop_config"))
+
+
+def _safe_component(name: str) -> str:
+    """``name`` as one directory name: letters, digits and ``._=-`` kept, anything else ``_``, at most 100
+    characters (a hash of the original keeps changed or shortened names apart)."""
+    kept = re.sub(r"[^A-Za-z0-9._=-]", "_", name)
+    if kept != name or len(kept) > 100 or kept in (".", ".."):
+        kept = f"{kept.strip('.')[:80]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    return kept
 
 
 def _init(config: HardenConfig, topo: Topology) -> InitReport:
@@ -171,8 +203,10 @@ def _describe(h: Hardened) -> str:
     if r.distributed:
         parts.append(f"backend {r.backend}{' (created here)' if r.created else ' (existing group)'}")
         parts.append(f"model {type(h.model).__name__}")
-    parts.append("checkpoints in " + (f"{cfg.checkpoint.dir} every {cfg.checkpoint.every_n_steps} steps"
+    parts.append("checkpoints in " + (f"{h.checkpointer.directory} every {cfg.checkpoint.every_n_steps} steps"
                                       if h.checkpointer is not None else "(off)"))
+    if h.ray is not None:
+        parts.append(f"Ray Train run {h.ray.run_name!r} (committed checkpoints reported to Ray)")
     if h.local is not None:
         parts.append(f"in-memory checkpoints in {h.local.directory} every {cfg.checkpoint.local_every_n_steps} "
                      f"steps ({'a replica on the next node' if any(p is not None for p in h.local.peers) else 'no replica'})")

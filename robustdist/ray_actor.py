@@ -14,12 +14,22 @@ must be mapped to its *position* in this process's ``CUDA_VISIBLE_DEVICES`` (Ray
 
 It never calls ``torch.set_default_device``: that setting is process-global, so in an actor that runs many
 tasks it leaks from one task into the next. Use ``self.device`` and :meth:`to_device`.
+
+An actor that asks for a GPU on a cluster without one stays pending forever (Ray waits for a GPU node).
+:func:`gpu_actor_options` checks the cluster first: ``Worker.options(**gpu_actor_options(1,
+fallback_to_cpu=True)).remote(...)`` runs on the CPU there (with a warning), and without ``fallback_to_cpu``
+it raises :class:`~robustdist.errors.TopologyError` instead of hanging.
+
+``release(*names)`` drops the named attributes (a later access raises an ``AttributeError`` saying so);
+``release()`` drops nothing, it only collects garbage and empties the CUDA cache. On a graceful exit
+(``__ray_shutdown__``) every tensor and module attribute is dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
 import platform
 import socket
@@ -29,11 +39,11 @@ from typing import Any
 import torch
 
 from robustdist._version import __version__
-from robustdist.errors import TopologyError
+from robustdist.errors import ConfigError, TopologyError
 from robustdist.log import get_logger
 from robustdist.topology import parse_visible_devices
 
-__all__ = ["RobustGPUActor", "gpu_positions", "parse_cpulist", "pin_to_numa"]
+__all__ = ["RobustGPUActor", "gpu_actor_options", "gpu_positions", "parse_cpulist", "pin_to_numa"]
 
 log = get_logger(__name__)
 
@@ -109,6 +119,45 @@ def _assigned_gpu_ids() -> list[str]:
         return [str(x) for x in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
     except Exception:  # older Ray
         return [str(x) for x in ray.get_gpu_ids()]
+
+
+def _gpus(n: float) -> str:
+    return f"{n:g} GPU" if n == 1 else f"{n:g} GPUs"
+
+
+def gpu_actor_options(num_gpus: float = 1, *, fallback_to_cpu: bool = False) -> dict[str, float]:
+    """Actor options asking for ``num_gpus``, checked against the connected cluster first.
+
+    Use as ``Worker.options(**gpu_actor_options(1, fallback_to_cpu=True)).remote(...)``. When a node of the
+    cluster has ``num_gpus`` GPUs (``ray.nodes()``; the total is ``ray.cluster_resources()["GPU"]``) it returns
+    ``{"num_gpus": num_gpus}``. Otherwise Ray would keep the actor pending forever, so: with
+    ``fallback_to_cpu`` it logs a warning and returns ``{"num_gpus": 0}`` (the actor's ``device`` is ``cpu``);
+    without, it raises :class:`~robustdist.errors.TopologyError`. It sees the cluster as it is now: on an
+    autoscaling cluster whose GPU nodes start on demand, pass ``num_gpus`` to ``.options`` directly.
+    """
+    import ray
+
+    if (isinstance(num_gpus, bool) or not isinstance(num_gpus, (int, float)) or not math.isfinite(num_gpus)
+            or num_gpus <= 0):
+        raise ConfigError(f"num_gpus={num_gpus!r}; expected a number > 0 (a fraction such as 0.5 shares a GPU). "
+                          "Fix: pass the GPUs one actor needs, or create the actor without GPUs (num_gpus=0) "
+                          "without this helper.")
+    if not ray.is_initialized():
+        raise TopologyError("gpu_actor_options found no Ray cluster to check (ray.is_initialized() is False); "
+                            "expected a connected cluster. Fix: call ray.init(...) first.")
+    total = float(ray.cluster_resources().get("GPU", 0))
+    largest = max((float(n.get("Resources", {}).get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=0.0)
+    if largest >= num_gpus:
+        return {"num_gpus": num_gpus}
+    found = (f"the Ray cluster has {_gpus(total)}" + (f" (at most {largest:g} on one node)" if total else "")
+             + f" and the actor asks for num_gpus={num_gpus:g}")
+    if fallback_to_cpu:
+        log.warning("%s: the actor will run on the CPU (num_gpus=0, self.device is cpu) instead of staying pending. "
+                    "Add GPU nodes to run it on a GPU.", found)
+        return {"num_gpus": 0}
+    raise TopologyError(f"{found}, so Ray would keep the actor pending forever; expected a node with at least "
+                        f"{_gpus(num_gpus)}. Fix: add GPU nodes (or start Ray with --num-gpus), ask for fewer GPUs, or "
+                        "pass fallback_to_cpu=True to run the actor on the CPU.")
 
 
 class RobustGPUActor:
@@ -201,20 +250,55 @@ class RobustGPUActor:
         return info
 
     def release(self, *names: str) -> list[str]:
-        """Drop the named attributes (default: every tensor and module attribute), collect garbage and empty
-        the CUDA cache. Returns the attribute names dropped."""
-        if names:
-            dropped = [n for n in names if hasattr(self, n)]
-        else:
-            keep = {"device", "devices"}
-            dropped = [n for n, v in vars(self).items()
-                       if n not in keep and isinstance(v, (torch.Tensor, torch.nn.Module))]
-        for name in dropped:
+        """Drop the named attributes, collect garbage and empty the CUDA cache. Returns the names dropped.
+
+        ``release()`` with no names drops nothing (it only collects garbage and empties the cache). A later
+        access to a dropped attribute raises an ``AttributeError`` saying it was released: re-create it first.
+        """
+        if not names:
+            self._collect()
+            log.info("release(): no attribute names given, so nothing was dropped (garbage collected, CUDA cache "
+                     "emptied); pass names, e.g. release('model'), to drop attributes")
+            return []
+        present = vars(self)
+        dropped = [n for n in names if n in present]
+        self._drop(dropped)
+        missing = [n for n in names if n not in dropped]
+        log.info("release(): dropped %s%s; garbage collected, CUDA cache emptied", dropped or "nothing",
+                 f" ({missing} not set on the actor)" if missing else "")
+        return dropped
+
+    def _drop(self, names: list[str]) -> None:
+        released = self.__dict__.setdefault("_released", set())
+        for name in names:
             delattr(self, name)
+            released.add(name)
+        self._collect()
+
+    def _drop_all(self) -> list[str]:
+        """Drop every tensor and module attribute (but ``device``/``devices``): for the end of the process."""
+        dropped = [n for n, v in vars(self).items()
+                   if n not in ("device", "devices") and isinstance(v, (torch.Tensor, torch.nn.Module))]
+        self._drop(dropped)
+        return dropped
+
+    @staticmethod
+    def _collect() -> None:
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-        return dropped
+
+    def __getattr__(self, name: str) -> Any:
+        # Only consulted when normal lookup fails: explain attributes release() dropped, plain otherwise.
+        if not name.startswith("__"):
+            released = object.__getattribute__(self, "__dict__").get("_released", ())
+            if name in released:
+                cls = type(self).__name__
+                raise AttributeError(
+                    f"{cls}.{name} was released by release({name!r}) (deleted to free its memory), so it is gone; "
+                    f"expected it to be re-created before use. Fix: re-create it (self.{name} = ...) before "
+                    f"calling methods that use it, or release it only once it is no longer needed.")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __ray_shutdown__(self) -> None:  # called by Ray Core on a graceful actor exit (Ray >= 2.x)
-        self.release()
+        self._drop_all()  # the process is ending: nothing can use them any more

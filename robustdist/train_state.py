@@ -71,16 +71,18 @@ class TrainState:
         per_rank = {"loader": self.loader.state_dict()} if isinstance(self.loader, SafeDataLoader) else None
         return tier.save(step, {**self.entries(), **(extra or {})}, per_rank=per_rank)
 
-    def load(self, checkpointer: AtomicCheckpointer, *, missing_ok: bool = False,
-             local: LocalTier | None = None) -> LoadedCheckpoint | None:
+    def load(self, checkpointer: AtomicCheckpointer, *, missing_ok: bool = False, local: LocalTier | None = None,
+             checkpoint: Any = None, at_least: int | None = None) -> LoadedCheckpoint | None:
         """Restore the newest valid checkpoint into every entry and the loader (see ``AtomicCheckpointer.load``);
         None when there is none and ``missing_ok``. With ``local``, the in-memory tier is tried first: its
-        newest step complete across the job, if not older than the durable tier's newest (``LocalTier.load``);
-        the durable tier otherwise."""
+        newest step complete across the job, if not older than the durable tier's newest and ``at_least``
+        (``LocalTier.load``); the durable tier otherwise. ``checkpoint``: load that one (a committed step, or a
+        ``ray.train.Checkpoint``) instead of the durable tier's newest."""
         per_rank = {"loader": self.loader} if isinstance(self.loader, SafeDataLoader) else None
         if local is not None:
             steps = checkpointer.steps() if checkpointer.rank == 0 else []
-            loaded = local.load(state=self.entries(), per_rank=per_rank, at_least=steps[-1] if steps else None)
+            floor = max((s for s in (steps[-1] if steps else None, at_least) if s is not None), default=None)
+            loaded = local.load(state=self.entries(), per_rank=per_rank, at_least=floor)
             if loaded is not None:
                 return loaded
-        return checkpointer.load(state=self.entries(), per_rank=per_rank, missing_ok=missing_ok)
+        return checkpointer.load(checkpoint, state=self.entries(), per_rank=per_rank, missing_ok=missing_ok)

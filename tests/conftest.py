@@ -129,9 +129,10 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     before = _procs.descendants(os.getpid())
-    # Every worker installs robustdist's bf16 serializers, as docs/ray.md tells users to (the bf16 tests need it).
+    # Every worker installs robustdist's bf16 serializers, as docs/ray.md tells users to (the bf16 tests need it),
+    # right after it first imports torch (the hook itself imports no torch: tests/test_ray_hook.py).
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"worker_process_setup_hook": "robustdist.bf16.ray_worker_setup"})
+             runtime_env={"worker_process_setup_hook": "robustdist.ray_setup.worker_setup"})
     started = _procs.new_descendants(os.getpid(), before)
     try:
         yield ray

@@ -40,7 +40,7 @@ def test_defaults_match_the_documented_values():
         "data": {"auto_sampler": True, "seed": 0, "pin_memory": "auto", "check_shm": True, "strict": False},
         "checkpoint": {"dir": None, "keep_last": 3, "async_save": False, "every_n_steps": None,
                        "arrival_timeout": 60.0, "local_every_n_steps": None, "local_dir": None,
-                       "local_keep_last": 1, "replicas": 1},
+                       "local_keep_last": 1, "replicas": 1, "run_name": None},
         "health": {"interval_steps": 300, "hang_timeout": 600.0, "nan_policy": "raise", "check_divergence": True,
                    "hang_action": "dump", "max_rollbacks": 3, "dump_dir": None,
                    "max_restarts_without_progress": 3},
@@ -359,4 +359,4 @@ def test_config_reference_lists_every_field_with_its_doc():
     table = config_reference()
     assert "| `distributed.timeout` | `1800.0` | `ROBUSTDIST_DISTRIBUTED_TIMEOUT` | Collective timeout in seconds" in table
     assert "| `checkpoint.dir` | `null` | `ROBUSTDIST_CHECKPOINT_DIR` |" in table
-    assert table.count("\n") + 1 == 2 + 10 + 5 + 9 + 8 + 5
+    assert table.count("\n") + 1 == 2 + 10 + 5 + 10 + 8 + 5

@@ -34,10 +34,10 @@ def single_process(monkeypatch):
 def test_summary_names_the_ranks_behind_and_the_silent_ones():
     now = 1000.0
     records = {0: {"step": 121, "seq": 5, "beat_wall": 990.0}, 1: {"step": 120, "seq": 9, "beat_wall": 390.0,
-                                                                  "where": "load (data.py:3)"},
+                                                                  "where": "MainThread in load (data.py:3)"},
                2: {"step": 121, "seq": 5, "beat_wall": 991.0}}
     text = summarise(records, 4, now)
-    assert "rank 1 last beat at step 120, 610 s ago, main thread in load (data.py:3)" in text
+    assert "rank 1 last beat at step 120, 610 s ago, training thread MainThread in load (data.py:3)" in text
     assert "ranks 0, 2 at step 121" in text and "rank 3 never published" in text
     assert "Suspect: ranks 1, 3" in text
     same_step = summarise({0: {"step": 4, "seq": 8, "beat_wall": 999.0}, 1: {"step": 4, "seq": 7, "beat_wall": 990.0}},
@@ -119,7 +119,7 @@ def test_rank_zero_names_the_sleeping_rank_and_its_dump_shows_the_frame(tmp_path
     assert len(zero_reports) == 1
     step, summary, _, detected_at = zero_reports[0]
     assert step == 3 and "rank 1 last beat at step 3" in summary and "Suspect: rank 1." in summary
-    assert "main thread in _sleep_inside_step" in summary
+    assert "MainThread in _sleep_inside_step" in summary
     assert detected_at - slept_at <= 3 + 5
     one_dump = out[1][1][0][2]
     assert os.path.basename(one_dump).startswith("hang-rank1-") and "in _sleep_inside_step" in open(one_dump).read()

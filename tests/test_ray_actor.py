@@ -1,22 +1,23 @@
-"""RobustGPUActor on a real local Ray cluster, its device mapping and NUMA pinning, the memory plan, and
-robustdist inside real Ray Train workers."""
+"""RobustGPUActor on a real local Ray cluster: its device mapping and NUMA pinning, release() and what a
+released attribute says, gpu_actor_options on a CPU-only cluster, and robustdist inside real Ray Train workers.
+(The memory plan is in test_ray_memory.py.)"""
 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
+import logging
 import os
+import pickle
+import re
 import sys
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
-
 from robustdist import ray_actor
 from robustdist.errors import ConfigError, TopologyError
-from robustdist.ray_actor import RobustGPUActor, gpu_positions, parse_cpulist, pin_to_numa
-from robustdist.ray_memory import RAY_MIN_OBJECT_STORE, estimate_offload_bytes, ray_memory_plan
+from robustdist.ray_actor import RobustGPUActor, gpu_actor_options, gpu_positions, parse_cpulist, pin_to_numa
 from robustdist.testing import run_ranks
 
 Batch = collections.namedtuple("Batch", ["x", "y"])
@@ -94,48 +95,78 @@ def test_numa_pinning_against_a_fake_sysfs(tmp_path):
     assert parse_cpulist("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
 
 
-# ----------------------------------------------------------------------------- memory plan
-GIB = 2**30
+# ----------------------------------------------------------------------------- release, locally
+def _local_actor(monkeypatch):
+    """A RobustGPUActor in this process (no Ray worker): only Ray's GPU assignment is faked (none)."""
+    monkeypatch.setattr(ray_actor, "_assigned_gpu_ids", lambda: [])
+    monkeypatch.setattr("robustdist.bf16.install_ray_serializers", lambda: None)
+    actor = RobustGPUActor()
+    actor.model, actor.cache, actor.note = torch.nn.Linear(2, 2), torch.zeros(3), "kept"
+    return actor
 
 
-@given(st.integers(1, 1024), st.integers(0, 512), st.integers(0, 64))
-def test_memory_plan_never_exceeds_ram_and_is_monotonic(ram_gib, offload_gib, pinned_gib):
-    ram, offload, pinned = ram_gib * GIB, offload_gib * GIB, pinned_gib * GIB
-    try:
-        plan = ray_memory_plan(total_ram=ram, offload_bytes=offload, pinned_bytes=pinned)
-    except ConfigError as e:
-        assert "no safe object store size" in str(e) and "short by" in str(e)
-        assert ram * 0.9 - offload - pinned < RAY_MIN_OBJECT_STORE
-        return
-    assert plan.offload_bytes + plan.pinned_bytes + plan.headroom_bytes + plan.object_store_memory <= ram
-    assert plan.object_store_memory <= 0.3 * ram
-    bigger = ray_memory_plan(total_ram=ram + GIB, offload_bytes=offload, pinned_bytes=pinned)
-    assert bigger.object_store_memory >= plan.object_store_memory  # rises with RAM
-    if offload >= GIB:
-        less = ray_memory_plan(total_ram=ram, offload_bytes=offload - GIB, pinned_bytes=pinned)
-        assert less.object_store_memory >= plan.object_store_memory  # falls with offload
+def test_release_without_names_drops_nothing(monkeypatch, caplog):
+    actor = _local_actor(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="robustdist"):
+        assert actor.release() == []
+    assert isinstance(actor.model, torch.nn.Module) and actor.cache.shape == (3,)
+    assert "no attribute names given, so nothing was dropped" in caplog.text
 
 
-def test_memory_plan_spells_out_the_arithmetic():
-    plan = ray_memory_plan(total_ram=64 * GIB, offload_bytes=40 * GIB)
-    assert plan.object_store_memory == 64 * GIB - int(64 * GIB * 0.1) - 40 * GIB  # below Ray's 30% default
-    assert plan.explanation == ("total RAM 64.00 GiB - headroom 6.40 GiB - CPU offload 40.00 GiB - pinned buffers "
-                                "0.00 GiB = usable 17.60 GiB; object store 17.60 GiB")
-    assert plan.ray_init_kwargs() == {"object_store_memory": plan.object_store_memory}
-    with pytest.raises(ConfigError) as exc:
-        ray_memory_plan(total_ram=16 * GIB, offload_bytes=15 * GIB)
-    assert str(exc.value).startswith("no safe object store size: total RAM 16.00 GiB - headroom 1.60 GiB (10%) - CPU "
-                                     "offload 15.00 GiB - pinned buffers 0.00 GiB = -0.60 GiB, below Ray's minimum")
+def test_released_attributes_explain_themselves(monkeypatch, caplog):
+    actor = _local_actor(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="robustdist"):
+        assert actor.release("model", "absent") == ["model"]
+    assert "dropped ['model'] (['absent'] not set on the actor)" in caplog.text
+    with pytest.raises(AttributeError) as exc:
+        actor.model
+    assert str(exc.value) == ("RobustGPUActor.model was released by release('model') (deleted to free its memory), "
+                              "so it is gone; expected it to be re-created before use. Fix: re-create it "
+                              "(self.model = ...) before calling methods that use it, or release it only once it is "
+                              "no longer needed.")
+    # Any other missing name, dunders included, is a plain AttributeError: pickling and copying still work.
+    with pytest.raises(AttributeError, match=r"^'RobustGPUActor' object has no attribute 'nothing'$"):
+        actor.nothing
+    assert not hasattr(actor, "__getstate_missing__") and not hasattr(actor, "absent")
+    for clone in (pickle.loads(pickle.dumps(actor)), copy.deepcopy(actor), copy.copy(actor)):
+        assert clone.note == "kept" and clone.cache.shape == (3,)
+        with pytest.raises(AttributeError, match="was released by release"):
+            clone.model
+    actor.model = torch.nn.Linear(2, 2)  # re-created: an ordinary attribute again
+    assert actor.model.in_features == 2
 
 
-def test_estimate_offload_bytes():
-    model = torch.nn.Linear(10, 10)  # 110 fp32 parameters = 440 bytes
-    assert estimate_offload_bytes(model, "adam") == 440 * 4
-    assert estimate_offload_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1), include_grads=False) == 440
-    assert estimate_offload_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == 440 * 3
-    assert estimate_offload_bytes(model, torch.optim.AdamW, ranks_per_node=8) == 440 * 4 * 8
-    with pytest.raises(ConfigError, match="optimizer 'lion' has no known state size"):
-        estimate_offload_bytes(model, "lion")
+def test_shutdown_frees_every_tensor_and_module(monkeypatch):
+    actor = _local_actor(monkeypatch)
+    actor.__ray_shutdown__()
+    assert not hasattr(actor, "model") and not hasattr(actor, "cache")
+    assert actor.note == "kept" and actor.device == torch.device("cpu") and actor.devices == [torch.device("cpu")]
+
+
+# ----------------------------------------------------------------------------- gpu_actor_options, offline
+@pytest.mark.parametrize("bad", [0, -1, True, "1", float("nan"), float("inf"), None])
+def test_gpu_actor_options_validates_num_gpus(bad):
+    with pytest.raises(ConfigError, match=rf"^num_gpus={re.escape(repr(bad))}; expected a number > 0 .* Fix:"):
+        gpu_actor_options(bad)
+
+
+def test_gpu_actor_options_with_gpus(monkeypatch):
+    """Only what needs GPUs is faked: the cluster's GPU figures."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    nodes = [{"Alive": True, "Resources": {"CPU": 8, "GPU": 1}}, {"Alive": True, "Resources": {"CPU": 8, "GPU": 1}},
+             {"Alive": False, "Resources": {"GPU": 8}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16, "GPU": 2})
+    assert gpu_actor_options(1) == {"num_gpus": 1} and gpu_actor_options(0.5) == {"num_gpus": 0.5}
+    with pytest.raises(TopologyError) as exc:  # 2 GPUs in the cluster, but no node has 2: pending forever
+        gpu_actor_options(2)
+    assert str(exc.value).startswith("the Ray cluster has 2 GPUs (at most 1 on one node) and the actor asks for "
+                                     "num_gpus=2, so Ray would keep the actor pending forever")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(TopologyError, match=r"found no Ray cluster to check .* Fix: call ray\.init"):
+        gpu_actor_options(1)
 
 
 # ----------------------------------------------------------------------------- a real Ray cluster
@@ -161,6 +192,9 @@ def worker(ray_cluster):
         def attributes(self):
             return sorted(k for k in vars(self) if k in ("model", "cache"))
 
+        def rebuild(self, dim):
+            self.model = torch.nn.Linear(dim, dim).to(self.device)
+
     actor = ray.remote(num_cpus=0, num_gpus=0)(Worker).remote(3)  # holds no CPU the Ray Train test needs
     yield ray, actor
     ray.kill(actor)
@@ -181,8 +215,47 @@ def test_actor_on_cpu(worker):
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     back = ray.get(actor.echo.remote(bits))
     assert torch.equal(back.view(torch.int16), bits.view(torch.int16))  # bit-exact, NaN payloads included
-    assert ray.get(actor.release.remote()) == ["model", "cache"] or sorted(ray.get(actor.attributes.remote())) == []
-    assert ray.get(actor.attributes.remote()) == []
+    assert ray.get(actor.release.remote()) == []  # no names: nothing dropped, later calls still work
+    assert ray.get(actor.attributes.remote()) == ["cache", "model"]
+    assert ray.get(actor.forward.remote(torch.ones(1, 3))).shape == (1, 3)
+
+
+def test_released_attribute_through_ray(worker):
+    ray, actor = worker
+    assert ray.get(actor.release.remote("model")) == ["model"]
+    assert ray.get(actor.attributes.remote()) == ["cache"]
+    with pytest.raises(ray.exceptions.RayTaskError) as exc:
+        ray.get(actor.forward.remote(torch.ones(1, 3)), timeout=60)
+    assert isinstance(exc.value, AttributeError)  # Ray's error derives from the cause's type
+    assert "Worker.model was released by release('model')" in str(exc.value)
+    assert "Fix: re-create it (self.model = ...)" in str(exc.value)
+    ray.get(actor.rebuild.remote(3))  # re-created: the actor works again
+    assert ray.get(actor.forward.remote(torch.ones(1, 3)), timeout=60).shape == (1, 3)
+
+
+def test_gpu_actor_options_on_a_cpu_only_cluster(ray_cluster, caplog):
+    ray = ray_cluster
+    assert ray.cluster_resources().get("GPU", 0) == 0  # really CPU-only: num_gpus=1 would stay pending
+    with pytest.raises(TopologyError) as exc:
+        gpu_actor_options(1)
+    assert str(exc.value) == ("the Ray cluster has 0 GPUs and the actor asks for num_gpus=1, so Ray would keep the "
+                              "actor pending forever; expected a node with at least 1 GPU. Fix: add GPU nodes (or "
+                              "start Ray with --num-gpus), ask for fewer GPUs, or pass fallback_to_cpu=True to run "
+                              "the actor on the CPU.")
+    with caplog.at_level(logging.WARNING, logger="robustdist"):
+        options = gpu_actor_options(1, fallback_to_cpu=True)
+    assert options == {"num_gpus": 0}
+    assert "the Ray cluster has 0 GPUs and the actor asks for num_gpus=1: the actor will run on the CPU" in caplog.text
+
+    class Probe(RobustGPUActor):
+        pass
+
+    actor = ray.remote(Probe).options(num_cpus=0, **options).remote()  # num_cpus=0: leaves Ray Train its CPUs
+    try:
+        health = ray.get(actor.health.remote(), timeout=60)  # ready, not pending
+        assert health["device"] == "cpu" and health["assigned_gpu_ids"] == []
+    finally:
+        ray.kill(actor)
 
 
 @pytest.mark.timeout(300, method="thread")  # a last resort: Ray Train's driver loop can swallow the signal

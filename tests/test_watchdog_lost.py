@@ -309,7 +309,7 @@ def test_a_dead_rank_is_lost_by_node_and_a_stuck_live_rank_is_behind_on_every_su
         assert at - t0 <= BOUND, f"rank {rank} named the dead rank {at - t0:.1f} s after it died"
         assert f"alive but behind: rank 1 last beat at step {STOP_STEP} (earlier in that step: beat #5 vs #6)" \
                in message
-        assert "main thread in _stuck_here (test_watchdog_lost.py:" in message
+        assert "MainThread in _stuck_here (test_watchdog_lost.py:" in message
         assert f"rank 0 at step {STOP_STEP}. Suspect: ranks 1, 2." in message
         report = json.loads(_read(out, f"reports{rank}") or "[]")[0]
         assert report["lost"] == [2] and report["lost_nodes"] == {_node(1): [2]} and report["behind"] == [1]
@@ -451,7 +451,7 @@ def _rec(alive: float, step: int | None, seq: int, node: str, **extra: Any) -> d
 def test_the_report_groups_lost_ranks_by_node_apart_from_the_ranks_behind():
     n0, n1, n2 = "node 0 (host a, 10.0.0.1)", "node 1 (host a, 10.0.0.2)", "node 2 (host b, 10.0.0.3)"
     now = 1000.0
-    records = {0: _rec(999.5, 41, 9, n0, where="wait (ddp.py:1)"), 1: _rec(999.0, 41, 8, n0, where="load (x.py:2)"),
+    records = {0: _rec(999.5, 41, 9, n0, where="wait (ddp.py:1)"), 1: _rec(999.0, 41, 8, n0, where="MainThread in load (x.py:2)"),
                2: _rec(988.0, 41, 9, n1), 3: _rec(987.6, 40, 3, n1), 4: _rec(970.0, 41, 9, n2, closed=True)}
     box = ws.Collected(records=records, read_at=now)
     found = ws.findings(box, rank=0, node=n0, world_size=6, interval=3, stale_after=9, grace=2,
@@ -463,8 +463,8 @@ def test_the_report_groups_lost_ranks_by_node_apart_from_the_ranks_behind():
     assert "(expected one every 3 s; the last said steps 40, 41)" in text
     assert f"lost rank 4 on {n2}: closed its watchdog 30 s ago (it left training: finished, or raised)" in text
     assert "lost rank 5, node unknown: never sent a heartbeat" in text
-    assert "alive but behind: rank 1 last beat at step 41 (earlier in that step: beat #8 vs #9), 2 s ago, main " \
-           "thread in load (x.py:2); rank 0 at step 41. Suspect: ranks 1, 2, 3, 4, 5." in text
+    assert "alive but behind: rank 1 last beat at step 41 (earlier in that step: beat #8 vs #9), 2 s ago, training " \
+           "thread MainThread in load (x.py:2); rank 0 at step 41. Suspect: ranks 1, 2, 3, 4, 5." in text
     assert f"Fix: bring back {n1}, {n2} and the nodes of the ranks never seen: check links and processes" in text
     left = ws.findings(ws.Collected(records={0: records[0], 1: records[4]}, read_at=now), rank=0, node=n0,
                        world_size=2, interval=3, stale_after=9, grace=2, store="s")

@@ -86,6 +86,9 @@ class AtomicCheckpointer:
         _check_args(keep_last, timeout, arrival_timeout)
         directory = os.path.abspath(os.fspath(directory))
         os.makedirs(directory, exist_ok=True)
+        # The directory itself may be a link you made (/scratch -> /lustre/...): resolved once, here. Everything
+        # inside it is opened without following links (see _safeio), so the records in it stay readable.
+        directory = os.path.realpath(directory)
         self.async_save = async_save
         seconds = float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S
         self.arrival_timeout = float(arrival_timeout) if arrival_timeout is not None else DEFAULT_ARRIVAL_TIMEOUT_S

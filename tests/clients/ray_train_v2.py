@@ -1,0 +1,137 @@
+"""A Ray Train V2 client in the shape of Ray's own examples (``torch_regression_example.py``, and the Tune
+variant): a small regression model, ``TorchTrainer``, ``FailureConfig``, and a Tune trial driver that runs one
+``TorchTrainer`` per trial with ``TuneReportCallback``. Hardened per the README: ``harden`` in the training
+function, ``h.resume()`` and ``h.save(step, metrics=...)``, nothing else.
+
+Faults, each once (marked by a file in ``config["out"]``):
+
+* ``config["faults"] = {"hang": s, "kill": t}``: rank 1 sleeps at step ``s`` (the watchdog, with
+  ``hang_action="abort"``, ends it), and SIGKILLs itself at step ``t``; with ``wipe`` it first deletes
+  robustdist's checkpoint directory, so the restart can only resume from what was reported to Ray;
+* ``config["crash_at_end"]``: every rank raises after the last save (an interrupted trial that had finished).
+
+Each attempt appends ``{"rank", "resumed", "source", "ray_step"}`` to ``out/resumes.jsonl``; rank 0 writes
+the final parameters to ``out/final.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    import ray.train
+
+    from robustdist import harden
+
+    out = config["out"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 4, generator=g)
+    loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8, shuffle=True, drop_last=True)
+    cfg = {"data": {"seed": 3},
+           "checkpoint": {"dir": config["ckpt"], "every_n_steps": config.get("every", 3), "keep_last": 2},
+           "health": {"hang_timeout": config.get("hang_timeout", 120), "hang_action": "abort"}}
+    h = harden(model, loader, cfg)
+    with h:
+        rank = h.topology.rank
+        opt = torch.optim.SGD(h.model.parameters(), lr=config["lr"])
+        ray_ckpt = ray.train.get_checkpoint()
+        step = h.resume(optimizer=opt) or 0
+        with open(os.path.join(out, "resumes.jsonl"), "a") as fh:
+            fh.write(json.dumps({"rank": rank, "resumed": step, "directory": h.checkpointer.directory,
+                                 "source": h.last_loaded.source if h.last_loaded else None,
+                                 "ray_checkpoint": getattr(ray_ckpt, "path", None)}) + "\n")
+        total = config["total"]
+        while step < total:
+            for xb, yb in h.loader:
+                _fault(config, h, rank, step)
+                loss = nn.functional.mse_loss(h.model(xb), yb)
+                loss.backward()
+                if h.step_guard(loss, step):
+                    opt.step()
+                opt.zero_grad()
+                step += 1
+                h.save(step, optimizer=opt, metrics={"loss": loss.item(), "lr": config["lr"]})
+                if step == total:
+                    break
+        if config.get("crash_at_end") and _first_time(out, f"crash-{rank}"):
+            raise RuntimeError("interrupted after the last checkpoint (simulated)")
+        if rank == 0:
+            torch.save({k: v.detach().clone() for k, v in h.model.module.state_dict().items()},
+                       os.path.join(out, "final.pt"))
+
+
+def _first_time(out: str, name: str) -> bool:
+    marker = os.path.join(out, f"fault-{name}")
+    if os.path.exists(marker):
+        return False
+    open(marker, "w").close()
+    return True
+
+
+def _fault(config: dict[str, Any], h: Any, rank: int, step: int) -> None:
+    faults = config.get("faults", {})
+    fault = next((name for name, at in faults.items() if at == step), None)
+    if rank != 1 or fault is None or not _first_time(config["out"], fault):
+        return
+    if fault == "kill":
+        if config.get("wipe"):
+            shutil.rmtree(h.checkpointer.directory)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(3600)  # "hang": only the watchdog ends this
+
+
+def trainer(config: dict[str, Any], *, storage: str, name: str, max_failures: int = 1, callbacks: Any = None,
+            cpus_per_worker: float = 1.0) -> Any:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    return TorchTrainer(
+        train_fn, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": cpus_per_worker}),
+        run_config=RunConfig(storage_path=storage, name=name, failure_config=FailureConfig(max_failures=max_failures),
+                             callbacks=callbacks or []))
+
+
+class ErrorLog:
+    """A Train V2 ``UserCallback`` (it runs in the controller) that writes what the controller saw each worker
+    raise to ``path`` (one JSON line per failure)."""
+
+    def __new__(cls, path: str) -> Any:
+        from ray.train.v2.api.callback import UserCallback
+
+        class _ErrorLog(UserCallback):
+            def __init__(self, path: str) -> None:
+                self.path = path
+
+            def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+                with open(self.path, "a") as fh:
+                    fh.write(json.dumps({str(r): f"{type(e).__name__}: {e}" for r, e in worker_exceptions.items()})
+                             + "\n")
+
+        return _ErrorLog(path)
+
+
+def trial_driver(config: dict[str, Any]) -> None:
+    """A Tune trial: one TorchTrainer, its run named after the trial (as Ray's V2 Tune guide does), its reports
+    passed on to Tune."""
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    trial = ray.tune.get_context().get_trial_id()
+    train_config = {k: v for k, v in config.items() if k != "storage"}
+    train_config["out"] = os.path.join(config["out"], f"trial-{trial}")
+    os.makedirs(train_config["out"], exist_ok=True)
+    trainer(train_config, storage=config["storage"], name=f"trial-{trial}", max_failures=0,
+            callbacks=[TuneReportCallback()], cpus_per_worker=0.45).fit()

@@ -1,0 +1,149 @@
+"""Ray Train V2 and Tune, for real on the session's local Ray cluster (2 CPUs): a worker killed, a worker hung,
+two Tune trials sharing one checkpoint base, an interrupted Tune experiment restored. The training code is
+``tests/clients/ray_train_v2.py``; it only calls ``harden``, ``h.resume()`` and ``h.save(step, metrics=...)``.
+
+What each proves:
+
+* a hung worker with ``hang_action="abort"`` reaches Ray's controller as ``HangError`` naming the rank, the step
+  and the training thread; Ray restarts the group and ``h.resume()`` continues from the newest committed step;
+* then a killed worker, with robustdist's own directory wiped first: the restart resumes from Ray's copy
+  (every rank's files reached Ray's storage, and resume took Ray's checkpoint as the newest valid one); the
+  result is bitwise equal to a run without faults;
+* Tune trials sharing ``checkpoint.dir`` never mix; a restored experiment whose trials had finished reports
+  their real final results; a run that reuses a trial's name with another configuration is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.clients import ray_train_v2 as client
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(420, method="thread")]  # Ray's driver loop can swallow signals
+
+TOTAL, EVERY = 9, 3
+
+
+@pytest.fixture(scope="module")
+def ray_v2(ray_cluster):
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(client)  # workers import the client by value, not from tests/
+    return ray_cluster
+
+
+def _config(tmp_path, name, **extra):
+    out = tmp_path / name
+    out.mkdir()
+    return {"out": str(out), "ckpt": str(tmp_path / "ckpt"), "lr": 0.05, "total": TOTAL, "every": EVERY, **extra}
+
+
+def _resumes(config):
+    with open(os.path.join(config["out"], "resumes.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _final(config):
+    return torch.load(os.path.join(config["out"], "final.pt"), weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_v2, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    config = _config(tmp, "run")
+    result = client.trainer(config, storage=str(tmp / "ray"), name="reference").fit()
+    assert result.error is None
+    assert result.metrics["step"] == TOTAL and result.checkpoint is not None  # every commit reported
+    return _final(config)
+
+
+def _assert_bitwise(final, reference):
+    assert final.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(final[key], reference[key]), f"{key} differs from the run without a fault"
+
+
+def test_a_hung_then_a_killed_worker_resume_bitwise_through_h_resume(ray_v2, reference, tmp_path):
+    errors = tmp_path / "controller-errors.jsonl"
+    config = _config(tmp_path, "run", faults={"hang": 4, "kill": 7}, wipe=True, hang_timeout=8)
+    result = client.trainer(config, storage=str(tmp_path / "ray"), name="faults", max_failures=2,
+                            callbacks=[client.ErrorLog(str(errors))]).fit()
+    assert result.error is None
+
+    # The hang reached Ray's controller as a HangError naming the rank, the step and the training thread.
+    seen = [json.loads(line) for line in errors.read_text().splitlines()]
+    assert len(seen) == 2, seen
+    rank1 = seen[0].get("1", "")
+    assert "HangError" in rank1 and "rank 1" in rank1 and "last step 4" in rank1, seen
+    assert "TrainingThread" in rank1  # not Ray's actor loop
+    assert "OOM" not in json.dumps(seen[0])
+
+    attempts = _resumes(config)
+    assert [r["resumed"] for r in attempts if r["rank"] == 0] == [0, 3, 6]
+    after_hang = [r for r in attempts if r["resumed"] == 3]
+    assert {r["source"] for r in after_hang} == {"durable"}  # robustdist's directory, as new as Ray's
+    # After the kill robustdist's directory was gone: only Ray's copy (every rank's files) could give step 6.
+    after_kill = [r for r in attempts if r["resumed"] == 6]
+    assert len(after_kill) == 2 and {r["source"] for r in after_kill} == {"ray"}
+    assert all(r["ray_checkpoint"] and "step_0000000006" in r["ray_checkpoint"] for r in after_kill)
+    assert {"manifest.json", "replicated.pt", "rank_00000.pt", "rank_00001.pt"} <= set(
+        os.listdir(after_kill[0]["ray_checkpoint"]))
+    assert after_kill[0]["directory"] == os.path.join(config["ckpt"], "faults")  # <checkpoint.dir>/<run name>
+    _assert_bitwise(_final(config), reference)
+
+
+@pytest.mark.timeout(600, method="thread")
+def test_tune_trials_never_mix_and_a_restored_experiment_reports_real_results(ray_v2, tmp_path):
+    from ray import tune
+
+    base = tmp_path / "ckpt"
+    out = tmp_path / "out"
+    out.mkdir()
+    space = {"out": str(out), "ckpt": str(base), "storage": str(tmp_path / "train"), "total": TOTAL, "every": EVERY,
+             "lr": tune.grid_search([0.01, 0.05]), "crash_at_end": True}
+
+    def tuner(restore=False):
+        trainable = tune.with_resources(client.trial_driver, {"cpu": 0.1})  # 2 trials fit at once
+        if restore:
+            return tune.Tuner.restore(str(tmp_path / "tune" / "exp"), trainable=trainable, resume_errored=True)
+        return tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(metric="loss", mode="min"),
+                          run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), name="exp"))
+
+    first = tuner().fit()
+    assert first.num_errors == 2  # both trials were interrupted after their last checkpoint
+    before = {r.config["lr"]: r.metrics for r in first}
+    assert all(m["step"] == TOTAL for m in before.values()) and before[0.01]["loss"] != before[0.05]["loss"]
+
+    runs = sorted(p.name for p in base.iterdir())
+    assert len(runs) == 2 and all(r.startswith("trial-") for r in runs)  # one namespace per trial
+    for run in runs:
+        record = json.loads((base / run / ".robustdist-run.json").read_text())
+        assert record["run"] == run and record["config"]
+    assert len({json.loads((base / r / ".robustdist-run.json").read_text())["config"] for r in runs}) == 2
+
+    restored = tuner(restore=True).fit()
+    assert restored.num_errors == 0
+    after = {r.config["lr"]: r.metrics for r in restored}
+    for lr, metrics in after.items():  # each trial's own final result, not a stale or another trial's one
+        assert metrics["step"] == TOTAL and metrics["loss"] == before[lr]["loss"] and metrics["lr"] == lr
+    for trial_out in out.iterdir():
+        resumes = [json.loads(line) for line in (trial_out / "resumes.jsonl").read_text().splitlines()]
+        assert [r["resumed"] for r in resumes if r["rank"] == 0] == [0, TOTAL]  # resumed at its end: nothing rerun
+
+    # A run that takes a trial's name with another configuration is refused, naming both.
+    clash = {**{k: v for k, v in space.items() if k not in ("storage", "crash_at_end")}, "lr": 0.3}
+    clash["out"] = str(out / "clash")
+    os.makedirs(clash["out"])
+    errors = tmp_path / "clash-errors.jsonl"
+    with pytest.raises(Exception, match="CheckpointError"):  # ray.train.WorkerGroupError (its text is truncated)
+        client.trainer(clash, storage=str(tmp_path / "train"), name=runs[0], max_failures=0,
+                       callbacks=[client.ErrorLog(str(errors))]).fit()
+    seen = json.loads(errors.read_text().splitlines()[0])
+    for text in seen.values():  # the full error each rank raised
+        assert text.startswith("CheckpointError") and f"belongs to run {runs[0]!r} with training config" in text
+        assert "but this is run" in text and "(they differ in: config)" in text
+    assert not (out / "clash" / "final.pt").exists()  # nothing resumed or trained
