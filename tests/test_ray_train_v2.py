@@ -58,6 +58,9 @@ def reference(ray_v2, tmp_path_factory):
     result = client.trainer(config, storage=str(tmp / "ray"), name="reference").fit()
     assert result.error is None
     assert result.metrics["step"] == TOTAL and result.checkpoint is not None  # every commit reported
+    # Inside a Ray Train worker the topology says ray_train, and harden used Ray's group as it is.
+    assert sorted(r["topology"] for r in _resumes(config)) == [
+        ["ray_train", r, 2, r, 2, "cpu", False] for r in range(2)]
     return _final(config)
 
 

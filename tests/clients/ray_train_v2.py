@@ -49,7 +49,10 @@ def train_fn(config: dict[str, Any]) -> None:
         ray_ckpt = ray.train.get_checkpoint()
         step = h.resume(optimizer=opt) or 0
         with open(os.path.join(out, "resumes.jsonl"), "a") as fh:
+            topo = h.topology
             fh.write(json.dumps({"rank": rank, "resumed": step, "directory": h.checkpointer.directory,
+                                 "topology": [topo.launcher, topo.rank, topo.world_size, topo.local_rank,
+                                              topo.local_world_size, str(topo.device), h.init_report.created],
                                  "source": h.last_loaded.source if h.last_loaded else None,
                                  "ray_checkpoint": getattr(ray_ckpt, "path", None)}) + "\n")
         total = config["total"]
