@@ -44,17 +44,11 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    heavy = {}
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("ray"))
-            heavy[item.nodeid] = 0
         elif "node_lab" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("multinode"))
-            heavy[item.nodeid] = 1
-    # The two long serial groups go first, so each starts at once on its own worker and the single tests fill in
-    # around them (xdist hands out work in collection order); otherwise one group can start minutes late.
-    items.sort(key=lambda item: heavy.get(item.nodeid, 2))
 
 
 @pytest.fixture(autouse=True)
