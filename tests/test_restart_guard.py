@@ -213,14 +213,14 @@ def _torchrun(tmp_path: Path, mode: str, restarts: int) -> list[dict]:
 
 
 def test_a_crash_loop_under_torchrun_is_stopped_with_the_step_and_errors(tmp_path):
-    events = _torchrun(tmp_path, "loop", restarts=3)
+    events = _torchrun(tmp_path, "loop", restarts=4)
     stopped = [e for e in events if e["event"] == "guard"]
     assert stopped, events
     assert min(e["attempt"] for e in stopped) == 3  # attempts 1 and 2 resumed from step 2 and crashed at 3
     for e in [e for e in stopped if e["attempt"] == 3]:
         assert "2 restart attempts in a row (1, 2) resumed from step 2" in e["message"]
         assert "RuntimeError: boom at step 3 in attempt 2" in e["message"]
-    assert {e["attempt"] for e in stopped} == {3}  # stopped at resume, before anything ran again
+    assert {e["attempt"] for e in stopped} == {3, 4}  # every further restart stops at resume too
     assert not [e for e in events if e["event"] == "done"]
 
 

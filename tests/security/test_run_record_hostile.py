@@ -277,3 +277,17 @@ def test_the_config_fingerprint_is_stable_and_bounded():
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
             for _ in range(2)}
     assert len(runs) == 1  # objects (keys or values) count by type, never by a repr holding an address
+
+
+def test_an_unwritable_directory_is_named_on_every_rank_not_a_collective_failure(tmp_path, monkeypatch):
+    from robustdist.checkpoint import _run_owner
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_run_owner, "_create", refuse)
+    with pytest.raises(CheckpointError) as e:
+        claim(str(tmp_path), RunIdentity("mine", "c"), 0, ONE)
+    text = str(e.value)
+    assert f"could not record or check the run record in {tmp_path} (PermissionError:" in text
+    assert "expected a writable checkpoint directory. Fix: check its permissions and free space." in text
