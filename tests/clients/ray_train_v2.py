@@ -10,7 +10,7 @@ Faults, each once (marked by a file in ``config["out"]``):
   robustdist's checkpoint directory, so the restart can only resume from what was reported to Ray;
 * ``config["crash_at_end"]``: every rank raises after the last save (an interrupted trial that had finished).
 
-Each attempt appends ``{"rank", "resumed", "source", "ray_step"}`` to ``out/resumes.jsonl``; rank 0 writes
+Each attempt appends ``{"rank", "resumed", "source", "ray_checkpoint", "host", ...}`` to ``out/resumes.jsonl``; rank 0 writes
 the final parameters to ``out/final.pt``.
 """
 
@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import time
 from typing import Any
 
@@ -51,6 +52,7 @@ def train_fn(config: dict[str, Any]) -> None:
         with open(os.path.join(out, "resumes.jsonl"), "a") as fh:
             topo = h.topology
             fh.write(json.dumps({"rank": rank, "resumed": step, "directory": h.checkpointer.directory,
+                                 "host": socket.gethostname(),
                                  "topology": [topo.launcher, topo.rank, topo.world_size, topo.local_rank,
                                               topo.local_world_size, str(topo.device), h.init_report.created],
                                  "source": h.last_loaded.source if h.last_loaded else None,
@@ -96,13 +98,14 @@ def _fault(config: dict[str, Any], h: Any, rank: int, step: int) -> None:
 
 
 def trainer(config: dict[str, Any], *, storage: str, name: str, max_failures: int = 1, callbacks: Any = None,
-            cpus_per_worker: float = 1.0) -> Any:
+            cpus_per_worker: float = 1.0, placement_strategy: str = "PACK") -> Any:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     return TorchTrainer(
         train_fn, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": cpus_per_worker}),
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": cpus_per_worker},
+                                     placement_strategy=placement_strategy),
         run_config=RunConfig(storage_path=storage, name=name, failure_config=FailureConfig(max_failures=max_failures),
                              callbacks=callbacks or []))
 
