@@ -246,10 +246,10 @@ class NodeLab:
         return holder
 
     def close(self) -> None:
-        """Kill every process the lab started or that runs in a node, delete every namespace. Idempotent."""
+        """Kill every process the lab started or that runs in a node, delete every namespace. Idempotent once it
+        has succeeded; a teardown that failed or was interrupted (a test's timeout) is done again in full."""
         if self._closed:
             return
-        self._closed = True
         errors = []
         for node in self.nodes:
             try:
@@ -273,6 +273,7 @@ class NodeLab:
                     errors.append(str(e))
         if errors:
             raise LabError("the lab was not fully torn down: " + " | ".join(errors))
+        self._closed = True
 
     def __enter__(self) -> NodeLab:
         return self

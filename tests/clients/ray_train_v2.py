@@ -10,6 +10,8 @@ Faults, each once (marked by a file in ``config["out"]``):
   robustdist's checkpoint directory, so the restart can only resume from what was reported to Ray;
 * ``config["crash_at_end"]``: every rank raises after the last save (an interrupted trial that had finished).
 
+With ``config["record_reports"]`` every report to Ray is also recorded (:func:`_record_reports`).
+
 Each attempt appends ``{"rank", "resumed", "source", "ray_checkpoint", "host", ...}`` to ``out/resumes.jsonl``; rank 0 writes
 the final parameters to ``out/final.pt``.
 """
@@ -43,6 +45,8 @@ def train_fn(config: dict[str, Any]) -> None:
     cfg = {"data": {"seed": 3},
            "checkpoint": {"dir": config["ckpt"], "every_n_steps": config.get("every", 3), "keep_last": 2},
            "health": {"hang_timeout": config.get("hang_timeout", 120), "hang_action": "abort"}}
+    if config.get("record_reports"):
+        _record_reports(out)
     h = harden(model, loader, cfg)
     with h:
         rank = h.topology.rank
@@ -75,6 +79,26 @@ def train_fn(config: dict[str, Any]) -> None:
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in h.model.module.state_dict().items()},
                        os.path.join(out, "final.pt"))
+
+
+def _record_reports(out: str) -> None:
+    """Instrumentation for the 2-node test: every ``ray.train.report`` this worker makes (robustdist's, on each
+    commit) also appends ``{"rank", "host", "name", "files"}`` to ``out/reports.jsonl``: which rank sent which
+    files to Ray's storage, from which node."""
+    import ray.train
+
+    original = ray.train.report
+
+    def report(metrics: Any, *args: Any, **kwargs: Any) -> Any:
+        checkpoint = kwargs.get("checkpoint", args[0] if args else None)
+        record = {"rank": ray.train.get_context().get_world_rank(), "host": socket.gethostname(),
+                  "name": kwargs.get("checkpoint_dir_name"),
+                  "files": sorted(os.listdir(checkpoint.path)) if checkpoint is not None else []}
+        with open(os.path.join(out, "reports.jsonl"), "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        return original(metrics, *args, **kwargs)
+
+    ray.train.report = report
 
 
 def _first_time(out: str, name: str) -> bool:

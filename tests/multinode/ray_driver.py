@@ -30,20 +30,22 @@ def main() -> None:
 
     from tests.clients import ray_train_v2 as client
 
-    ray.init(address=args.address, _node_ip_address=args.node_ip, log_to_driver=False, configure_logging=False)
+    # log_to_driver: the workers' output (tracebacks, robustdist's warnings) lands in this driver's log, which
+    # outlives the lab; Ray's own logs live in the nodes' private temp disks and go with them.
+    ray.init(address=args.address, _node_ip_address=args.node_ip, log_to_driver=True, configure_logging=False)
     cloudpickle.register_pickle_by_value(client)  # the workers import the client by value, not from tests/
     try:
-        for name, extra in (("reference", {}), ("faults", {"faults": {"kill": args.kill}, "wipe": True})):
+        for name, extra in (("reference", {}), ("faults", {"faults": {"kill": args.kill}, "wipe": True,
+                                                            "record_reports": True})):
             out = os.path.join(args.work, name)
             os.makedirs(out)
             config: dict[str, Any] = {"out": out, "ckpt": os.path.join(args.work, "ckpt"), "lr": 0.05,
                                       "total": args.total, "every": args.every, **extra}
             trainer = client.trainer(config, storage=os.path.join(args.work, "ray"), name=name, max_failures=1,
                                      placement_strategy="STRICT_SPREAD")
-            result = trainer.fit()
+            result = trainer.fit()  # raises when the run fails (Train V2)
             with open(os.path.join(args.work, f"{name}.result.json"), "w") as fh:
-                json.dump({"error": repr(result.error) if result.error else None, "metrics": result.metrics,
-                           "checkpoint": getattr(result.checkpoint, "path", None)}, fh)
+                json.dump({"metrics": result.metrics, "checkpoint": getattr(result.checkpoint, "path", None)}, fh)
     finally:
         ray.shutdown()
 

@@ -140,6 +140,29 @@ def test_teardown_is_complete_even_when_the_test_body_fails(tmp_path):
         assert node.holder is not None and node.holder.poll() is not None  # the mount namespaces are gone too
 
 
+def test_a_teardown_that_failed_part_way_is_done_again_by_the_next_close(tmp_path, monkeypatch):
+    """A close() that fails (or is interrupted by a test's timeout) after killing the processes but before the
+    namespaces are deleted must not leave the lab marked closed: the next close() deletes them."""
+    _require_lab()
+    before = set(nodelab.leftover_namespaces(owner=os.getpid()))
+    lab = NodeLab(2, log_dir=tmp_path / "logs")
+    real_run = nodelab._run
+
+    def failing_delete(argv, **kwargs):
+        if list(argv[:3]) == ["ip", "netns", "delete"]:
+            raise LabError("simulated: interrupted before the namespaces were deleted")
+        return real_run(argv, **kwargs)
+
+    monkeypatch.setattr(nodelab, "_run", failing_delete)
+    with pytest.raises(LabError, match="the lab was not fully torn down: simulated"):
+        lab.close()
+    assert set(nodelab.leftover_namespaces(owner=os.getpid())) - before  # still there
+    monkeypatch.setattr(nodelab, "_run", real_run)
+    lab.close()
+    assert set(nodelab.leftover_namespaces(owner=os.getpid())) == before
+    lab.close()  # and now idempotent
+
+
 @pytest.mark.parametrize("nodes", [1, 0, nodelab.MAX_NODES + 1, True, "2"])
 def test_bad_node_counts_are_refused(nodes):
     with pytest.raises(LabError, match=r"expected an int from 2 to 16.*Fix: simulate at most 16 nodes"):
