@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Two pytest-xdist workers: most tests wait on the processes they start. Ray tests share one worker (conftest.py).
 PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 
-.PHONY: demo demo-multinode test bench bench-check venv clean
+.PHONY: demo demo-multinode test bench bench-peers bench-check venv clean
 
 venv:
 	@VENV=$(VENV) bash scripts/ensure-venv.sh
@@ -35,6 +35,13 @@ test: venv
 BENCH ?=
 bench: venv
 	$(PY) benchmarks/run.py $(BENCH)
+
+# The same small DDP job in plain torch, Accelerate, Lightning Fabric, Ray Train and robustdist, side by side
+# (step, save, exact resume, a kill in a save, a stuck rank, NaN, CPU SyncBN); writes benchmarks/peers/results.json
+# and its section of RESULTS.md. `make bench-peers PEERS="plain robustdist"` re-runs only those. About 10 minutes.
+PEERS ?=
+bench-peers: venv
+	$(PY) benchmarks/peers/run.py $(PEERS)
 
 # Compare benchmarks/results.json with the targets in benchmarks/targets.py; exit 1 on any miss.
 bench-check: venv

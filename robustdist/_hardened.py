@@ -67,7 +67,7 @@ class Hardened(RayReporting):
         ddp = init_report.distributed and config.distributed.strategy == "ddp"
         self.guard = StepGuard(health.nan_policy, model=state.model, optimizer=state.optimizer,
                                restore=self._load if checkpointer is not None else None,
-                               max_rollbacks=health.max_rollbacks,
+                               max_rollbacks=health.max_rollbacks, check_gradients=health.check_gradients,
                                divergence_interval=health.interval_steps if health.check_divergence and ddp else None)
 
     # ------------------------------------------------------------------ drop-in shape

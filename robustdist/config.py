@@ -47,6 +47,18 @@ def _f(default: Any, doc: str, kind: v.Kind) -> Any:
     return field(default=default, metadata={"doc": doc, "kind": kind})
 
 
+class _switch(v.boolean):
+    """A boolean whose error also says what each value does (``fix``)."""
+
+    def __init__(self, fix: str):
+        self.fix = fix
+
+    def check(self, path: str, value: Any) -> Any:
+        if isinstance(value, bool):
+            return value
+        raise self.fail(path, value, f" Fix: {self.fix}.")
+
+
 class _Section:
     """Shared behaviour of the section dataclasses: validation and normalisation on construction."""
 
@@ -146,6 +158,12 @@ class HealthConfig(_Section):
     max_restarts_without_progress: int = _f(3, "resume() raises RestartLoopError when this many consecutive restart "
                                             "attempts resumed from the same step without committing a newer one.",
                                             v.integer(minimum=1))
+    check_gradients: bool = _f(True, "The step guard under DDP reads the all-reduced gradients (no collective; also "
+                               "catches an overflow whose loss is finite). false: it checks only the losses, with one "
+                               "all-reduce of a flag per rank per step, and such an overflow reaches optimizer.step(). "
+                               "FSDP and one process check only the loss either way.",
+                               _switch("give a boolean, not a string or a number: true (the default: read DDP's "
+                                       "gradients) or false (check only the losses, one all-reduce per step)"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,9 @@ section. In order, ``harden(model, loader, cfg, optimizer=...)``:
    :class:`~robustdist.train_state.TrainState` (model, optimizer, scheduler, extras, loader) that it saves;
 6. starts the health guards (:mod:`robustdist.health`): a :class:`~robustdist.health.Watchdog` attached to the
    model unless ``health.hang_timeout`` is None, and the step guard with ``health.nan_policy`` (through
-   ``h.step_guard``) and, for DDP, the divergence check every ``health.interval_steps`` steps.
+   ``h.step_guard``; under DDP it reads the all-reduced gradients, or with ``health.check_gradients`` false only
+   the losses, by one all-reduce per step) and, for DDP, the divergence check every ``health.interval_steps``
+   steps.
 
 One process with no launcher: no group, the model is returned as it is, and the loader gives the same
 batches in the same order as before (rebuilt as a ``SafeDataLoader``, whose position can be checkpointed).

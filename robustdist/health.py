@@ -30,13 +30,19 @@ even though the others, blocked in the next collective, never finished that step
 ``optimizer.step()``; it returns a :class:`StepDecision`, true when the optimizer should step. Every rank
 reaches the same decision, by one of three agreements:
 
-* ``"local"`` (world size 1): nothing to agree.
-* ``"gradients"`` (a DDP model): after DDP's backward all-reduce every rank holds the same averaged
-  gradients, and a non-finite loss on any rank makes them non-finite (NaN/Inf propagate through the sum).
-  Every rank sums its gradients (one fused pass, no collective) and decides alike. A loss that is
-  non-finite while every gradient is finite changes no parameter: that rank warns and the step goes on.
-* ``"allreduce"`` (any other model, e.g. FSDP whose gradients are sharded): one all-reduce of a world-size
-  vector of flags per step, which also names the ranks.
+* ``"local"`` (world size 1): nothing to agree; the loss alone is checked.
+* ``"gradients"`` (a DDP model, unless ``check_gradients=False``): after DDP's backward all-reduce every rank
+  holds the same averaged gradients, and a non-finite loss on any rank makes them non-finite (NaN/Inf
+  propagate through the sum). Every rank checks its gradients, with no collective, and decides alike
+  (:mod:`robustdist._grad_check`: on the CPU one sum per tensor; on an accelerator GradScaler's fused
+  non-finite check, read back together with the loss in one host sync per step). Non-finite gradients from
+  finite losses (an overflow) count as bad too. A loss that is non-finite while every gradient is finite
+  changes no parameter: that rank warns and the step goes on.
+* ``"allreduce"`` (any other model, e.g. FSDP whose gradients are sharded, and a DDP model with
+  ``check_gradients=False``): one all-reduce of a world-size vector of loss flags per step, which also names
+  the ranks. Only the losses are checked: a NaN loss on one rank is still caught on every rank before
+  ``optimizer.step()`` (any rank's flag makes the step bad everywhere), but non-finite gradients from finite
+  losses (an overflow in backward) are not: they reach ``optimizer.step()``.
 
 Only when something *is* wrong do the ranks exchange their loss values (one ``all_gather_object``) to name
 the ranks that saw them. Policies, identical on every rank:
@@ -56,7 +62,6 @@ With ``divergence_interval`` set, every that many steps (after the finiteness ch
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -66,6 +71,8 @@ import torch.distributed as dist
 from torch import nn
 
 from robustdist import _dist
+from robustdist._grad_check import check, finite_loss, finite_number
+from robustdist._validate import show
 from robustdist._watchdog import HANG_EXIT_CODE, HangReport, Watchdog
 from robustdist.consistency import check_consistency
 from robustdist.errors import CheckpointError, ConfigError, NonFiniteLossError, RankDivergenceError, ranks_phrase
@@ -129,22 +136,33 @@ class StepGuard:
         agreement: "auto", "local", "gradients" or "allreduce".
         max_rollbacks: rollbacks of the same step before giving up.
         divergence_interval: run the cross-rank parameter check every this many steps (None: never).
+        check_gradients: with a DDP model, decide from its all-reduced gradients ("gradients" agreement, which
+            also catches an overflow whose loss is finite). False: decide from the losses alone with one
+            all-reduce per step ("allreduce"), which lets such an overflow reach ``optimizer.step()``. Other
+            models check only the loss either way.
     """
 
     def __init__(self, nan_policy: str = "raise", *, model: nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, checkpointer: AtomicCheckpointer | None = None,
                  restore: Callable[[], int | None] | None = None, group: Any = None, agreement: str = "auto",
-                 max_rollbacks: int = 3, divergence_interval: int | None = None):
+                 max_rollbacks: int = 3, divergence_interval: int | None = None, check_gradients: bool = True):
         if nan_policy not in POLICIES:
             raise ConfigError(f"nan_policy={nan_policy!r}; expected one of {POLICIES}. Fix: pass one of those.")
         if agreement not in AGREEMENTS:
             raise ConfigError(f"agreement={agreement!r}; expected one of {AGREEMENTS}. Fix: pass one of those.")
+        if not isinstance(check_gradients, bool):
+            raise ConfigError(f"check_gradients is {show(check_gradients)}; expected True or False. Fix: pass a bool "
+                              "(with harden(), set health.check_gradients: true or false).")
+        if agreement == "gradients" and not check_gradients:
+            raise ConfigError("agreement='gradients' reads the gradients, but check_gradients=False; expected one "
+                              "or the other. Fix: drop agreement= (auto then agrees by 'allreduce') or drop "
+                              "check_gradients=False.")
         if nan_policy == "rollback" and checkpointer is None and restore is None:
             raise ConfigError("nan_policy='rollback' needs a checkpoint to roll back to; expected checkpointer= or "
                               "restore=. Fix: pass the AtomicCheckpointer you save with (or use harden()).")
         self.nan_policy, self.model, self.optimizer, self.group = nan_policy, model, optimizer, group
         self.checkpointer, self._restore_fn, self.max_rollbacks = checkpointer, restore, max_rollbacks
-        self.divergence_interval = divergence_interval
+        self.divergence_interval, self.check_gradients = divergence_interval, check_gradients
         self.distributed = _dist.is_multi(group)
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
@@ -162,7 +180,8 @@ class StepGuard:
         if wanted == "auto":
             from torch.nn.parallel import DistributedDataParallel
 
-            return "gradients" if isinstance(self.model, DistributedDataParallel) else "allreduce"
+            ddp = isinstance(self.model, DistributedDataParallel)
+            return "gradients" if ddp and self.check_gradients else "allreduce"
         if wanted == "gradients" and self.model is None:
             raise ConfigError("agreement='gradients' needs the DDP model (model=); expected one. Fix: pass model= "
                               "or use agreement='allreduce'.")
@@ -184,8 +203,7 @@ class StepGuard:
     # ------------------------------------------------------------------ the per-step hook
     def __call__(self, loss: Any, step: int) -> StepDecision:
         """Check ``loss`` (a tensor or a float) for step ``step``; act by the policy; see the module docstring."""
-        local_bad = not _is_finite(loss)
-        bad, ranks = self._agree(local_bad)
+        local_bad, bad, ranks = self._agree(loss)
         if not bad:
             if local_bad:
                 log.warning("step %d: the loss is %s on this rank but every gradient is finite after DDP's "
@@ -202,16 +220,19 @@ class StepGuard:
         self.last = decision
         return decision
 
-    def _agree(self, local_bad: bool) -> tuple[bool, tuple[int, ...] | None]:
+    def _agree(self, loss: Any) -> tuple[bool, bool, tuple[int, ...] | None]:
+        """(this rank's loss is non-finite, the ranks agree the step is bad, the ranks named when known)."""
+        if self.agreement == "gradients":  # one host sync on an accelerator, the loss's included
+            loss_finite, grads_finite = check(loss, self._params)
+            return not loss_finite, not grads_finite, None
+        local_bad = not finite_loss(loss)
         if self.agreement == "local":
-            return local_bad, ((0,) if local_bad else ())
-        if self.agreement == "allreduce":
-            flags = torch.zeros(self.world_size, dtype=torch.float32, device=self._device())
-            flags[self.rank] = float(local_bad)
-            dist.all_reduce(flags, group=self.group)
-            named = tuple(r for r, f in enumerate(flags.tolist()) if f)
-            return bool(named), named
-        return not _grads_finite(self._params), None
+            return local_bad, local_bad, ((0,) if local_bad else ())
+        flags = torch.zeros(self.world_size, dtype=torch.float32, device=self._device())
+        flags[self.rank] = float(local_bad)
+        dist.all_reduce(flags, group=self.group)
+        named = tuple(r for r, f in enumerate(flags.tolist()) if f)
+        return local_bad, bool(named), named
 
     def _device(self) -> torch.device:
         return _dist.collective_device(_dist.backend_kind(self.group))
@@ -222,7 +243,7 @@ class StepGuard:
             return ((0,) if local_bad else ()), [_value(loss)]
         values: list[Any] = [None] * self.world_size
         dist.all_gather_object(values, _value(loss), group=self.group)
-        named = tuple(r for r, v in enumerate(values) if not _finite_number(v))
+        named = tuple(r for r, v in enumerate(values) if not finite_number(v))
         return (ranks if ranks is not None and not named else named), values
 
     def _describe(self, step: int, ranks: tuple[int, ...], values: list[Any]) -> str:
@@ -300,48 +321,8 @@ class StepGuard:
         return None
 
 
-def _is_finite(loss: Any) -> bool:
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() == 1:
-            return math.isfinite(loss.item())
-        return bool(torch.isfinite(loss.detach()).all())
-    return _finite_number(loss)
-
-
-def _finite_number(value: Any) -> bool:
-    try:
-        return math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False
-
-
 def _value(loss: Any) -> Any:
     if isinstance(loss, torch.Tensor):
         t = loss.detach()
         return t.item() if t.numel() == 1 else t.float().sum().item()
     return loss
-
-
-def _grads_finite(params: list[torch.Tensor], *, per_tensor: bool | None = None) -> bool:
-    """True when every gradient is finite. ``per_tensor`` (default: when the gradients are on the CPU) reads
-    one float per tensor; otherwise one host read per dtype, which suits accelerators."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        raise ConfigError("step_guard found no gradients on the model; expected it to be called after backward() and "
-                          "before optimizer.step() (and before zero_grad()). Fix: move the call.")
-    # NaN/Inf anywhere makes a sum non-finite (inf + -inf is NaN); low precision sums in float32
-    if per_tensor is None:
-        per_tensor = grads[0].device.type == "cpu"  # one look, not one per tensor: this runs every step
-    if per_tensor:  # no stacking, no temporaries (faster in the P1 benchmark: see benchmarks/RESULTS.md)
-        return math.isfinite(sum(g.sum(dtype=_accumulator(g.dtype)).item() for g in grads))
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype, group in by_dtype.items():  # on an accelerator: one host read per dtype
-        if not math.isfinite(torch.stack([g.sum(dtype=_accumulator(dtype)) for g in group]).sum().item()):
-            return False
-    return True
-
-
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32

@@ -47,18 +47,18 @@ def test_bench_check_passes_misses_and_missing(tmp_path, capsys):
     path.write_text(json.dumps(_results(_all_met())))
     assert check.main([str(path)]) == 0
     worse = _all_met()
-    worse["P3"]["vs_memcpy"] = 3.2
+    worse["P3"]["vs_numpy_uint16"] = 3.2
     del worse["P8"]
     path.write_text(json.dumps(_results(worse)))
     assert check.main([str(path)]) == 1
     out = capsys.readouterr().out
-    assert "MISSED P3 vs_memcpy = 3.2 (target <= 1.5)" in out and "MISSING P8 loader_time_ratio" in out
+    assert "MISSED P3 vs_numpy_uint16 = 3.2 (target <= 1.1)" in out and "MISSING P8 loader_time_ratio" in out
     assert check.main([str(tmp_path / "absent.json")]) == 1
 
 
 def test_results_page_lists_targets_verdicts_and_tables():
     page = run.render(_results(_all_met()))
-    assert page.startswith("# Benchmark results") and "| P1 | `mlp_step_ratio` | 0.51 | <= 1.02 | met |" in page
+    assert page.startswith("# Benchmark results") and "| P1 | `typical_step_ratio` | 0.51 | <= 1.02 | met |" in page
     assert "## P5: t" in page and "| a | 1 | 1 | 2 | 3 |" in page
 
 

@@ -43,7 +43,7 @@ def test_defaults_match_the_documented_values():
                        "local_keep_last": 1, "replicas": 1, "run_name": None},
         "health": {"interval_steps": 300, "hang_timeout": 600.0, "nan_policy": "raise", "check_divergence": True,
                    "hang_action": "dump", "max_rollbacks": 3, "dump_dir": None,
-                   "max_restarts_without_progress": 3},
+                   "max_restarts_without_progress": 3, "check_gradients": True},
         "fsdp": {"shard_modules": "auto", "sharding": "auto", "mixed_precision": None, "cpu_offload": False,
                  "reshard_after_forward": True},
     }
@@ -140,6 +140,11 @@ def test_unknown_section_suggests_the_closest_section():
         ({"health": {"nan_policy": "ignore"}},
          "`health.nan_policy` is 'ignore' (str); expected one of 'raise', 'skip', 'rollback', 'warn'."),
         ({"health": {"interval_steps": True}}, "`health.interval_steps` is True (bool); expected an integer >= 1."),
+        ({"health": {"check_gradients": "no"}},
+         "`health.check_gradients` is 'no' (str); expected true or false. Fix: give a boolean, not a string or a "
+         "number: true (the default: read DDP's gradients) or false (check only the losses, one all-reduce per "
+         "step)."),
+        ({"health": {"check_gradients": 0}}, "`health.check_gradients` is 0 (int); expected true or false. Fix: "),
         ({"data": 5}, "config section `data` is 5 (int); expected a mapping of its fields"),
         ([1, 2], "a config must be a mapping of sections (distributed, data, checkpoint, health, fsdp), got [1, 2] (list)"),
     ],
@@ -191,6 +196,7 @@ def test_env_overlay():
         "ROBUSTDIST_CHECKPOINT_DIR": "/ckpt",
         "ROBUSTDIST_CHECKPOINT_EVERY_N_STEPS": "none",
         "ROBUSTDIST_HEALTH_HANG_TIMEOUT": "90.5",
+        "ROBUSTDIST_HEALTH_CHECK_GRADIENTS": "off",
         "ROBUSTDIST_LOG_LEVEL": "debug",  # not a config section: ignored
         "UNRELATED": "1",
     }
@@ -199,7 +205,7 @@ def test_env_overlay():
     assert cfg.distributed.find_unused_parameters is True
     assert cfg.data.seed == 4 and cfg.data.pin_memory == "auto"
     assert cfg.checkpoint.dir == "/ckpt" and cfg.checkpoint.every_n_steps is None
-    assert cfg.health.hang_timeout == 90.5
+    assert cfg.health.hang_timeout == 90.5 and cfg.health.check_gradients is False
 
 
 def test_env_overlay_reads_os_environ(monkeypatch):
@@ -280,6 +286,7 @@ valid_configs = st.fixed_dictionaries(
             "interval_steps": st.integers(1, 10**6), "hang_timeout": st.one_of(st.none(), seconds_st),
             "nan_policy": st.sampled_from(["raise", "skip", "warn"]), "check_divergence": st.booleans(),
             "hang_action": st.sampled_from(["dump", "abort"]), "max_rollbacks": st.integers(1, 100),
+            "check_gradients": st.booleans(),
             "dump_dir": st.one_of(st.none(), st.just("/tmp/dumps"))}),
     },
 )
@@ -359,4 +366,4 @@ def test_config_reference_lists_every_field_with_its_doc():
     table = config_reference()
     assert "| `distributed.timeout` | `1800.0` | `ROBUSTDIST_DISTRIBUTED_TIMEOUT` | Collective timeout in seconds" in table
     assert "| `checkpoint.dir` | `null` | `ROBUSTDIST_CHECKPOINT_DIR` |" in table
-    assert table.count("\n") + 1 == 2 + 10 + 5 + 10 + 8 + 5
+    assert table.count("\n") + 1 == 2 + 10 + 5 + 10 + 9 + 5

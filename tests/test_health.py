@@ -12,9 +12,12 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from robustdist import harden
+from robustdist._grad_check import check, grads_finite
 from robustdist._watchdog import summarise
 from robustdist.checkpoint import AtomicCheckpointer
 from robustdist.errors import ConfigError, NonFiniteLossError, RankDivergenceError
@@ -157,6 +160,15 @@ def test_step_guard_rejects_bad_settings(single_process):
         StepGuard("rollback")
     with pytest.raises(NonFiniteLossError, match="found no checkpoint to restore.*Fix: save one before"):
         StepGuard("rollback", restore=_no_checkpoint)(float("nan"), 1)
+    for bad, shown in (("no", "'no' (str)"), (0, "0 (int)"), (None, "None (NoneType)")):
+        with pytest.raises(ConfigError) as exc:
+            StepGuard(check_gradients=bad)
+        assert str(exc.value) == (f"check_gradients is {shown}; expected True or False. Fix: pass a bool (with "
+                                  "harden(), set health.check_gradients: true or false).")
+    with pytest.raises(ConfigError, match=r"agreement='gradients' reads the gradients, but check_gradients=False; "
+                                          r"expected one or the other. Fix: drop agreement="):
+        StepGuard(agreement="gradients", check_gradients=False)
+    assert StepGuard(check_gradients=False).agreement == "local"  # one process: the loss alone either way
 
 
 def _no_checkpoint():
@@ -166,8 +178,8 @@ def _no_checkpoint():
 
 
 # ---------------------------------------------------------------------------------------------- NaN on one rank
-def _nan_run(rank, policy, directory, poison_step, always):
-    cfg = {"health": {"nan_policy": policy, "hang_timeout": 60, "max_rollbacks": 2},
+def _nan_run(rank, policy, directory, poison_step, always, check_gradients=True):
+    cfg = {"health": {"nan_policy": policy, "hang_timeout": 60, "max_rollbacks": 2, "check_gradients": check_gradients},
            "checkpoint": {"dir": directory, "every_n_steps": 4},
            "distributed": {"sync_batchnorm": False}}  # with SyncBN, rank 1's NaN batch would reach rank 0's loss
     h = harden(tr.make_model(), tr.make_loader(), cfg)
@@ -231,6 +243,13 @@ def test_nan_on_one_rank_acts_identically_on_every_rank(policy, tmp_path):
         assert not finite  # warn steps with the NaN gradients, as asked
 
 
+def test_nan_on_one_rank_is_caught_on_every_rank_without_reading_gradients(tmp_path):
+    out = run_ranks(_nan_run, 2, args=("raise", str(tmp_path), 6, False, False), init=False, timeout=120)
+    for rank, (kind, message, ranks) in enumerate(out):
+        assert kind == "raised" and ranks == (1,)
+        assert message.startswith(f"[rank {rank}] step 6: a non-finite loss on rank 1 (rank 1: nan)")
+
+
 def test_rollback_continues_from_the_checkpoint_and_ends_where_a_clean_run_ends(tmp_path):
     clean = run_ranks(_clean_run, 2, args=(str(tmp_path / "clean"),), init=False, timeout=120)
     rolled = run_ranks(_nan_run, 2, args=("rollback", str(tmp_path / "nan"), 6, False), init=False, timeout=120)
@@ -278,6 +297,38 @@ def test_gradients_agreement_lets_a_non_finite_loss_with_finite_gradients_pass()
     assert run_ranks(_finite_gradients, 2, init=False, timeout=60) == [("gradients", "ok")] * 2
 
 
+def _three_cases(rank, check_gradients):
+    """Under nan_policy 'skip': (0) a finite loss whose gradients overflow on every rank (as DDP's all-reduce
+    hands them out), (1) a NaN loss on rank 1 that reaches the gradients, (2) a NaN loss on rank 1 that does not."""
+    h = harden(nn.Linear(3, 1), None, {"health": {"hang_timeout": None, "nan_policy": "skip",
+                                                  "check_gradients": check_gradients}})
+    decisions = []
+    try:
+        for step in range(3):
+            x = torch.ones(2, 3)
+            if step == 1 and rank == 1:
+                x[0, 0] = math.nan
+            out = h.model(x).sum()
+            out.backward()
+            if step == 0:
+                with torch.no_grad():
+                    h.model.module.weight.grad[0, 1] = math.inf
+            loss = out + (math.nan if step == 2 and rank == 1 else 0.0)
+            decision = h.step_guard(loss, step)
+            decisions.append((decision.action, decision.ranks))
+            h.model.zero_grad(set_to_none=True)
+    finally:
+        h.close()
+    return h.guard.agreement, decisions
+
+
+def test_check_gradients_false_agrees_on_the_losses_and_lets_a_finite_loss_overflow_through():
+    reading = run_ranks(_three_cases, 2, args=(True,), init=False, timeout=60)
+    assert reading == [("gradients", [("skip", ()), ("skip", (1,)), ("ok", ())])] * 2
+    losses_only = run_ranks(_three_cases, 2, args=(False,), init=False, timeout=60)
+    assert losses_only == [("allreduce", [("ok", ()), ("skip", (1,)), ("skip", (1,))])] * 2
+
+
 # ---------------------------------------------------------------------------------------------- divergence
 def _diverge(rank):
     h = harden(tr.make_model(), tr.make_loader(), {"health": {"interval_steps": 5, "hang_timeout": 60}})
@@ -319,24 +370,184 @@ def test_calling_the_guard_before_backward_is_a_clear_error():
         assert "Fix: move the call" in message
 
 
-@pytest.mark.parametrize("per_tensor", [True, False], ids=["per-tensor", "stacked"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradient_check_finds_every_kind_of_non_finite_value(per_tensor, dtype):
-    from robustdist.health import _grads_finite
-
+@pytest.mark.parametrize("method", ["per_tensor", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gradient_check_finds_every_kind_of_non_finite_value(method, dtype):
     layers = [nn.Linear(4, 3).to(dtype), nn.Linear(3, 2).to(dtype)]
     params = [p for layer in layers for p in layer.parameters()]
     for p in params:
         p.grad = torch.ones_like(p)
-    assert _grads_finite(params, per_tensor=per_tensor)
+    assert grads_finite(params, method=method)
     for bad in (float("nan"), float("inf"), float("-inf")):
         params[2].grad[1, 2] = bad
-        assert not _grads_finite(params, per_tensor=per_tensor), bad
+        assert not grads_finite(params, method=method), bad
         params[2].grad.fill_(1)
     params[0].grad[0, 0], params[3].grad[0] = float("inf"), float("-inf")  # they would cancel in a careless sum
-    assert not _grads_finite(params, per_tensor=per_tensor)
+    assert not grads_finite(params, method=method)
     params[1].grad = None  # a parameter without a gradient (unused this step) is skipped
     params[0].grad.fill_(1), params[3].grad.fill_(1)
-    assert _grads_finite(params, per_tensor=per_tensor)
+    assert grads_finite(params, method=method)
     with pytest.raises(ConfigError, match="no gradients"):
-        _grads_finite([nn.Parameter(torch.ones(2))], per_tensor=per_tensor)
+        grads_finite([nn.Parameter(torch.ones(2))], method=method)
+    with pytest.raises(ConfigError, match=r"method='stacked'; expected one of \('per_tensor', 'fused'\)"):
+        grads_finite(params, method="stacked")
+
+
+# ---------------------------------------------------------------------------------------------- the fused check
+MIXED = (torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16, torch.float16)
+SIZES = (1, 7, 33, 64, 257, 1000)  # shorter and longer than a vector register, with and without a tail
+
+
+def _mixed_grads(dtypes=MIXED, sizes=SIZES) -> list[nn.Parameter]:
+    params = []
+    for i, (dtype, n) in enumerate(zip(dtypes, sizes)):
+        p = nn.Parameter(torch.zeros(n, dtype=dtype))
+        p.grad = (torch.randn(n, generator=torch.Generator().manual_seed(i)) * 100).to(dtype)
+        params.append(p)
+    return params
+
+
+def test_fused_check_finds_nan_and_inf_in_any_one_tensor_of_mixed_dtypes():
+    params = _mixed_grads()
+    assert check(torch.tensor(0.5), params, method="fused") == (True, True)
+    for i, p in enumerate(params):
+        for where in {0, p.numel() // 2, p.numel() - 1}:
+            for bad in (math.nan, math.inf, -math.inf):
+                kept = p.grad[where].clone()
+                p.grad[where] = bad
+                assert not grads_finite(params, method="fused"), (i, p.dtype, where, bad)
+                assert check(torch.tensor(1.0), params, method="fused") == (True, False)
+                p.grad[where] = kept
+    assert grads_finite(params, method="fused")
+    assert check(torch.tensor(math.nan), params, method="fused") == (False, True)  # the loss, read in the same sync
+    assert check(torch.tensor([1.0, -math.inf]), params, method="fused") == (False, True)
+    assert check(math.inf, params, method="fused") == (False, True)  # a Python float needs no device read
+
+
+_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu", "to")
+
+
+def _count_host_reads(monkeypatch) -> list[str]:
+    """Every call that can copy a tensor's value to the host (a host sync on an accelerator), counted.
+    ``to`` is counted only for a move to the CPU."""
+    seen: list[str] = []
+    for name in _SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            to_host = _name != "to" or any(str(a) == "cpu" for a in (*args, *kwargs.values()))
+            if to_host:
+                seen.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("bad", [None, "grad", "loss"])
+def test_fused_check_reads_the_host_once_per_step(monkeypatch, bad):
+    params = _mixed_grads()
+    loss = torch.tensor(math.nan if bad == "loss" else 0.25)
+    if bad == "grad":
+        params[4].grad[3] = math.inf
+    seen = _count_host_reads(monkeypatch)
+    assert check(loss, params, method="fused") == (bad != "loss", bad != "grad")
+    assert seen == ["tolist"]  # the gradients' flag and the loss's, together
+    seen.clear()
+    assert grads_finite(params, method="fused") == (bad != "grad")
+    assert seen == ["item"]
+    seen.clear()
+    grads_finite(params, method="per_tensor")
+    assert len(seen) == len(params)  # the CPU method reads one float per tensor: free on the CPU
+
+
+def test_fused_check_leaves_finite_gradients_bit_for_bit():
+    """The op it runs is GradScaler's unscale with an inverse scale of 1.0: in place, but it must write back
+    exactly what it read, for every finite bit pattern (subnormals, -0.0, the largest finite values)."""
+    params = []
+    for dtype, bits in ((torch.float16, torch.int16), (torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+        every = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16) if bits == torch.int16 else \
+            torch.randint(-2**31, 2**31 - 1, (1 << 16,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        values = every.view(dtype)
+        finite = values[torch.isfinite(values)]
+        finfo = torch.finfo(dtype)
+        extremes = torch.tensor([0.0, -0.0, finfo.max, -finfo.max, finfo.tiny, finfo.smallest_normal / 4], dtype=dtype)
+        grad = torch.cat([finite, extremes])
+        p = nn.Parameter(torch.zeros_like(grad))
+        p.grad = grad
+        params.append(p)
+    before = [(p.grad.data_ptr(), p.grad.clone()) for p in params]
+    assert grads_finite(params, method="fused")
+    for p, (ptr, saved) in zip(params, before):
+        assert p.grad.data_ptr() == ptr and tr.bitwise_equal({"g": p.grad}, {"g": saved}), p.grad.dtype
+
+
+def test_fused_check_falls_back_where_the_fused_op_is_missing(monkeypatch):
+    params = _mixed_grads()
+    overlapping = nn.Parameter(torch.zeros(4))
+    overlapping.grad = torch.ones(1).expand(4)  # the in-place op refuses elements sharing memory
+    assert grads_finite([*params, overlapping], method="fused")
+    overlapping.grad = torch.tensor([math.nan]).expand(4)
+    assert not grads_finite([*params, overlapping], method="fused")
+
+    def missing(*args):
+        raise NotImplementedError("no kernel for this backend")
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", missing)
+    assert grads_finite(params, method="fused")
+    params[1].grad[0] = -math.inf
+    seen = _count_host_reads(monkeypatch)
+    assert check(torch.tensor(1.0), params, method="fused") == (True, False) and seen == ["tolist"]
+
+
+@pytest.mark.parametrize("method", ["per_tensor", "fused"])
+def test_sparse_and_complex_gradients_are_checked_through_every_value(method):
+    sparse = nn.Parameter(torch.zeros(4, 3))
+    sparse.grad = torch.sparse_coo_tensor([[0, 2], [1, 1]], [1.0, 2.0], (4, 3), check_invariants=True)
+    cplx = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    cplx.grad = torch.ones(3, dtype=torch.complex64)
+    assert grads_finite([sparse, cplx], method=method)
+    cplx.grad[1] = complex(1.0, math.nan)  # only the imaginary part: a sum cast to real would lose it
+    assert not grads_finite([sparse, cplx], method=method)
+    cplx.grad[1] = 1
+    sparse.grad = torch.sparse_coo_tensor([[0, 2], [1, 1]], [1.0, math.inf], (4, 3), check_invariants=True)
+    assert not grads_finite([sparse, cplx], method=method)
+
+
+_DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+_SPECIAL = st.sampled_from([math.nan, math.inf, -math.inf])
+# values whose float32 sums cannot overflow, so the per-tensor sums and the fused check must agree exactly
+_MODEST = st.lists(st.one_of(st.floats(-1e4, 1e4), _SPECIAL), min_size=1, max_size=80)
+# any float32 value: huge finite ones too, where only the fused check is exact
+_ANY = st.lists(st.floats(width=32), min_size=1, max_size=80)
+
+
+def _as_params(tensors: list[tuple[torch.dtype, list[float]]]) -> list[nn.Parameter]:
+    params = []
+    for dtype, values in tensors:
+        p = nn.Parameter(torch.zeros(len(values), dtype=dtype))
+        p.grad = torch.tensor(values, dtype=torch.float32).to(dtype)
+        params.append(p)
+    return params
+
+
+def _truth(params: list[nn.Parameter]) -> bool:
+    return all(bool(torch.isfinite(p.grad).all()) for p in params)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(_DTYPES, _MODEST), min_size=1, max_size=6))
+def test_fused_and_per_tensor_checks_agree(tensors):
+    params = _as_params(tensors)
+    fused = grads_finite(params, method="fused")
+    assert fused == grads_finite(params, method="per_tensor") == _truth(params)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(_DTYPES, _ANY), min_size=1, max_size=6))
+def test_fused_check_is_exact_on_any_values(tensors):
+    params = _as_params(tensors)
+    assert grads_finite(params, method="fused") == _truth(params)
+    if not grads_finite(params, method="per_tensor"):  # a huge finite sum overflows: only ever a false alarm
+        return
+    assert _truth(params)

@@ -1,0 +1,231 @@
+"""Launching one peer variant, bounded, and leaving nothing behind.
+
+Every launch (:func:`launch`):
+
+* runs the variant the way :mod:`_common` says: ``python -m torch.distributed.run --standalone
+  --nproc_per_node=2 --max-restarts=R v_<name>.py <flags>``, or ``python v_ray_train.py <flags> --restarts R``
+  for the Ray Train driver (which starts its own local Ray: ``RAY_ADDRESS=local`` and a private
+  ``RAY_TMPDIR``, so it never joins another cluster on this machine, such as the test suite's);
+* starts it in a session of its own, with ``OMP_NUM_THREADS=1`` and a marker variable unique to the launch;
+* stamps every line of its output with the time it arrived (and copies it to ``<workdir>/launch.log``);
+* ends at the first of: the process exiting, ``until(result)`` becoming true (polled), or ``timeout`` seconds;
+* when it has to stop it: SIGTERM to the session's process group, SIGKILL after a grace period, then SIGKILL to
+  every process still carrying the launch's marker (a process that left the group, such as a Ray daemon), by
+  pid. Nothing else is ever signalled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PEERS = Path(__file__).resolve().parent
+VARIANTS = ("plain", "accelerate", "fabric", "ray_train", "robustdist")
+DRIVERS = ("ray_train",)  # launched as a plain driver process, not under torchrun
+MARKER = "ROBUSTDIST_PEERS_LAUNCH"
+TERM_GRACE = 5.0
+
+
+def script(variant: str) -> Path:
+    return PEERS / f"v_{variant}.py"
+
+
+def command(variant: str, flags: list[str], restarts: int = 0) -> list[str]:
+    """The command line that launches ``variant`` with the contract's ``flags``."""
+    path = str(script(variant))
+    if variant in DRIVERS:
+        return [sys.executable, path, *flags, "--restarts", str(restarts)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            f"--max-restarts={restarts}", path, *flags]
+
+
+@dataclass
+class Result:
+    """One launch: its exit, timing, output lines ``(time, text)`` and the events its ranks wrote."""
+
+    variant: str
+    workdir: Path
+    command: list[str]
+    started: float
+    ended: float = 0.0
+    rc: int | None = None
+    timed_out: bool = False
+    stopped: bool = False
+    stalled: bool = False
+    lines: list[tuple[float, str]] = field(default_factory=list)
+
+    def events(self, rank: int | None = None) -> list[dict[str, Any]]:
+        """Every event of every rank (or of ``rank``), in time order; a torn last line is skipped."""
+        out: list[dict[str, Any]] = []
+        for path in sorted(self.workdir.glob("events-rank*.jsonl")):
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if rank is None or record.get("rank") == rank:
+                    out.append(record)
+        return sorted(out, key=lambda r: r.get("t", 0.0))
+
+    def named(self, event: str, rank: int | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events(rank) if e.get("event") == event]
+
+    @property
+    def final(self) -> Path:
+        return self.workdir / "final.pt"
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0 and not self.timed_out and not self.stopped and not self.stalled
+
+    def last_activity(self) -> float:
+        """When the launch last printed a line or wrote an event."""
+        times = [self.started] + [t for t, _ in self.lines[-1:]]
+        times += [p.stat().st_mtime for p in self.workdir.glob("events-rank*.jsonl")]
+        return max(times)
+
+    def describe(self) -> str:
+        if self.stalled:
+            return "stopped: no output and no event for the stall bound (stacks dumped to launch.log)"
+        if self.timed_out:
+            return f"did not finish within its bound ({self.ended - self.started:.0f} s); stopped"
+        if self.stopped:
+            return "stopped by the runner once measured"
+        return f"exit code {self.rc}"
+
+    def tail(self, n: int = 15) -> str:
+        return "\n".join(text for _, text in self.lines[-n:])
+
+
+def launch(variant: str, workdir: Path, flags: list[str], *, restarts: int = 0, timeout: float,
+           until: Callable[[Result], bool] | None = None, stall: float | None = None, poll: float = 0.25,
+           extra_env: dict[str, str] | None = None) -> Result:
+    """Run ``variant`` in ``workdir`` (created) with ``flags`` plus ``--workdir``; see the module docstring.
+
+    ``stall``: stop it when it has printed nothing and written no event for that many seconds (a hang the
+    column does not measure, such as a restart that never gets past init), after SIGABRT to its Python
+    processes running the variant script, which dump their stacks (``PYTHONFAULTHANDLER``) into the log."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker = uuid.uuid4().hex
+    ray_tmp = tempfile.mkdtemp(prefix="rp-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", MARKER: marker,
+           "RAY_ADDRESS": "local", "RAY_TMPDIR": ray_tmp, **(extra_env or {})}
+    cmd = command(variant, [*flags, "--workdir", str(workdir)], restarts)
+    result = Result(variant, workdir, cmd, started=time.time())
+    log = (workdir / "launch.log").open("a", encoding="utf-8")
+    log.write(f"$ {' '.join(cmd)}\n")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, cwd=str(workdir), start_new_session=True)
+    reader = threading.Thread(target=_read, args=(proc, result, log), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                result.timed_out = True
+                break
+            if until is not None and until(result):
+                result.stopped = True
+                break
+            if stall is not None and time.time() - result.last_activity() > stall:
+                result.stalled = True
+                _dump_stacks(marker, proc.pid, script(variant).name)
+                break
+            time.sleep(poll)
+    finally:
+        result.ended = time.time()
+        _stop(proc, marker)
+        reader.join(timeout=10)
+        result.rc = proc.returncode
+        log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return result
+
+
+def _read(proc: subprocess.Popen[bytes], result: Result, log: Any) -> None:
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        now = time.time()
+        text = raw.decode(errors="replace").rstrip("\n")
+        result.lines.append((now, text))
+        try:
+            log.write(f"{now - result.started:8.2f} {text}\n")
+            log.flush()
+        except ValueError:  # the log was closed after a bounded join: the rest is still in result.lines
+            pass
+
+
+def _stop(proc: subprocess.Popen[bytes], marker: str) -> None:
+    """End the launch's process group (TERM, then KILL), then any straggler carrying ``marker``."""
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=TERM_GRACE)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in range(3):
+        left = marked(marker)
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+
+
+def _dump_stacks(marker: str, launcher: int, name: str) -> None:
+    for pid in marked(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if pid != launcher and name.encode() in cmdline:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+    time.sleep(2.0)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def marked(marker: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries ``MARKER=marker``."""
+    needle = f"{MARKER}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if not stat[stat.rfind(b")") + 2:].startswith(b"Z"):
+            found.append(int(entry))
+    return found

@@ -1,0 +1,160 @@
+"""`make bench-peers`' tooling (not its timings: timing is not a test).
+
+* One tiny round of each of the five variants (``benchmarks/peers/v_*.py``) through the runner's own launch
+  code (``_suite.measure`` with the smoke size: the step and save columns): both ranks record their events,
+  rank 0 writes ``final.pt``, and the table renders a row for it. Every launch is bounded by the runner
+  (``Size.launch_timeout``, ``Size.stall``) and killed with everything it started; the test has its own bound.
+  The Ray Train variant starts its own local Ray (the runner sets ``RAY_ADDRESS=local`` and a private
+  ``RAY_TMPDIR``), never the suite's session cluster.
+* The table, the stuck-rank report parsing and the results page, on synthetic data (no processes).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT / "benchmarks" / "peers"
+sys.path.insert(0, str(PEERS))
+try:
+    import _columns as col
+    import _launch
+    import _suite
+    import _table
+finally:
+    sys.path.remove(str(PEERS))
+
+VARIANTS = _launch.VARIANTS
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_tiny_round_of_each_variant(variant, tmp_path):
+    if not _launch.script(variant).exists():
+        pytest.skip(f"benchmarks/peers/v_{variant}.py does not exist yet (written separately)")
+    records = _suite.measure([variant], tmp_path, col.SMOKE, ("step",), log=lambda _: None)
+    rec = records[variant]
+    work = tmp_path / variant / "baseline"
+    log = (work / "launch.log").read_text()[-3000:] if (work / "launch.log").exists() else "(no launch.log)"
+    assert rec["step"]["ok"], f"{variant} did not finish its smoke round: {rec['step']}\n{log}"
+    for rank in (0, 1):
+        events = [e["event"] for e in _launch.Result(variant, work, [], 0.0).events(rank)]
+        assert events.count("step") == col.SMOKE.steps and "start" in events and events[-1] == "done", (rank, events)
+    assert rec["step"]["n"] == col.SMOKE.steps - col.SMOKE.warmup and rec["step"]["median_s"] > 0
+    assert rec["save"]["n"] == col.SMOKE.steps // col.SMOKE.save_every and rec["save"]["median_s"] > 0
+    final = torch.load(work / "final.pt", weights_only=True)
+    assert final and all(torch.isfinite(t).all() for t in final.values() if t.is_floating_point())
+    assert rec["options"], f"{_launch.script(variant).name} has no OPTIONS saying which option it used where"
+    section = _table.section({"variants": records, "size": col.SMOKE.record()})
+    assert f"| {_table.LABELS[variant]} | " in section
+    assert not _procs_of(tmp_path), "a launch left processes behind"
+
+
+def _procs_of(path: Path) -> list[int]:
+    """Processes whose working directory is under ``path`` (every launch runs in its workdir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(path) in str((entry / "cwd").resolve()):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- synthetic
+def _record(step_ms: float, *, ok: bool = True) -> dict:
+    stuck = {"timeout": None, "cap_s": 60.0, "default_s": 1800.0, "stuck_seen": True, "reported": False,
+             "seconds": None, "named": False, "text": None}
+    return {
+        "available": True, "date": "d", "options": {"timeout": "the option"}, "stuck_default_s": 1800.0,
+        "step": {"median_s": step_ms / 1e3, "n": 50, "warmup": 10, "ok": True},
+        "save": {"median_s": 0.004, "blocking_s": 0.002, "n": 8, "every": 5, "ok": True},
+        "resume": {"exact": 2 if ok else 1, "of": 2, "save_every": 5, "reference_ok": True, "points": [
+            {"kill_at": 13, "killed": True, "resumed_from": 10, "equal": True, "init_failures": []},
+            {"kill_at": 37, "killed": True, "resumed_from": 35, "equal": ok,
+             "init_failures": [] if ok else ["RuntimeError: Gloo connectFullMesh failed"]}]},
+        "save_kill": {"intact": 3 if ok else 1, "kills": 3, "asked": 3, "kills_inside_a_save": 3, "finished": True,
+                      "init_failures": [], "restarts": [{"ok": True, "step": 2, "intact": True, "error": None}] * 3},
+        "stuck_default": stuck,
+        "stuck_timeout": {**stuck, "timeout": 10.0, "reported": True, "seconds": 10.4, "named": ok,
+                          "text": "Suspect: rank 1", "kind": "output"},
+        "nan": {"caught": ok, "how": "raised" if ok else "finished with non-finite weights on every rank"},
+        "sync_bn": {"ok": ok, "how": "ran" if ok else "ValueError: SyncBatchNorm layers only work with GPU modules"},
+    }
+
+
+def _synthetic() -> dict:
+    variants = {"plain": _record(5.0, ok=False), "accelerate": _record(6.0), "fabric": _record(5.5),
+                "robustdist": _record(7.5)}
+    variants["ray_train"] = {"available": False, "missing": "v_ray_train.py does not exist", "date": "d"}
+    return {"date": "2026-11-30 23:00 UTC", "command": "python benchmarks/peers/run.py", "wall_seconds": 512.0,
+            "size": col.Size().record(), "machine": {"cpus": "2"}, "variants": variants}
+
+
+def test_the_table_has_a_row_per_variant_and_notes():
+    page = _table.section(_synthetic())
+    rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    assert [r.split(" | ")[0][2:] for r in rows] == [_table.LABELS[v] for v in VARIANTS]
+    assert all(r.count("|") == 10 for r in rows), rows
+    plain, robust = rows[0], rows[-1]
+    assert "| 5 (1.00x) | 4 / 2 | no, 1/2; 1 restart failed at init | 1/3 intact |" in plain
+    assert "| not within 60 s; default 1800 s | 10.4 s, no rank named | no | no |" in plain
+    assert "| 7.5 (1.50x) |" in robust and "10.4 s, names rank 1 | yes | yes |" in robust
+    assert "not run: v_ray_train.py does not exist" in rows[3]
+    assert "restart(s) failed before training started: RuntimeError: Gloo connectFullMesh failed" in page
+    assert "stuck, default bound from torch's `default_pg_timeout`" in page and "timeout: the option" in page
+    assert "does worse than the best peer: step time: 7.5 ms, 1.50x plain torch (pytorch/examples)'s (why" in page
+
+
+def test_the_results_page_carries_the_peers_section_before_the_findings():
+    bench = _suite._bench_run()
+    results = {"date": "d", "command": "c", "machine": {}, "benchmarks": {}}
+    page = bench.render(results, peers=_synthetic())
+    assert _table.TITLE in page and page.index(_table.TITLE) < page.index("## What profiling found")
+    assert _table.TITLE not in bench.render(results, peers=None)
+
+
+def test_a_subset_keeps_the_other_variants_records(tmp_path, monkeypatch):
+    out = tmp_path / "results.json"
+    import json
+
+    out.write_text(json.dumps(_synthetic()))
+    fresh = copy.deepcopy(_synthetic()["variants"]["plain"])
+    monkeypatch.setattr(_suite, "measure", lambda *a, **k: {"plain": fresh})
+    assert _suite.main(["plain", "--out", str(out), "--workdir", str(tmp_path / "w")]) == 0
+    saved = json.loads(out.read_text())
+    assert set(saved["variants"]) == set(VARIANTS) and saved["variants"]["plain"] == fresh
+
+
+def _result(lines: list[tuple[float, str]], events: list[dict], tmp_path: Path) -> _launch.Result:
+    import json
+
+    (tmp_path / "events-rank0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    run = _launch.Result("plain", tmp_path, [], started=0.0)
+    run.lines = lines
+    run.stopped = True
+    return run
+
+
+def test_stuck_report_timing_and_naming(tmp_path):
+    now = time.time()
+    stuck = {"event": "stuck", "rank": 1, "pid": 2, "t": now}
+    summary = [(now + 10.5, "  rank      : 1 (local_rank: 1)"), (now + 10.5, "  exitcode  : -15 (pid: 9)  (SIGTERM)")]
+    gloo = {"event": "error", "rank": 0, "pid": 1, "t": now + 10.2, "type": "RuntimeError",
+            "message": "[pair.cc:537] Timed out waiting 10000ms for recv operation to complete"}
+    found = col._stuck_report(_result(summary, [stuck, gloo], tmp_path), col.Size())
+    # the gloo error names no rank, and torchrun's failure summary (rank 1 SIGTERMed) is not a report
+    assert found["report_t"] == pytest.approx(now + 10.2) and not found["named"], found
+    watchdog = [(now + 10.8, "[rank0]: robustdist watchdog: rank 0 had no beat for 10.8 s"),
+                (now + 11.0, "hang report from rank 0: rank 1 last beat at step 4. Suspect: rank 1.")]
+    found = col._stuck_report(_result(watchdog, [stuck], tmp_path), col.Size())
+    assert found["named"] and found["report_t"] == pytest.approx(now + 10.8) and "Suspect: rank 1" in found["text"]
+    assert col._stuck_report(_result([(now - 5, "timeout 10")], [], tmp_path), col.Size())["stuck_t"] is None
