@@ -20,7 +20,6 @@ import json
 import os
 import shlex
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
