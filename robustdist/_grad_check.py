@@ -37,8 +37,8 @@ def check(loss: Any, params: list[torch.Tensor], *, method: str | None = None) -
     if not grads:
         raise ConfigError("step_guard found no gradients on the model; expected it to be called after backward() and "
                           "before optimizer.step() (and before zero_grad()). Fix: move the call.")
-    if method is None:
-        method = "per_tensor" if grads[0].device.type == "cpu" else "fused"  # one look: this runs every step
+    if method is None:  # "per_tensor" would read each accelerator gradient to the host: any of them rules it out
+        method = "per_tensor" if all(g.device.type == "cpu" for g in grads) else "fused"
     if method == "per_tensor":  # on the CPU faster than "fused", which also writes every gradient back
         return finite_loss(loss), math.isfinite(sum(g.sum(dtype=_accumulator(g.dtype)).item() for g in grads))
     if method != "fused":
@@ -68,6 +68,10 @@ def _fused_flag(grads: list[torch.Tensor]) -> torch.Tensor:
         if device not in found:
             found[device] = torch.zeros(1, dtype=torch.float32, device=device)
             unit[device] = torch.ones(1, dtype=torch.float32, device=device)
+        if device.type not in _FUSED_DEVICES:  # a kernel not checked here (MPS's early one resets the flag per
+            found[device].add_(_sum_flag(group, dtype))  # call and reads inv_scale on the host): the sums
+            continue
+        group_found = torch.zeros(1, dtype=torch.float32, device=device)  # its own flag: no call can clear another's
         # The op is in place (it "unscales" by multiplying with inv_scale), yet it leaves every gradient bit for
         # bit as it was: each of its kernels (CPU, CUDA, XPU) returns the input untouched when inv_scale is
         # exactly 1.0 (`inv_scale == 1.f ? val : val * inv_scale`), and the round trip through its float math
@@ -75,15 +79,23 @@ def _fused_flag(grads: list[torch.Tensor]) -> torch.Tensor:
         # torch._foreach_norm(grads, inf) takes a per-tensor slow path on the CPU, and an isfinite() per tensor
         # allocates a bool tensor per gradient.
         try:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found[device], unit[device])
-        except (NotImplementedError, RuntimeError):  # no kernel for this device or dtype, or overlapping elements
-            total = torch.stack([g.sum(dtype=_accumulator(dtype)) for g in group]).sum()
-            found[device].add_(torch.logical_not(torch.isfinite(total)).to(torch.float32))
+            torch._amp_foreach_non_finite_check_and_unscale_(group, group_found, unit[device])
+        except (AttributeError, RuntimeError):  # no such op (another torch), no kernel for this dtype, or
+            group_found = _sum_flag(group, dtype)  # overlapping elements (NotImplementedError is a RuntimeError)
+        found[device].add_(group_found)
     flags = list(found.values())
     first = flags[0]
     for other in flags[1:]:  # gradients on several devices (pipeline stages in one process): one read still
         first = first + other.to(first.device)
     return first
+
+
+_FUSED_DEVICES = ("cuda", "xpu", "cpu")  # whose kernels leave the flag of earlier calls alone (upstream source read)
+
+
+def _sum_flag(group: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    total = torch.stack([g.sum(dtype=_accumulator(dtype)) for g in group]).sum()
+    return torch.logical_not(torch.isfinite(total)).to(torch.float32).reshape(1)
 
 
 def _plain(grad: torch.Tensor) -> torch.Tensor:

@@ -500,6 +500,45 @@ def test_fused_check_falls_back_where_the_fused_op_is_missing(monkeypatch):
     assert check(torch.tensor(1.0), params, method="fused") == (True, False) and seen == ["tolist"]
 
 
+def test_a_kernel_that_clears_the_flag_cannot_erase_an_earlier_groups_nan(monkeypatch):
+    """Review finding: an early MPS kernel set found_inf to 0 on each call; with one shared flag, a NaN in the
+    first (device, dtype) group was erased by the second call. Every group now has its own flag."""
+    real = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def clearing(grads, found_inf, inv_scale):
+        found_inf.zero_()  # what that kernel did first
+        real(grads, found_inf, inv_scale)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", clearing)
+    params = _mixed_grads()  # several dtypes: several groups on one device
+    params[0].grad[0] = math.nan  # in the first group
+    assert not grads_finite(params, method="fused")
+
+
+def test_the_fused_op_missing_from_torch_falls_back(monkeypatch):
+    monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+    params = _mixed_grads()
+    assert grads_finite(params, method="fused")
+    params[-1].grad[0] = math.inf
+    assert not grads_finite(params, method="fused")
+
+
+def test_one_gradient_off_the_cpu_chooses_the_fused_method(monkeypatch):
+    """The method is chosen from every gradient, not the first: one accelerator gradient among CPU ones must
+    not make the per-tensor path read each accelerator tensor to the host."""
+    from robustdist import _grad_check
+
+    params = _mixed_grads()
+    seen = []
+    monkeypatch.setattr(_grad_check, "_fused_flag", lambda grads: seen.append(len(grads)) or torch.zeros(1))
+    _grad_check.check(torch.tensor(1.0), params)
+    assert seen == []  # all on the CPU: per tensor
+    meta = nn.Parameter(torch.zeros(2, device="meta"))
+    meta.grad = torch.zeros(2, device="meta")  # stands in for an accelerator's tensor (no GPU here)
+    _grad_check.check(torch.tensor(1.0), [*params, meta])
+    assert seen == [len(params) + 1]
+
+
 @pytest.mark.parametrize("method", ["per_tensor", "fused"])
 def test_sparse_and_complex_gradients_are_checked_through_every_value(method):
     sparse = nn.Parameter(torch.zeros(4, 3))
