@@ -233,6 +233,15 @@ class Watchdog:
                           "checkpoint.", rank=self.rank)
         if self._stop.is_set():  # close() is under way: the training thread got past the silence
             return
+        behind = [r for r in report.behind if r != self.rank]
+        if self._hand_over is not None and behind and self.rank not in report.behind:
+            # A rank waiting in a collective on a stuck peer stops beating too. The launcher shows the first error
+            # it sees, so the stuck ranks (live, their own watchdogs firing now) hand theirs over first.
+            defer = self.grace + 2 * self._tick
+            log.warning("health.hang_action='abort': %s behind this rank; handing this rank's hang over in %.1f s, "
+                        "after theirs", ranks_phrase(behind), defer, all_ranks=True)
+            if self._stop.wait(defer):
+                return  # the launcher tore the worker down on the stuck rank's error
         if self._hand_over is not None and self._hand_over(error):
             log.error("health.hang_action='abort': handed the hang to the launcher as this rank's error; exiting "
                       "with code %d if this process is still alive in %g s", HANG_EXIT_CODE, self._hand_over_grace,

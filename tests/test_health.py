@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,9 +19,9 @@ from torch import nn
 
 from robustdist import harden
 from robustdist._grad_check import check, grads_finite
-from robustdist._watchdog import summarise
+from robustdist._watchdog import HangReport, summarise
 from robustdist.checkpoint import AtomicCheckpointer
-from robustdist.errors import ConfigError, NonFiniteLossError, RankDivergenceError
+from robustdist.errors import ConfigError, HangError, NonFiniteLossError, RankDivergenceError
 from robustdist.health import HANG_EXIT_CODE, StepGuard, Watchdog
 from robustdist.testing import run_ranks
 from tests import _training as tr
@@ -93,6 +94,35 @@ def test_abort_exits_with_the_documented_code(single_process):
     assert proc.returncode == HANG_EXIT_CODE == 86
     assert time.monotonic() - start < 20
     assert "had no beat for" in proc.stderr and "exiting with code 86" in proc.stderr
+
+
+def _handing_over(rank, behind, stop_after=None):
+    """``Watchdog._abort`` with a hand-over that records when it was called and then plays the launcher (which
+    tears the worker down, so the watchdog stops); ``stop_after``: the launcher tears down that soon instead."""
+    calls = []
+    w = Watchdog(10, action="abort", rank=rank, world_size=1, grace=0.5, hand_over_grace=30,
+                 hand_over=lambda e: (calls.append((time.monotonic(), e)), w._stop.set())[-1] is None)
+    report = HangReport(rank, 4, 10.0, None, "summary", time.time(), behind=behind)
+    if stop_after is not None:
+        threading.Timer(stop_after, w._stop.set).start()
+    start = time.monotonic()
+    try:
+        w._abort(report, "header", "summary")  # returns (no exit): the "launcher" stopped the watchdog
+    finally:
+        w.close()
+    return [(t - start, e) for t, e in calls]
+
+
+def test_a_rank_waiting_on_a_stuck_peer_hands_its_hang_over_after_the_peer(single_process):
+    # Inside Ray Train the controller shows the first error it sees: the rank that is behind (stuck) goes first,
+    # the ranks merely waiting on it in a collective defer by grace + 2 ticks (0.5 + 2 s here).
+    (waited, error), = _handing_over(0, behind=(1,))
+    assert waited >= 2.5 and isinstance(error, HangError) and error.rank == 0
+    (waited, _), = _handing_over(1, behind=(1,))  # the stuck rank itself: at once
+    assert waited < 1.0
+    (waited, _), = _handing_over(0, behind=())  # nobody behind (compare the dumps): at once
+    assert waited < 1.0
+    assert _handing_over(0, behind=(1,), stop_after=0.3) == []  # torn down on the stuck rank's error meanwhile
 
 
 def _sleep_inside_step(seconds):
