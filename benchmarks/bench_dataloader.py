@@ -2,7 +2,7 @@
 
 Same dataset, batch size, shuffle and worker count; whole epochs, interleaved. The safe loader's extras
 on this path: the epoch bookkeeping, the worker seeder, and the position-tracking index sampler.
-Run: .venv/bin/python benchmarks/bench_dataloader.py [--reps 31]
+Run: .venv/bin/python benchmarks/bench_dataloader.py [--reps 21]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from robustdist.dataloader import safe_dataloader
 
 def main() -> None:
     p = h.parser(__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=31)
+    p.add_argument("--reps", type=int, default=21)
     args = p.parse_args()
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(var, None)

@@ -3,7 +3,7 @@
 Each repetition starts 2 new ranks (run_ranks, no group); both wait for a common start time (so neither
 rank's init includes waiting for the other to finish importing torch) and time only the init call; the
 slower rank's time counts (the job waits for it). Repetitions alternate between the two ways.
-Run: .venv/bin/python benchmarks/bench_init.py [--reps 6]
+Run: .venv/bin/python benchmarks/bench_init.py [--reps 4]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _init(rank: int, safe: bool, start_at: float) -> float:
 
 def main() -> None:
     p = h.parser(__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=6)
+    p.add_argument("--reps", type=int, default=4)
     args = p.parse_args()
     times: dict[str, list[float]] = {"init_process_group": [], "safe_init_process_group": []}
     for rep in range(args.reps):

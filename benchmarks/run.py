@@ -21,6 +21,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -125,7 +126,8 @@ def render(results: dict, peers: dict | None | bool = True) -> str:
         if record.get("setup"):
             lines += [record["setup"], ""]
         if record.get("date"):
-            lines += [f"Measured {record['date']}.", ""]
+            took = f" (the benchmark ran {record['wall_seconds']:.0f} s)" if record.get("wall_seconds") else ""
+            lines += [f"Measured {record['date']}{took}.", ""]
         lines += [f"| method | median ({unit}) | min | max | n |", "|---|---|---|---|---|"]
         for name, s in record["times"].items():
             lines.append(f"| {name} | {s['median'] * scale:.4g} | {s['min'] * scale:.4g} | {s['max'] * scale:.4g} | "
@@ -192,13 +194,18 @@ def main(argv: list[str]) -> int:
     path = HERE / "results.json"
     results = json.loads(path.read_text()) if path.exists() and wanted else {"benchmarks": {}}
     failed = []
+    started = time.monotonic()
     for script in scripts:
+        t0 = time.monotonic()
         record = _run(script)
+        print(f"   {script.name}: {time.monotonic() - t0:.0f} s", flush=True)
         if record is None:
             failed.append(script.name)
         else:
             record["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            record["wall_seconds"] = round(time.monotonic() - t0, 1)  # the benchmark's own run, for the time budget
             results["benchmarks"][record["id"]] = record
+    print(f"make bench: {time.monotonic() - started:.0f} s", flush=True)
     results.update(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    command=" ".join(["python", "benchmarks/run.py", *map(shlex.quote, argv)]), machine=_machine())
     path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")

@@ -50,6 +50,7 @@ class HangReport:
     lost_nodes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     behind: tuple[int, ...] = ()
     store_reachable: bool | None = None
+    waiting_on: tuple[int, ...] = ()  # live ranks this one probably waits on (behind it, silent as long)
 
 
 class Watchdog:
@@ -222,26 +223,29 @@ class Watchdog:
         report = HangReport(self.rank, self._step, idle, path, summary, time.time())
         if found is not None:
             report.lost, report.lost_nodes, report.behind = found.lost, found.lost_nodes, found.behind
-            report.store_reachable = found.store_reachable
+            report.store_reachable, report.waiting_on = found.store_reachable, found.waiting_on
         self.reports.append(report)
         if self.action == "abort":
-            self._abort(report, header, summary)
+            self._abort(report, header, summary, seq)
 
-    def _abort(self, report: HangReport, header: str, summary: str | None) -> None:
+    def _abort(self, report: HangReport, header: str, summary: str | None, seq: int | None = None) -> None:
         error = HangError(f"{header}.{f' {summary}' if summary else ''} Stacks: {report.dump_path or 'stderr'}. "
                           "health.hang_action='abort' ended this worker so that the job restarts from its last "
                           "checkpoint.", rank=self.rank)
         if self._stop.is_set():  # close() is under way: the training thread got past the silence
             return
-        behind = [r for r in report.behind if r != self.rank]
-        if self._hand_over is not None and behind and self.rank not in report.behind:
+        if self._hand_over is not None and report.waiting_on:
             # A rank waiting in a collective on a stuck peer stops beating too. The launcher shows the first error
-            # it sees, so the stuck ranks (live, their own watchdogs firing now) hand theirs over first.
+            # it sees, so the ranks this one waits on (live, their own watchdogs firing now) hand theirs over first.
             defer = self.grace + 2 * self._tick
-            log.warning("health.hang_action='abort': %s behind this rank; handing this rank's hang over in %.1f s, "
-                        "after theirs", ranks_phrase(behind), defer, all_ranks=True)
+            log.warning("health.hang_action='abort': this rank probably waits on %s; acting on this rank's hang in "
+                        "%.1f s, after theirs", ranks_phrase(report.waiting_on), defer, all_ranks=True)
             if self._stop.wait(defer):
-                return  # the launcher tore the worker down on the stuck rank's error
+                return  # closed meanwhile: the training thread got past the silence (its collective ended)
+            if seq is not None and self._seq != seq:
+                log.warning("beats resumed at step %s while waiting; not acting on the hang", self._step,
+                            all_ranks=True)
+                return
         if self._hand_over is not None and self._hand_over(error):
             log.error("health.hang_action='abort': handed the hang to the launcher as this rank's error; exiting "
                       "with code %d if this process is still alive in %g s", HANG_EXIT_CODE, self._hand_over_grace,

@@ -294,6 +294,7 @@ class Findings:
     lost_nodes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     behind: tuple[int, ...] = ()
     store_reachable: bool = True
+    waiting_on: tuple[int, ...] = ()  # live ranks behind this one and silent at least as long (:func:`waited_on`)
 
 
 def findings(box: Collected, *, rank: int, node: str, world_size: int, interval: float, stale_after: float,
@@ -325,7 +326,23 @@ def findings(box: Collected, *, rank: int, node: str, world_size: int, interval:
     verdict = f" Suspect: {ranks_phrase(suspects)}." if suspects else ""
     nodes = lost_by_node(records, lost)
     return Findings(f"{head}: {'; '.join(parts)}.{verdict}{_fix(records, lost, nodes, behind)}", tuple(lost), nodes,
-                    tuple(behind))
+                    tuple(behind), waiting_on=waited_on(alive, rank))
+
+
+def waited_on(alive: dict[int, dict[str, Any]], rank: int) -> tuple[int, ...]:
+    """The live ranks ``rank`` is probably waiting on: behind it by (step, beats) and silent at least as long
+    (their last beat no later than its own). Both, because beat counts alone can mislead: a rank that ran extra
+    forwards (an evaluation on rank 0) is ahead by beats though it may be the one stuck, and then its last beat
+    is the earlier one."""
+    me = alive.get(rank)
+    if me is None:
+        return ()
+
+    def order(rec: dict[str, Any]) -> tuple[int, int]:
+        return (rec["step"] if rec["step"] is not None else -1, rec["seq"])
+
+    return tuple(sorted(r for r, rec in alive.items()
+                        if r != rank and order(rec) < order(me) and rec["beat_wall"] <= me["beat_wall"]))
 
 
 def _fix(records: dict[int, dict[str, Any]], lost: list[int], nodes: dict[str, tuple[int, ...]],

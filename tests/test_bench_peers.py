@@ -114,6 +114,22 @@ def test_the_table_has_a_row_per_variant_and_notes():
     assert "does worse than the best peer: step time: 7.5 ms, 1.50x plain torch (pytorch/examples)'s (why" in page
 
 
+def test_the_restart_columns_give_torchrun_a_fresh_store_unless_asked_and_say_which():
+    size = col.Size()
+    assert size.fresh_store and size.restart_env("plain") == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert size.restart_env("robustdist") == size.restart_env("fabric") == size.restart_env("plain")
+    assert size.restart_env("ray_train") == {}  # no torchrun there
+    assert size.restart_stall("ray_train") == 2 * size.restart_stall("plain") == 2 * size.stall
+    shared = col.Size(fresh_store=False)
+    assert shared.restart_env("plain") == {}
+    assert _suite.parse(["--shared-store", "plain"]).shared_store and not _suite.parse([]).shared_store
+    results = _synthetic()
+    results["size"] = {**results.get("size", {}), "fresh_store": True}
+    assert "torchrun runs with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`" in _table.section(results)
+    results["size"]["fresh_store"] = False
+    assert "use torchrun's default shared store (`run.py --shared-store`)" in _table.section(results)
+
+
 def test_the_results_page_carries_the_peers_section_before_the_findings():
     bench = _suite._bench_run()
     results = {"date": "d", "command": "c", "machine": {}, "benchmarks": {}}

@@ -96,33 +96,57 @@ def test_abort_exits_with_the_documented_code(single_process):
     assert "had no beat for" in proc.stderr and "exiting with code 86" in proc.stderr
 
 
-def _handing_over(rank, behind, stop_after=None):
-    """``Watchdog._abort`` with a hand-over that records when it was called and then plays the launcher (which
-    tears the worker down, so the watchdog stops); ``stop_after``: the launcher tears down that soon instead."""
+def _handing_over(rank, waiting_on, stop_after=None, beat_after=None):
+    """``Watchdog._abort`` with a hand-over that records when it was called and then stops the watchdog (so
+    ``_abort`` returns instead of exiting); ``stop_after``: ``close()`` comes that soon instead; ``beat_after``:
+    the training thread beats again that soon."""
     calls = []
     w = Watchdog(10, action="abort", rank=rank, world_size=1, grace=0.5, hand_over_grace=30,
                  hand_over=lambda e: (calls.append((time.monotonic(), e)), w._stop.set())[-1] is None)
-    report = HangReport(rank, 4, 10.0, None, "summary", time.time(), behind=behind)
-    if stop_after is not None:
-        threading.Timer(stop_after, w._stop.set).start()
+    report = HangReport(rank, 4, 10.0, None, "summary", time.time(), waiting_on=waiting_on)
+    timers = [threading.Timer(stop_after, w._stop.set)] if stop_after is not None else []
+    timers += [threading.Timer(beat_after, w.beat)] if beat_after is not None else []
+    for t in timers:
+        t.start()
     start = time.monotonic()
     try:
-        w._abort(report, "header", "summary")  # returns (no exit): the "launcher" stopped the watchdog
+        w._abort(report, "header", "summary", w._seq)
     finally:
+        for t in timers:
+            t.join()
         w.close()
     return [(t - start, e) for t, e in calls]
 
 
 def test_a_rank_waiting_on_a_stuck_peer_hands_its_hang_over_after_the_peer(single_process):
-    # Inside Ray Train the controller shows the first error it sees: the rank that is behind (stuck) goes first,
-    # the ranks merely waiting on it in a collective defer by grace + 2 ticks (0.5 + 2 s here).
-    (waited, error), = _handing_over(0, behind=(1,))
+    # Inside Ray Train the controller shows the first error it sees: a rank waiting on others (behind it and
+    # silent as long) defers by grace + 2 ticks (0.5 + 2 s here), so the stuck rank's error comes first.
+    (waited, error), = _handing_over(0, waiting_on=(1,))
     assert waited >= 2.5 and isinstance(error, HangError) and error.rank == 0
-    (waited, _), = _handing_over(1, behind=(1,))  # the stuck rank itself: at once
+    (waited, _), = _handing_over(1, waiting_on=())  # the stuck rank itself (or nobody behind): at once
     assert waited < 1.0
-    (waited, _), = _handing_over(0, behind=())  # nobody behind (compare the dumps): at once
-    assert waited < 1.0
-    assert _handing_over(0, behind=(1,), stop_after=0.3) == []  # torn down on the stuck rank's error meanwhile
+    assert _handing_over(0, waiting_on=(1,), stop_after=0.3) == []  # closed meanwhile: nothing to act on
+    assert _handing_over(0, waiting_on=(1,), beat_after=0.3) == []  # beats resumed meanwhile: not a hang any more
+
+
+def _rec(step, seq, beat_wall):
+    return {"step": step, "seq": seq, "beat_wall": beat_wall}
+
+
+def test_which_ranks_a_rank_waits_on():
+    from robustdist._watchdog_store import waited_on
+
+    # Rank 1 slept at step 4 (beat #22, t=100); rank 0 beat on in its forward (#24, t=101), then waited.
+    alive = {0: _rec(4, 24, 101.0), 1: _rec(4, 22, 100.0)}
+    assert waited_on(alive, 0) == (1,) and waited_on(alive, 1) == ()
+    # Rank 0 ran extra forwards earlier (ahead by beats) and is the one stuck: its last beat is the earlier one,
+    # so it waits on nobody and acts at once, and rank 1 (behind by beats) is not behind it in silence either.
+    alive = {0: _rec(4, 30, 100.0), 1: _rec(4, 22, 101.0)}
+    assert waited_on(alive, 0) == () and waited_on(alive, 1) == ()
+    # Three ranks: rank 2 stuck; rank 1 waits on it; rank 0 waits on both.
+    alive = {0: _rec(4, 9, 102.0), 1: _rec(4, 6, 101.0), 2: _rec(4, 5, 100.0)}
+    assert waited_on(alive, 2) == () and waited_on(alive, 1) == (2,) and waited_on(alive, 0) == (1, 2)
+    assert waited_on({1: _rec(None, 0, 1.0)}, 0) == ()  # this rank's own record missing: nothing known
 
 
 def _sleep_inside_step(seconds):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -92,18 +93,21 @@ def measure(variants: list[str], root: Path, size: col.Size, columns: tuple[str,
     if "step" in columns:
         for v in present:
             log(f"== {v}: step and save")
-            records[v]["step"], records[v]["save"], references[v] = col.baseline(v, root / v / "baseline", size)
+            (records[v]["step"], records[v]["save"], references[v]), seconds = _timed(
+                partial(col.baseline, v, root / v / "baseline", size))
+            log(f"   {v}: step and save done ({seconds:.0f} s)")
     jobs = _jobs(present, root, size, columns, references, records)
     if jobs:
         log(f"== {len(jobs)} launches for the other columns, in lanes")
         drivers = ThreadPoolExecutor(DRIVER_LANES, thread_name_prefix="peers-ray")
         others = ThreadPoolExecutor(TORCHRUN_LANES, thread_name_prefix="peers-torchrun")
         with drivers, others:
-            futures = [((drivers if v in DRIVERS else others).submit(fn), v, key, label) for v, key, label, fn in jobs]
+            futures = [((drivers if v in DRIVERS else others).submit(_timed, fn), v, key, label)
+                       for v, key, label, fn in jobs]
             points: dict[str, list[dict[str, Any]]] = {}
             for future, v, key, label in futures:
-                value = future.result()
-                log(f"   {v}: {label} done")
+                value, seconds = future.result()
+                log(f"   {v}: {label} done ({seconds:.0f} s)")
                 if key == "resume":
                     points.setdefault(v, []).append(value)
                 else:
@@ -111,6 +115,11 @@ def measure(variants: list[str], root: Path, size: col.Size, columns: tuple[str,
         for v, pts in points.items():
             records[v]["resume"] = col.resume_exact(pts, size, references[v])
     return records
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    return fn(), time.monotonic() - t0
 
 
 def _jobs(present: list[str], root: Path, size: col.Size, columns: tuple[str, ...], references: dict[str, Any],
@@ -175,6 +184,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="make bench-peers: the peer table")
     p.add_argument("variants", nargs="*", help=f"a subset of {', '.join(VARIANTS)} (default: all)")
     p.add_argument("--smoke", action="store_true", help="tiny: the step and save columns only")
+    p.add_argument("--shared-store", action="store_true", help="run the restart columns (resume exact, save "
+                   "survives a kill) under torchrun's default shared store instead of "
+                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13: restarts then often fail or hang at init)")
     p.add_argument("--out", type=Path, default=None, help="results file (default: benchmarks/peers/results.json; "
                    "with --smoke, none unless given)")
     p.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a fresh temporary "
@@ -190,6 +202,8 @@ def main(argv: list[str]) -> int:
         return 2
     variants = [v for v in VARIANTS if v in args.variants] if args.variants else list(VARIANTS)
     size, columns = (col.SMOKE, ("step",)) if args.smoke else (col.Size(), COLUMNS)
+    if args.shared_store:
+        size = dataclasses.replace(size, fresh_store=False)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="robustdist-peers-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"make bench-peers: {', '.join(variants)}; runs in {root}", flush=True)

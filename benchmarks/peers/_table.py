@@ -213,7 +213,13 @@ def section(results: dict[str, Any]) -> str:
              f"- resume exact: rank 1 SIGKILLed at steps {', '.join(map(str, size.get('kill_points', [])))} (not "
              "save steps), then a restart; final weights bitwise equal to the uninterrupted run's? Restarts are "
              f"torchrun's `--max-restarts` (Ray: `FailureConfig(max_failures)`) with {size.get('spare_restarts', 0)} "
-             "spare, so that a restart that fails at init is retried; those failures are counted.",
+             "spare, so that a restart that fails at init is retried; those failures are counted. " + (
+                 "In both restart columns torchrun runs with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, every torchrun "
+                 "variant alike (robustdist too): with torch 2.13's default shared store a restart often fails or "
+                 "hangs at init whatever the checkpoints do (findings, \"Peers\"), which `run.py --shared-store` "
+                 "measures instead." if size.get("fresh_store") else
+                 "Both restart columns use torchrun's default shared store (`run.py --shared-store`): there a "
+                 "restart can fail or hang at init whatever the checkpoints do."),
              f"- save survives a kill: rank 0 SIGKILLed at a random moment of a save, {size.get('kill_saves', '?')} "
              "times, a save every step, the state padded by a 16 MiB buffer (every variant alike) so that a save "
              "lasts long enough for the kill to land inside it; after each restart, did the newest loadable "
