@@ -267,7 +267,7 @@ def describe_lost(records: dict[int, dict[str, Any]], lost: list[int], now: floa
 
 def progress(records: dict[int, dict[str, Any]], now: float) -> tuple[list[str], list[int], tuple[int, int]]:
     """``(phrases, ranks behind, best (step, seq))`` comparing the ranks in ``records`` by (step, beats)."""
-    order = {r: (rec["step"] if rec["step"] is not None else -1, rec["seq"]) for r, rec in records.items()}
+    order = {r: _progress(rec) for r, rec in records.items()}
     best = max(order.values())
     behind = sorted((r for r in records if order[r] < best), key=lambda r: (order[r], r))
     parts = []
@@ -279,6 +279,11 @@ def progress(records: dict[int, dict[str, Any]], now: float) -> tuple[list[str],
     if behind:
         parts.append(f"{ranks_phrase(r for r in records if order[r] == best)} at step {_step(best)}")
     return parts, behind, best
+
+
+def _progress(rec: dict[str, Any]) -> tuple[int, int]:
+    """A rank's progress, compared across ranks: (step, beats), a step of None (no step yet) lowest."""
+    return (rec["step"] if rec["step"] is not None else -1, rec["seq"])
 
 
 def _step(best: tuple[int, int]) -> int | None:
@@ -337,12 +342,8 @@ def waited_on(alive: dict[int, dict[str, Any]], rank: int) -> tuple[int, ...]:
     me = alive.get(rank)
     if me is None:
         return ()
-
-    def order(rec: dict[str, Any]) -> tuple[int, int]:
-        return (rec["step"] if rec["step"] is not None else -1, rec["seq"])
-
     return tuple(sorted(r for r, rec in alive.items()
-                        if r != rank and order(rec) < order(me) and rec["beat_wall"] <= me["beat_wall"]))
+                        if r != rank and _progress(rec) < _progress(me) and rec["beat_wall"] <= me["beat_wall"]))
 
 
 def _fix(records: dict[int, dict[str, Any]], lost: list[int], nodes: dict[str, tuple[int, ...]],
