@@ -38,7 +38,7 @@ bench: venv
 
 # The same small DDP job in plain torch, Accelerate, Lightning Fabric, Ray Train and robustdist, side by side
 # (step, save, exact resume, a kill in a save, a stuck rank, NaN, CPU SyncBN); writes benchmarks/peers/results.json
-# and its section of RESULTS.md. `make bench-peers PEERS="plain robustdist"` re-runs only those. About 11 minutes.
+# and its section of RESULTS.md. `make bench-peers PEERS="plain robustdist"` re-runs only those. About 9 minutes.
 PEERS ?=
 bench-peers: venv
 	$(PY) benchmarks/peers/run.py $(PEERS)

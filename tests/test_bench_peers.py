@@ -4,14 +4,16 @@
   code (``_suite.measure`` with the smoke size: the step and save columns): both ranks record their events,
   rank 0 writes ``final.pt``, and the table renders a row for it. Every launch is bounded by the runner
   (``Size.launch_timeout``, ``Size.stall``) and killed with everything it started; the test has its own bound.
-  The Ray Train variant starts its own local Ray (the runner sets ``RAY_ADDRESS=local`` and a private
-  ``RAY_TMPDIR``), never the suite's session cluster.
+  The Ray Train variant connects to the one Ray head the runner starts for the run (``_launch.ray_cluster``:
+  its own port, temporary directory and token), never the suite's session cluster; the head is tested alone too.
 * The table, the stuck-rank report parsing and the results page, on synthetic data (no processes).
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +56,21 @@ def test_one_tiny_round_of_each_variant(variant, tmp_path):
     section = _table.section({"variants": records, "size": col.SMOKE.record()})
     assert f"| {_table.LABELS[variant]} | " in section
     assert not _procs_of(tmp_path), "a launch left processes behind"
+    assert not [m for m in _launch.CLUSTER_MARKERS if _launch.marked(m)], "the run's Ray head left processes behind"
+
+
+@pytest.mark.timeout(180)
+def test_the_runs_ray_head_serves_a_driver_and_leaves_nothing_behind():
+    """The one Ray head a run starts for its Ray Train launches (``_launch.ray_cluster``): a driver given its
+    environment connects to it (its token, its CPUs), and leaving the ``with`` ends every process it started."""
+    code = "import ray; ray.init(); print('CPUS', ray.cluster_resources().get('CPU')); ray.shutdown()"
+    with _launch.ray_cluster(cpus=3) as cluster:
+        assert _launch.marked(cluster.marker), "the head's processes do not carry its marker"
+        env = {**os.environ, **cluster.env, "RAY_USAGE_STATS_ENABLED": "0"}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert "CPUS 3.0" in out.stdout, out.stdout[-1000:] + out.stderr[-2000:]
+    assert not _launch.marked(cluster.marker), "the head left processes behind"
+    assert not Path(cluster.temp_dir).exists()
 
 
 def _procs_of(path: Path) -> list[int]:

@@ -35,8 +35,8 @@ class Size:
     warmup: int = 10
     save_every: int = 5
     kill_points: tuple[int, ...] = (13, 37)
-    kill_saves: int = 4
-    kill_save_steps: int = 16
+    kill_saves: int = 3
+    kill_save_steps: int = 12  # each attempt gets at most 3 steps further (its third save is cut): 3 x 3 < 12
     stuck_at: int = 5
     stuck_cap: float = 20.0
     timeout: float = 10.0

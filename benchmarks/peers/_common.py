@@ -26,8 +26,9 @@ Flags (:func:`parser`), the same for every variant:
   ``--max-restarts`` instead.
 
 Launch: every variant but Ray Train is ``torchrun --standalone --nproc_per_node=2 v_<name>.py <flags>``; the
-Ray Train variant is a driver, ``python v_ray_train.py <flags>``, that starts its own local Ray
-(``ray.init(num_cpus=2)``), runs a ``TorchTrainer`` with 2 workers, and shuts Ray down.
+Ray Train variant is a driver, ``python v_ray_train.py <flags>``, that connects to the local Ray head the runner
+started for the run (or, outside the runner, starts its own: ``ray.init(num_cpus=2)``), runs a ``TorchTrainer``
+with 2 workers, and disconnects.
 
 Events (:class:`Events`): JSON lines in ``DIR/events-rank<r>.jsonl``, each with ``event``, ``rank``, ``pid``
 and ``t`` (``time.time()``):

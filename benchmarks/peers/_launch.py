@@ -4,8 +4,9 @@ Every launch (:func:`launch`):
 
 * runs the variant the way :mod:`_common` says: ``python -m torch.distributed.run --standalone
   --nproc_per_node=2 --max-restarts=R v_<name>.py <flags>``, or ``python v_ray_train.py <flags> --restarts R``
-  for the Ray Train driver (which starts its own local Ray: ``RAY_ADDRESS=local`` and a private
-  ``RAY_TMPDIR``, so it never joins another cluster on this machine, such as the test suite's);
+  for the Ray Train driver. Inside :func:`ray_cluster` the driver connects to that run's own Ray head
+  (``RAY_ADDRESS`` and a token of its own); outside, it starts its own local Ray (``RAY_ADDRESS=local``, a
+  private ``RAY_TMPDIR``). Either way it never joins another cluster on this machine, such as the test suite's;
 * starts it in a session of its own, with ``OMP_NUM_THREADS=1`` and a marker variable unique to the launch;
 * stamps every line of its output with the time it arrived (and copies it to ``<workdir>/launch.log``);
 * ends at the first of: the process exiting, ``until(result)`` becoming true (polled), or ``timeout`` seconds;
@@ -16,9 +17,12 @@ Every launch (:func:`launch`):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -26,7 +30,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +39,10 @@ PEERS = Path(__file__).resolve().parent
 VARIANTS = ("plain", "accelerate", "fabric", "ray_train", "robustdist")
 DRIVERS = ("ray_train",)  # launched as a plain driver process, not under torchrun
 MARKER = "ROBUSTDIST_PEERS_LAUNCH"
+JOB_MARKER = "ROBUSTDIST_PEERS_RAY_JOB"  # a launch's marker on its Ray workers (which keep the cluster's MARKER)
 TERM_GRACE = 5.0
+_RAY_ENV: dict[str, str] = {}  # set by ray_cluster(): how the Ray Train launches reach that run's cluster
+CLUSTER_MARKERS: list[str] = []  # of every ray_cluster() this process started (the tests check none is left)
 
 
 def script(variant: str) -> Path:
@@ -121,7 +128,8 @@ def launch(variant: str, workdir: Path, flags: list[str], *, restarts: int = 0, 
     marker = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="rp-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", MARKER: marker,
-           "RAY_ADDRESS": "local", "RAY_TMPDIR": ray_tmp, **(extra_env or {})}
+           "RAY_ADDRESS": "local", "RAY_TMPDIR": ray_tmp, **(_RAY_ENV if variant in DRIVERS else {}),
+           **(extra_env or {})}
     cmd = command(variant, [*flags, "--workdir", str(workdir)], restarts)
     result = Result(variant, workdir, cmd, started=time.time())
     log = (workdir / "launch.log").open("a", encoding="utf-8")
@@ -147,11 +155,87 @@ def launch(variant: str, workdir: Path, flags: list[str], *, restarts: int = 0, 
     finally:
         result.ended = time.time()
         _stop(proc, marker)
+        if variant in DRIVERS and _RAY_ENV:  # its workers, started by the shared head: Ray ends a dead driver's
+            _sweep(marker, name=JOB_MARKER, bound=5.0)  # job too, this makes it certain before the next launch
         reader.join(timeout=10)
         result.rc = proc.returncode
         log.close()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     return result
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    """A running :func:`ray_cluster`: ``env`` is what a driver needs to connect; every process the head started
+    carries ``MARKER=marker``."""
+
+    address: str
+    env: dict[str, str]
+    marker: str
+    temp_dir: str
+
+
+@contextlib.contextmanager
+def ray_cluster(cpus: int, timeout: float = 90.0) -> Iterator[RayCluster]:
+    """One local Ray head for every Ray Train launch inside the ``with`` (``ray start --head --block``, as a
+    long-lived cluster is used): ``cpus`` logical CPUs, a free port on 127.0.0.1, no dashboard, a private
+    ``--temp-dir`` and token authentication with a token of its own. :func:`launch` gives the Ray Train launches
+    inside the ``with`` the environment to connect to it (:attr:`RayCluster.env`).
+
+    Why: each driver starting its own cluster cost about 7 s and 6 CPU-seconds per launch on two cores, and
+    several clusters at once competed with the launches. A launch stopped by the runner takes its actors with it
+    (Ray ends a dead driver's job; the variant also gives its workers the launch's marker as
+    :data:`JOB_MARKER`, which :func:`launch` kills). On exit every process the cluster started (they all carry
+    its :data:`MARKER`) is killed, by pid, until none has appeared for 2 s."""
+    global _RAY_ENV
+    marker, token = uuid.uuid4().hex, secrets.token_hex(16)
+    CLUSTER_MARKERS.append(marker)
+    tmp = tempfile.mkdtemp(prefix="rc-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", MARKER: marker, **auth}
+    ray = Path(sys.executable).with_name("ray")
+    cmd = [str(ray)] if ray.exists() else [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
+    cmd += ["start", "--head", "--block", f"--num-cpus={cpus}", "--num-gpus=0", "--node-ip-address=127.0.0.1",
+            f"--port={port}", "--include-dashboard=false", f"--temp-dir={tmp}", "--disable-usage-stats"]
+    log = open(Path(tmp) / "ray-start.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    try:
+        raylet = Path(tmp) / "session_latest" / "sockets" / "raylet"
+        deadline = time.monotonic() + timeout
+        while not raylet.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                tail = (Path(tmp) / "ray-start.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"bench-peers: the Ray head for the Ray Train launches did not start within "
+                                   f"{timeout:g} s (exit {proc.poll()}); `ray start` said:\n{tail}")
+            time.sleep(0.25)
+        _RAY_ENV = {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth}
+        yield RayCluster(f"127.0.0.1:{port}", dict(_RAY_ENV), marker, tmp)
+    finally:
+        _RAY_ENV = {}
+        _stop(proc, marker)
+        _sweep(marker)  # a worker the raylet was starting as it died can appear after _stop's sweeps
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sweep(marker: str, name: str = MARKER, bound: float = 30.0, quiet: int = 10) -> None:
+    """SIGKILL every process carrying ``name=marker`` until ``quiet`` sweeps in a row (0.2 s apart) find none, for
+    at most ``bound`` seconds."""
+    deadline, calm = time.monotonic() + bound, 0
+    while calm < quiet and time.monotonic() < deadline:
+        left = marked(marker, name)
+        calm = 0 if left else calm + 1
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
 
 
 def _read(proc: subprocess.Popen[bytes], result: Result, log: Any) -> None:
@@ -211,9 +295,9 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def marked(marker: str) -> list[int]:
-    """Live processes (not zombies) whose environment carries ``MARKER=marker``."""
-    needle = f"{MARKER}={marker}".encode()
+def marked(marker: str, name: str = MARKER) -> list[int]:
+    """Live processes (not zombies) whose environment carries ``name=marker``."""
+    needle = f"{name}={marker}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -30,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import _columns as col
-from _launch import DRIVERS, PEERS, VARIANTS, script
+from _launch import DRIVERS, PEERS, VARIANTS, ray_cluster, script
 
 BENCH = PEERS.parent
 RESULTS = PEERS / "results.json"
 COLUMNS = ("step", "resume", "save_kill", "stuck", "nan", "sync_bn")  # "step" also measures "save"
-DRIVER_LANES = 2  # Ray Train launches at once (each starts its own Ray)
+DRIVER_LANES = 2  # Ray Train launches at once (on one Ray head with 2 CPUs per lane)
 TORCHRUN_LANES = 3  # torchrun launches at once
 
 
@@ -78,7 +79,9 @@ def measure(variants: list[str], root: Path, size: col.Size, columns: tuple[str,
 
     The timed columns (step, save) run first, one launch at a time. The others measure outcomes, not speed
     (a bitwise comparison, a count of intact checkpoints, a timeout's seconds), so they run in lanes: up to
-    :data:`DRIVER_LANES` Ray Train launches and :data:`TORCHRUN_LANES` torchrun launches at once."""
+    :data:`DRIVER_LANES` Ray Train launches and :data:`TORCHRUN_LANES` torchrun launches at once. Every Ray Train
+    launch connects to one local Ray head started for the run (:func:`_launch.ray_cluster`). Each record's
+    ``launches`` lists its launches' seconds (and, for the lanes, when each began, from the first launch)."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     records: dict[str, dict[str, Any]] = {}
     present = []
@@ -90,11 +93,22 @@ def measure(variants: list[str], root: Path, size: col.Size, columns: tuple[str,
         records[v] = {"available": True, "date": now, "options": options, "stuck_default_s": default}
         present.append(v)
     references: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        if any(v in DRIVERS for v in present):
+            stack.enter_context(ray_cluster(cpus=2 * DRIVER_LANES))  # the Ray Train launches share one head
+        _columns_of(present, root, size, columns, records, references, log)
+    return records
+
+
+def _columns_of(present: list[str], root: Path, size: col.Size, columns: tuple[str, ...],
+                records: dict[str, dict[str, Any]], references: dict[str, Any], log: Any) -> None:
+    t_run = time.monotonic()
     if "step" in columns:
         for v in present:
             log(f"== {v}: step and save")
             (records[v]["step"], records[v]["save"], references[v]), seconds = _timed(
                 partial(col.baseline, v, root / v / "baseline", size))
+            records[v]["launches"] = [{"label": "step and save", "seconds": round(seconds, 1)}]
             log(f"   {v}: step and save done ({seconds:.0f} s)")
     jobs = _jobs(present, root, size, columns, references, records)
     if jobs:
@@ -102,11 +116,13 @@ def measure(variants: list[str], root: Path, size: col.Size, columns: tuple[str,
         drivers = ThreadPoolExecutor(DRIVER_LANES, thread_name_prefix="peers-ray")
         others = ThreadPoolExecutor(TORCHRUN_LANES, thread_name_prefix="peers-torchrun")
         with drivers, others:
-            futures = [((drivers if v in DRIVERS else others).submit(_timed, fn), v, key, label)
+            futures = [((drivers if v in DRIVERS else others).submit(_timed, fn, t_run), v, key, label)
                        for v, key, label, fn in jobs]
             points: dict[str, list[dict[str, Any]]] = {}
             for future, v, key, label in futures:
-                value, seconds = future.result()
+                value, seconds, began = future.result()
+                records[v].setdefault("launches", []).append(
+                    {"label": label, "seconds": round(seconds, 1), "began_s": round(began, 1)})
                 log(f"   {v}: {label} done ({seconds:.0f} s)")
                 if key == "resume":
                     points.setdefault(v, []).append(value)
@@ -114,17 +130,20 @@ def measure(variants: list[str], root: Path, size: col.Size, columns: tuple[str,
                     records[v][key] = value
         for v, pts in points.items():
             records[v]["resume"] = col.resume_exact(pts, size, references[v])
-    return records
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+def _timed(fn: Callable[[], Any], t_run: float | None = None) -> Any:
+    """``(fn(), seconds)``; with ``t_run``, ``(fn(), seconds, began)``, ``began`` counted from ``t_run``."""
     t0 = time.monotonic()
-    return fn(), time.monotonic() - t0
+    value = fn()
+    seconds = time.monotonic() - t0
+    return (value, seconds) if t_run is None else (value, seconds, t0 - t_run)
 
 
 def _jobs(present: list[str], root: Path, size: col.Size, columns: tuple[str, ...], references: dict[str, Any],
           records: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, Callable[[], Any]]]:
-    """``(variant, record key, label, thunk)`` for every launch after the timed columns, longest first."""
+    """``(variant, record key, label, thunk)`` for every launch after the timed columns, longest first: by column
+    (a kill in a save restarts most, then resume exact, the stuck rank, NaN and SyncBN), variants interleaved."""
     jobs: list[tuple[str, str, str, Callable[[], Any]]] = []
     for v in present:
         default = records[v]["stuck_default_s"]
@@ -144,7 +163,8 @@ def _jobs(present: list[str], root: Path, size: col.Size, columns: tuple[str, ..
             jobs.append((v, "nan", "NaN", partial(col.nan, v, root / v / "nan", size)))
         if "sync_bn" in columns:
             jobs.append((v, "sync_bn", "CPU SyncBN", partial(col.sync_bn, v, root / v / "sync-bn", size)))
-    return jobs
+    order = ("save_kill", "resume", "stuck_timeout", "stuck_default", "nan", "sync_bn")
+    return sorted(jobs, key=lambda job: order.index(job[1]))  # stable: variants keep their order within a column
 
 
 def machine() -> dict[str, str]:

@@ -1,8 +1,10 @@
 """The contract's job (``_common.py``) written the way Ray Train (V2, the default in Ray 2.60) documents it.
 
-A driver: ``python v_ray_train.py --workdir DIR ...`` starts its own local Ray (``ray.init(num_cpus=2,
-address="local")``, never an existing cluster), runs a ``TorchTrainer`` with 2 CPU workers, and shuts Ray down;
-it exits non-zero when the fit ends in error. Idiomatic pieces, each from Ray Train's docs ("Get started with
+A driver: ``python v_ray_train.py --workdir DIR ...`` connects to the Ray cluster ``RAY_ADDRESS`` names (the
+runner starts one local head per run for its Ray Train launches, as jobs share a long-lived cluster) or, with
+``RAY_ADDRESS`` unset or ``local``, starts its own (``ray.init(num_cpus=2, address="local")``); runs a
+``TorchTrainer`` with 2 CPU workers, and disconnects (or shuts its own Ray down); it exits non-zero when the fit
+ends in error. Idiomatic pieces, each from Ray Train's docs ("Get started with
 PyTorch", "Saving and loading checkpoints", "Handling failures"):
 
 * ``ray.train.torch.prepare_model`` (DDP over the gloo group Ray sets up) and ``prepare_data_loader`` on a
@@ -23,7 +25,10 @@ PyTorch", "Saving and loading checkpoints", "Handling failures"):
   route is ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` before ``prepare_model``. On CPU DDP rejects it
   ("SyncBatchNorm layers only work with GPU modules"): recorded, not worked around.
 
-Workers import ``_common`` through ``runtime_env={"env_vars": {"PYTHONPATH": <this folder>}}``.
+Workers import ``_common`` through ``runtime_env={"env_vars": {"PYTHONPATH": <this folder>}}``; the same
+``env_vars`` carry the runner's launch marker (``ROBUSTDIST_PEERS_LAUNCH``, passed on as
+``ROBUSTDIST_PEERS_RAY_JOB``) when set, so that the runner can find and stop this launch's worker processes on a
+shared cluster.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ OPTIONS: dict[str, str] = {
 # init_process_group as `timeout=timedelta(seconds=timeout_s)` (`_setup_torch_process_group`).
 STUCK_DEFAULT_SECONDS = 1800.0
 FILE = "checkpoint.pt"
+MARKER = "ROBUSTDIST_PEERS_LAUNCH"  # the runner's launch marker (_launch.MARKER), passed on to the workers
+JOB_MARKER = "ROBUSTDIST_PEERS_RAY_JOB"  # as this (_launch.JOB_MARKER)
 
 
 def _load(ckpt: Checkpoint, rank: int, net: nn.Module, model: nn.Module, opt: Any) -> tuple[int, dict[str, Any]]:
@@ -168,8 +175,12 @@ def main() -> int:
     os.makedirs(args.workdir, exist_ok=True)
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=2, address="local", include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_USAGE_STATS_ENABLED": "0"}})
+    env_vars = {"PYTHONPATH": path, "RAY_USAGE_STATS_ENABLED": "0"}
+    if MARKER in os.environ:  # under another name: the workers keep the shared head's own marker too
+        env_vars[JOB_MARKER] = os.environ[MARKER]
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    own = {"num_cpus": 2, "include_dashboard": False} if address == "local" else {}
+    ray.init(address=address, **own, log_to_driver=True, runtime_env={"env_vars": env_vars})
     try:
         trainer = TorchTrainer(
             train_fn,
