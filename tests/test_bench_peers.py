@@ -60,17 +60,49 @@ def test_one_tiny_round_of_each_variant(variant, tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_the_runs_ray_head_serves_a_driver_and_leaves_nothing_behind():
+def test_the_runs_ray_head_serves_a_driver_and_leaves_nothing_behind(tmp_path):
     """The one Ray head a run starts for its Ray Train launches (``_launch.ray_cluster``): a driver given its
     environment connects to it (its token, its CPUs), and leaving the ``with`` ends every process it started."""
     code = "import ray; ray.init(); print('CPUS', ray.cluster_resources().get('CPU')); ray.shutdown()"
     with _launch.ray_cluster(cpus=3) as cluster:
         assert _launch.marked(cluster.marker), "the head's processes do not carry its marker"
+        assert cluster.env["RAY_AUTH_TOKEN"] not in repr(cluster)
         env = {**os.environ, **cluster.env, "RAY_USAGE_STATS_ENABLED": "0"}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert "CPUS 3.0" in out.stdout, out.stdout[-1000:] + out.stderr[-2000:]
+        head = _launch._RAY_HEAD
+        assert head is not None
+        head.kill()
+        head.wait()
+        with pytest.raises(RuntimeError, match="the run's Ray head exited"):  # not recorded as Ray Train's result
+            _launch.launch("ray_train", tmp_path / "after", ["--steps", "1"], timeout=30)
     assert not _launch.marked(cluster.marker), "the head left processes behind"
     assert not Path(cluster.temp_dir).exists()
+    assert _launch._RAY_HEAD is None and not _launch._RAY_ENV
+
+
+@pytest.mark.timeout(180)
+def test_the_runs_ray_head_dies_with_a_killed_runner():
+    """A runner killed before its ``finally`` (SIGKILL, a cancelled CI job) leaves no Ray head behind: the
+    reaper ``ray_cluster`` starts ends the head's processes and removes its directory."""
+    code = ("import sys, time; sys.path.insert(0, {peers!r}); import _launch\n"
+            "with _launch.ray_cluster(cpus=1) as c:\n"
+            "    print(c.marker, c.temp_dir, flush=True)\n"
+            "    time.sleep(600)\n").format(peers=str(PEERS))
+    runner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        marker, temp_dir = runner.stdout.readline().split()
+        assert _launch.marked(marker)
+    finally:
+        runner.kill()
+        runner.wait()
+    deadline = time.monotonic() + 60
+    while (_launch.marked(marker) or Path(temp_dir).exists()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _launch.marked(marker)
+    _launch._sweep(marker, quiet=3)  # whatever the outcome, leave nothing for the next test
+    assert not left, "the head outlived its killed runner"
+    assert not Path(temp_dir).exists()
 
 
 def _procs_of(path: Path) -> list[int]:

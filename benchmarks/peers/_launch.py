@@ -42,6 +42,7 @@ MARKER = "ROBUSTDIST_PEERS_LAUNCH"
 JOB_MARKER = "ROBUSTDIST_PEERS_RAY_JOB"  # a launch's marker on its Ray workers (which keep the cluster's MARKER)
 TERM_GRACE = 5.0
 _RAY_ENV: dict[str, str] = {}  # set by ray_cluster(): how the Ray Train launches reach that run's cluster
+_RAY_HEAD: subprocess.Popen[bytes] | None = None  # and its `ray start --block` process
 CLUSTER_MARKERS: list[str] = []  # of every ray_cluster() this process started (the tests check none is left)
 
 
@@ -124,12 +125,16 @@ def launch(variant: str, workdir: Path, flags: list[str], *, restarts: int = 0, 
     ``stall``: stop it when it has printed nothing and written no event for that many seconds (a hang the
     column does not measure, such as a restart that never gets past init), after SIGABRT to its Python
     processes running the variant script, which dump their stacks (``PYTHONFAULTHANDLER``) into the log."""
+    ray_env, head = (dict(_RAY_ENV), _RAY_HEAD) if variant in DRIVERS else ({}, None)
+    if head is not None and head.poll() is not None:
+        raise RuntimeError(f"bench-peers: the run's Ray head exited (code {head.returncode}) before this "
+                           f"{variant} launch; its Ray Train columns cannot be measured. See ray-start-*.log in "
+                           "the head's temporary directory (kept by the runner only while it runs).")
     workdir.mkdir(parents=True, exist_ok=True)
     marker = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="rp-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", MARKER: marker,
-           "RAY_ADDRESS": "local", "RAY_TMPDIR": ray_tmp, **(_RAY_ENV if variant in DRIVERS else {}),
-           **(extra_env or {})}
+           "RAY_ADDRESS": "local", "RAY_TMPDIR": ray_tmp, **ray_env, **(extra_env or {})}
     cmd = command(variant, [*flags, "--workdir", str(workdir)], restarts)
     result = Result(variant, workdir, cmd, started=time.time())
     log = (workdir / "launch.log").open("a", encoding="utf-8")
@@ -155,8 +160,8 @@ def launch(variant: str, workdir: Path, flags: list[str], *, restarts: int = 0, 
     finally:
         result.ended = time.time()
         _stop(proc, marker)
-        if variant in DRIVERS and _RAY_ENV:  # its workers, started by the shared head: Ray ends a dead driver's
-            _sweep(marker, name=JOB_MARKER, bound=5.0)  # job too, this makes it certain before the next launch
+        if ray_env:  # its workers, started by the shared head (Ray ends a dead driver's job too, but Ray Train
+            _sweep(marker, name=JOB_MARKER, bound=5.0, quiet=3)  # V2's PlacementGroupCleaner is detached)
         reader.join(timeout=10)
         result.rc = proc.returncode
         log.close()
@@ -166,61 +171,119 @@ def launch(variant: str, workdir: Path, flags: list[str], *, restarts: int = 0, 
 
 @dataclass(frozen=True)
 class RayCluster:
-    """A running :func:`ray_cluster`: ``env`` is what a driver needs to connect; every process the head started
-    carries ``MARKER=marker``."""
+    """A running :func:`ray_cluster`: ``env`` is what a driver needs to connect (it holds the token: not in the
+    repr); every process the head started carries ``MARKER=marker``."""
 
     address: str
-    env: dict[str, str]
+    env: dict[str, str] = field(repr=False)
     marker: str
     temp_dir: str
 
 
 @contextlib.contextmanager
-def ray_cluster(cpus: int, timeout: float = 90.0) -> Iterator[RayCluster]:
+def ray_cluster(cpus: int, timeout: float = 90.0, tries: int = 3) -> Iterator[RayCluster]:
     """One local Ray head for every Ray Train launch inside the ``with`` (``ray start --head --block``, as a
-    long-lived cluster is used): ``cpus`` logical CPUs, a free port on 127.0.0.1, no dashboard, a private
-    ``--temp-dir`` and token authentication with a token of its own. :func:`launch` gives the Ray Train launches
-    inside the ``with`` the environment to connect to it (:attr:`RayCluster.env`).
+    long-lived cluster is used): ``cpus`` logical CPUs, a free port, no dashboard, a private ``--temp-dir`` and
+    token authentication with a token of its own (Ray's servers listen on every interface; the token is what
+    keeps other clients out). :func:`launch` gives the Ray Train launches inside the ``with`` the environment to
+    connect to it (:attr:`RayCluster.env`), and refuses to launch once the head has exited.
 
     Why: each driver starting its own cluster cost about 7 s and 6 CPU-seconds per launch on two cores, and
     several clusters at once competed with the launches. A launch stopped by the runner takes its actors with it
     (Ray ends a dead driver's job; the variant also gives its workers the launch's marker as
     :data:`JOB_MARKER`, which :func:`launch` kills). On exit every process the cluster started (they all carry
-    its :data:`MARKER`) is killed, by pid, until none has appeared for 2 s."""
-    global _RAY_ENV
+    its :data:`MARKER`) is killed, by pid, until none has appeared for 2 s; a reaper process does the same if
+    this process dies first (SIGKILL, a cancelled CI job). A head that exits while starting (its port taken
+    meanwhile) is retried on another port, ``tries`` times in all."""
+    global _RAY_ENV, _RAY_HEAD
     marker, token = uuid.uuid4().hex, secrets.token_hex(16)
     CLUSTER_MARKERS.append(marker)
     tmp = tempfile.mkdtemp(prefix="rc-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", MARKER: marker, **auth}
     ray = Path(sys.executable).with_name("ray")
-    cmd = [str(ray)] if ray.exists() else [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
-    cmd += ["start", "--head", "--block", f"--num-cpus={cpus}", "--num-gpus=0", "--node-ip-address=127.0.0.1",
-            f"--port={port}", "--include-dashboard=false", f"--temp-dir={tmp}", "--disable-usage-stats"]
-    log = open(Path(tmp) / "ray-start.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    base = [str(ray)] if ray.exists() else [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
+    previous = (_RAY_ENV, _RAY_HEAD)
+    reaper = proc = log = None
     try:
-        raylet = Path(tmp) / "session_latest" / "sockets" / "raylet"
-        deadline = time.monotonic() + timeout
-        while not raylet.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                tail = (Path(tmp) / "ray-start.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"bench-peers: the Ray head for the Ray Train launches did not start within "
-                                   f"{timeout:g} s (exit {proc.poll()}); `ray start` said:\n{tail}")
-            time.sleep(0.25)
-        _RAY_ENV = {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth}
+        reaper = _start_reaper(marker, tmp)
+        for attempt in range(1, tries + 1):
+            port = _free_port()
+            log = open(Path(tmp) / f"ray-start-{attempt}.log", "wb")  # noqa: SIM115 - closed below
+            proc = subprocess.Popen([*base, "start", "--head", "--block", f"--num-cpus={cpus}", "--num-gpus=0",
+                                     "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false",
+                                     f"--temp-dir={tmp}", "--disable-usage-stats"],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+            if _head_ready(proc, Path(tmp), timeout):
+                break
+            log.close()
+            _stop(proc, marker)
+            _sweep(marker, quiet=3)
+            shutil.rmtree(Path(tmp) / "session_latest", ignore_errors=True)
+            if attempt == tries:
+                tail = (Path(tmp) / f"ray-start-{attempt}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"bench-peers: the Ray head for the Ray Train launches did not start ({tries} "
+                                   f"tries, {timeout:g} s each; last exit {proc.returncode}); `ray start` said:\n"
+                                   f"{tail}")
+        assert proc is not None
+        _RAY_ENV, _RAY_HEAD = {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth}, proc
         yield RayCluster(f"127.0.0.1:{port}", dict(_RAY_ENV), marker, tmp)
     finally:
-        _RAY_ENV = {}
-        _stop(proc, marker)
+        _RAY_ENV, _RAY_HEAD = previous
+        if proc is not None:
+            _stop(proc, marker)
         _sweep(marker)  # a worker the raylet was starting as it died can appear after _stop's sweeps
-        log.close()
+        if log is not None:
+            log.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        if reaper is not None:
+            reaper.kill()
+            reaper.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _head_ready(proc: subprocess.Popen[bytes], tmp: Path, timeout: float) -> bool:
+    """Wait for the head's raylet socket; False when ``ray start`` exits first or ``timeout`` passes."""
+    raylet = tmp / "session_latest" / "sockets" / "raylet"
+    deadline = time.monotonic() + timeout
+    while not raylet.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return proc.poll() is None
+
+
+def _start_reaper(marker: str, tmp: str) -> subprocess.Popen[bytes]:
+    """A process that waits for this one to end, then kills everything carrying ``marker`` and removes ``tmp``:
+    the head must not outlive a runner killed before its ``finally`` ran. It carries no marker itself."""
+    env = {k: v for k, v in os.environ.items() if k != MARKER}
+    code = (f"import sys; sys.path.insert(0, {str(PEERS)!r}); import _launch; "
+            f"_launch._reap({os.getpid()}, {_start_time(os.getpid())!r}, {marker!r}, {tmp!r})")
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _start_time(pid: int) -> str | None:
+    """``pid``'s start time (from /proc), so that a reused pid is not mistaken for it; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _reap(runner: int, started: str | None, marker: str, tmp: str) -> None:
+    """The reaper's body (:func:`_start_reaper`)."""
+    while _start_time(runner) == started:
+        time.sleep(1.0)
+    _sweep(marker)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _sweep(marker: str, name: str = MARKER, bound: float = 30.0, quiet: int = 10) -> None:

@@ -80,7 +80,8 @@ def measure(variants: list[str], root: Path, size: col.Size, columns: tuple[str,
     The timed columns (step, save) run first, one launch at a time. The others measure outcomes, not speed
     (a bitwise comparison, a count of intact checkpoints, a timeout's seconds), so they run in lanes: up to
     :data:`DRIVER_LANES` Ray Train launches and :data:`TORCHRUN_LANES` torchrun launches at once. Every Ray Train
-    launch connects to one local Ray head started for the run (:func:`_launch.ray_cluster`). Each record's
+    launch connects to one local Ray head started for the run (:func:`_launch.ray_cluster`), once the torchrun
+    variants' timed launches are done (so that no Ray runs beside them). Each record's
     ``launches`` lists its launches' seconds (and, for the lanes, when each began, from the first launch)."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     records: dict[str, dict[str, Any]] = {}
@@ -94,23 +95,32 @@ def measure(variants: list[str], root: Path, size: col.Size, columns: tuple[str,
         present.append(v)
     references: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        if any(v in DRIVERS for v in present):
-            stack.enter_context(ray_cluster(cpus=2 * DRIVER_LANES))  # the Ray Train launches share one head
-        _columns_of(present, root, size, columns, records, references, log)
+        head: list[Any] = []
+
+        def ensure_head() -> None:  # the Ray Train launches share one head, started when the first one needs it
+            if not head:
+                head.append(stack.enter_context(ray_cluster(cpus=2 * DRIVER_LANES)))
+
+        _columns_of(present, root, size, columns, records, references, log, ensure_head)
     return records
 
 
 def _columns_of(present: list[str], root: Path, size: col.Size, columns: tuple[str, ...],
-                records: dict[str, dict[str, Any]], references: dict[str, Any], log: Any) -> None:
+                records: dict[str, dict[str, Any]], references: dict[str, Any], log: Any,
+                ensure_head: Callable[[], None]) -> None:
     t_run = time.monotonic()
-    if "step" in columns:
-        for v in present:
+    if "step" in columns:  # the torchrun variants first: no Ray runs beside their timed launches
+        for v in sorted(present, key=lambda v: v in DRIVERS):
+            if v in DRIVERS:
+                ensure_head()
             log(f"== {v}: step and save")
             (records[v]["step"], records[v]["save"], references[v]), seconds = _timed(
                 partial(col.baseline, v, root / v / "baseline", size))
             records[v]["launches"] = [{"label": "step and save", "seconds": round(seconds, 1)}]
             log(f"   {v}: step and save done ({seconds:.0f} s)")
     jobs = _jobs(present, root, size, columns, references, records)
+    if any(v in DRIVERS for v, *_ in jobs):
+        ensure_head()
     if jobs:
         log(f"== {len(jobs)} launches for the other columns, in lanes")
         drivers = ThreadPoolExecutor(DRIVER_LANES, thread_name_prefix="peers-ray")
@@ -119,15 +129,20 @@ def _columns_of(present: list[str], root: Path, size: col.Size, columns: tuple[s
             futures = [((drivers if v in DRIVERS else others).submit(_timed, fn, t_run), v, key, label)
                        for v, key, label, fn in jobs]
             points: dict[str, list[dict[str, Any]]] = {}
-            for future, v, key, label in futures:
-                value, seconds, began = future.result()
-                records[v].setdefault("launches", []).append(
-                    {"label": label, "seconds": round(seconds, 1), "began_s": round(began, 1)})
-                log(f"   {v}: {label} done ({seconds:.0f} s)")
-                if key == "resume":
-                    points.setdefault(v, []).append(value)
-                else:
-                    records[v][key] = value
+            try:
+                for future, v, key, label in futures:
+                    value, seconds, began = future.result()
+                    records[v].setdefault("launches", []).append(
+                        {"label": label, "seconds": round(seconds, 1), "began_s": round(began, 1)})
+                    log(f"   {v}: {label} done ({seconds:.0f} s)")
+                    if key == "resume":
+                        points.setdefault(v, []).append(value)
+                    else:
+                        records[v][key] = value
+            except BaseException:  # Ctrl-C or a failed launch: do not start the queued ones
+                for pool in (drivers, others):
+                    pool.shutdown(wait=False, cancel_futures=True)
+                raise
         for v, pts in points.items():
             records[v]["resume"] = col.resume_exact(pts, size, references[v])
 
