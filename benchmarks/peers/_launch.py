@@ -290,9 +290,11 @@ def _sweep(marker: str, name: str = MARKER, bound: float = 30.0, quiet: int = 10
     """SIGKILL every process carrying ``name=marker`` until ``quiet`` sweeps in a row (0.2 s apart) find none, for
     at most ``bound`` seconds."""
     deadline, calm = time.monotonic() + bound, 0
-    while calm < quiet and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         left = marked(marker, name)
         calm = 0 if left else calm + 1
+        if calm >= quiet:
+            return
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -324,16 +326,7 @@ def _stop(proc: subprocess.Popen[bytes], marker: str) -> None:
             pass
     _signal_group(proc.pid, signal.SIGKILL)
     proc.wait()
-    for _ in range(3):
-        left = marked(marker)
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
+    _sweep(marker, bound=0.7, quiet=1)
 
 
 def _dump_stacks(marker: str, launcher: int, name: str) -> None:
