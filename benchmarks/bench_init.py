@@ -42,7 +42,9 @@ def _start_time(rank: int, meet: Path, ranks: int = 2, bound: float = 60.0) -> f
     deadline = time.monotonic() + bound
     while not all((meet / f"ready{r}").exists() for r in range(ranks)):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"P4: rank {rank}: the other ranks were not ready within {bound:g} s")
+            raise TimeoutError(f"P4: rank {rank}: found {sum((meet / f'ready{r}').exists() for r in range(ranks))} "
+                               f"of {ranks} ranks ready after {bound:g} s; expected all within that (imports take a "
+                               "few seconds). Fix: re-run on a less loaded machine.")
         time.sleep(0.005)
     return max(float((meet / f"ready{r}").read_text()) for r in range(ranks)) + 0.3
 

@@ -74,7 +74,8 @@ def test_the_runs_ray_head_serves_a_driver_and_leaves_nothing_behind(tmp_path):
         assert head is not None
         head.kill()
         head.wait()
-        with pytest.raises(RuntimeError, match="the run's Ray head exited"):  # not recorded as Ray Train's result
+        with pytest.raises(RuntimeError, match=r"the run's Ray head exited \(code -9\).*Fix: re-run `make "
+                           r"bench-peers ray_train`(?s:.*)`ray start` said:"):  # not recorded as Ray Train's result
             _launch.launch("ray_train", tmp_path / "after", ["--steps", "1"], timeout=30)
     assert not _launch.marked(cluster.marker), "the head left processes behind"
     assert not Path(cluster.temp_dir).exists()

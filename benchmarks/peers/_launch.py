@@ -43,6 +43,7 @@ JOB_MARKER = "ROBUSTDIST_PEERS_RAY_JOB"  # a launch's marker on its Ray workers 
 TERM_GRACE = 5.0
 _RAY_ENV: dict[str, str] = {}  # set by ray_cluster(): how the Ray Train launches reach that run's cluster
 _RAY_HEAD: subprocess.Popen[bytes] | None = None  # and its `ray start --block` process
+_RAY_HEAD_LOG: Path | None = None  # and what that process printed
 CLUSTER_MARKERS: list[str] = []  # of every ray_cluster() this process started (the tests check none is left)
 
 
@@ -127,9 +128,11 @@ def launch(variant: str, workdir: Path, flags: list[str], *, restarts: int = 0, 
     processes running the variant script, which dump their stacks (``PYTHONFAULTHANDLER``) into the log."""
     ray_env, head = (dict(_RAY_ENV), _RAY_HEAD) if variant in DRIVERS else ({}, None)
     if head is not None and head.poll() is not None:
-        raise RuntimeError(f"bench-peers: the run's Ray head exited (code {head.returncode}) before this "
-                           f"{variant} launch; its Ray Train columns cannot be measured. See ray-start-*.log in "
-                           "the head's temporary directory (kept by the runner only while it runs).")
+        said = _RAY_HEAD_LOG.read_text(errors="replace")[-1500:] if _RAY_HEAD_LOG and _RAY_HEAD_LOG.exists() else ""
+        raise RuntimeError(f"bench-peers: the run's Ray head exited (code {head.returncode}) before this {variant} "
+                           "launch; expected it to run until the run ends, so its Ray Train columns cannot be "
+                           "measured (not recorded as Ray Train's result). Fix: re-run `make bench-peers ray_train` "
+                           f"(the other variants' records are kept). `ray start` said:\n{said}")
     workdir.mkdir(parents=True, exist_ok=True)
     marker = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="rp-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
@@ -195,7 +198,7 @@ def ray_cluster(cpus: int, timeout: float = 90.0, tries: int = 3) -> Iterator[Ra
     its :data:`MARKER`) is killed, by pid, until none has appeared for 2 s; a reaper process does the same if
     this process dies first (SIGKILL, a cancelled CI job). A head that exits while starting (its port taken
     meanwhile) is retried on another port, ``tries`` times in all."""
-    global _RAY_ENV, _RAY_HEAD
+    global _RAY_ENV, _RAY_HEAD, _RAY_HEAD_LOG
     marker, token = uuid.uuid4().hex, secrets.token_hex(16)
     CLUSTER_MARKERS.append(marker)
     tmp = tempfile.mkdtemp(prefix="rc-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
@@ -203,7 +206,7 @@ def ray_cluster(cpus: int, timeout: float = 90.0, tries: int = 3) -> Iterator[Ra
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", MARKER: marker, **auth}
     ray = Path(sys.executable).with_name("ray")
     base = [str(ray)] if ray.exists() else [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
-    previous = (_RAY_ENV, _RAY_HEAD)
+    previous = (_RAY_ENV, _RAY_HEAD, _RAY_HEAD_LOG)
     reaper = proc = log = None
     try:
         reaper = _start_reaper(marker, tmp)
@@ -224,13 +227,15 @@ def ray_cluster(cpus: int, timeout: float = 90.0, tries: int = 3) -> Iterator[Ra
             if attempt == tries:
                 tail = (Path(tmp) / f"ray-start-{attempt}.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"bench-peers: the Ray head for the Ray Train launches did not start ({tries} "
-                                   f"tries, {timeout:g} s each; last exit {proc.returncode}); `ray start` said:\n"
-                                   f"{tail}")
+                                   f"tries, {timeout:g} s each; last exit {proc.returncode}); expected its raylet "
+                                   f"socket under {tmp}. Fix: check that `ray start --head` runs on this machine "
+                                   f"(free ports, /tmp writable), then re-run. `ray start` said:\n{tail}")
         assert proc is not None
         _RAY_ENV, _RAY_HEAD = {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth}, proc
+        _RAY_HEAD_LOG = Path(tmp) / f"ray-start-{attempt}.log"
         yield RayCluster(f"127.0.0.1:{port}", dict(_RAY_ENV), marker, tmp)
     finally:
-        _RAY_ENV, _RAY_HEAD = previous
+        _RAY_ENV, _RAY_HEAD, _RAY_HEAD_LOG = previous
         if proc is not None:
             _stop(proc, marker)
         _sweep(marker)  # a worker the raylet was starting as it died can appear after _stop's sweeps
