@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import _harness as h
-from robustdist.consistency import check_consistency
-from robustdist.testing import run_ranks
+from robustdist.parallel.consistency import check_consistency
+from robustdist.testing.ranks import run_ranks
 
 
 def _model(millions: float) -> nn.Module:

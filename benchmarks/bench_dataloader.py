@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import _harness as h
-from robustdist.dataloader import safe_dataloader
+from robustdist.data.dataloader import safe_dataloader
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 import _harness as h
 from robustdist import harden
-from robustdist.testing import run_ranks
+from robustdist.testing.ranks import run_ranks
 
 
 def _hang(rank: int, hang_timeout: float, dump_dir: str) -> tuple[float | None, float | None, str | None]:

@@ -14,14 +14,14 @@ import time
 from pathlib import Path
 
 import _harness as h
-from robustdist.testing import run_ranks
+from robustdist.testing.ranks import run_ranks
 
 
 def _init(rank: int, safe: bool, meet: str) -> float:
     import torch.distributed as dist
 
     from robustdist import safe_init_process_group
-    from robustdist import process_group  # noqa: F401  (import everything before the clock starts)
+    from robustdist.init import process_group  # noqa: F401  (import everything before the clock starts)
 
     time.sleep(max(0.0, _start_time(rank, Path(meet)) - time.time()))
     start = time.perf_counter()

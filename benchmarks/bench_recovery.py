@@ -1,6 +1,6 @@
 """P9: goodput under failures: plain torch.save vs robustdist's durable tier vs durable + in-memory tier.
 
-Two nodes of the lab (``robustdist.nodelab``: network namespaces, one torchrun agent each, a private tmpfs per
+Two nodes of the lab (``robustdist.testing.nodelab``: network namespaces, one torchrun agent each, a private tmpfs per
 node as its local disk; two torchrun agents on this host where the lab cannot run, and the record says so)
 run ``_recovery_job.py``: DDP over gloo, a 2.1M-parameter MLP with Adam (25 MB of model and optimizer state),
 ~50 ms steps (~30 ms of host compute and all-reduce, then a fixed 20 ms sleep standing in for accelerator
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
-from robustdist import nodelab
+from robustdist.testing import nodelab
 
 HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "_recovery_job.py")
@@ -179,7 +179,7 @@ def _host_interface() -> tuple[str, str]:
 
 
 def _free_port() -> int:
-    from robustdist.testing import free_port
+    from robustdist.testing.ranks import free_port
 
     return free_port()
 
@@ -489,7 +489,7 @@ def _restore_rank(rank: int, base: str, shm: str, lineage: str, width: int, laye
 
 
 def restore_run(a: Any) -> dict[str, list[float]]:
-    from robustdist.testing import run_ranks
+    from robustdist.testing.ranks import run_ranks
 
     base = tempfile.mkdtemp(prefix="rd-bench-restore-")
     shm = tempfile.mkdtemp(prefix="rd-bench-restore-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import _harness as h
 from robustdist import harden
-from robustdist.testing import run_ranks
+from robustdist.testing.ranks import run_ranks
 
 PLAIN, HARDENED, LOSS_ONLY = "plain DDP", "harden()", "harden(check_gradients=False)"
 TYPICAL = {"d_model": 128, "layers": 4, "ff": 512, "heads": 4, "vocab": 1000, "batch": 4, "seq": 64}

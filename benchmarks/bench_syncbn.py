@@ -15,7 +15,7 @@ from torch import nn
 import _harness as h
 from bench_step import convnet
 from robustdist import wrap_ddp
-from robustdist.testing import run_ranks
+from robustdist.testing.ranks import run_ranks
 
 
 def _bench(rank: int, reps: int, inner: int) -> dict[str, list[float]]:

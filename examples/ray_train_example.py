@@ -70,7 +70,7 @@ def main() -> None:
     from robustdist import AtomicCheckpointer
 
     ray.init(num_cpus=2, include_dashboard=False,
-             runtime_env={"worker_process_setup_hook": "robustdist.ray_setup.worker_setup"})
+             runtime_env={"worker_process_setup_hook": "robustdist.ray.hook.worker_setup"})
     try:
         with tempfile.TemporaryDirectory() as tmp:
             result = build_trainer(os.path.join(tmp, "ray"), os.path.join(tmp, "ckpt")).fit()

@@ -11,17 +11,18 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from robustdist import _ray_train, _restart_guard
 from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint, LocalSaveInfo, LocalTier
-from robustdist._hardened_ray import RayReporting
 from robustdist.checkpoint._run_owner import RunIdentity
-from robustdist.config import HardenConfig
-from robustdist.errors import CheckpointError, ConfigError, RestartLoopError
-from robustdist.health import StepDecision, StepGuard, Watchdog
-from robustdist.log import get_logger, logging_configured
-from robustdist.process_group import InitReport, destroy_process_group_if_owned
-from robustdist.topology import Topology
-from robustdist.train_state import Stateful, TrainState
+from robustdist.checkpoint.train_state import Stateful, TrainState
+from robustdist.config.schema import HardenConfig
+from robustdist.health import restart_guard as _restart_guard
+from robustdist.health.step_guard import StepDecision, StepGuard, Watchdog
+from robustdist.init.process_group import InitReport, destroy_process_group_if_owned
+from robustdist.ray import train as _ray_train
+from robustdist.ray.reporting import RayReporting
+from robustdist.runtime.errors import CheckpointError, ConfigError, RestartLoopError
+from robustdist.runtime.log import get_logger, logging_configured
+from robustdist.runtime.topology import Topology
 
 __all__ = ["Hardened"]
 
@@ -32,7 +33,7 @@ class Hardened(RayReporting):
     """What :func:`~robustdist.harden.harden` returns. Unpacks as ``model, loader = harden(...)``.
 
     Attributes: ``model``, ``loader``, ``attempt`` (0 on a fresh run, then 1, 2, ... after restarts, the same on
-    every rank), ``state`` (the :class:`~robustdist.train_state.TrainState` that ``save`` and ``resume``
+    every rank), ``state`` (the :class:`~robustdist.checkpoint.train_state.TrainState` that ``save`` and ``resume``
     checkpoint), ``topology``, ``init_report``, ``checkpointer`` (or None), ``local`` (the in-memory
     :class:`~robustdist.checkpoint.LocalTier`, or None), ``config``, ``watchdog`` (or None),
     ``guard`` (the :class:`~robustdist.health.StepGuard`), ``optimizer`` and ``scheduler`` (settable: used by
@@ -111,7 +112,7 @@ class Hardened(RayReporting):
     def attempt(self) -> int:
         """This job's attempt number, the same on every rank: 0 on the first run, 1 after the first torchrun
         restart, and so on. It comes from the job's store (``init_report.attempt``), never from one node's
-        ``TORCHELASTIC_RESTART_COUNT``, which torchrun counts per node (see :mod:`robustdist.process_group`)."""
+        ``TORCHELASTIC_RESTART_COUNT``, which torchrun counts per node (see :mod:`robustdist.init.process_group`)."""
         return self.init_report.attempt
 
     # ------------------------------------------------------------------ per step
@@ -205,7 +206,7 @@ class Hardened(RayReporting):
         return step
 
     def _guard_restarts(self) -> None:
-        """The restart-loop guard (:mod:`robustdist._restart_guard`), before anything is loaded: rank 0 counts
+        """The restart-loop guard (:mod:`robustdist.health.restart_guard`), before anything is loaded: rank 0 counts
         this attempt and decides, every rank raises."""
         assert self.checkpointer is not None
         self.checkpointer.check_ready("load")

@@ -26,7 +26,7 @@ so a careless global patch changes what checkpoints contain.
   included); :func:`bf16_pickle_patch` is the context-manager form.
 * Ray: serializers registered on the driver do not reach workers. :func:`install_ray_serializers` registers
   the same representation with ``ray.util.register_serializer`` in the calling process; pass
-  ``runtime_env={"worker_process_setup_hook": "robustdist.ray_setup.worker_setup"}`` to ``ray.init`` so
+  ``runtime_env={"worker_process_setup_hook": "robustdist.ray.hook.worker_setup"}`` to ``ray.init`` so
   every worker runs it too, right after the worker first imports torch (``RobustGPUActor`` calls it in its
   own process). :func:`ray_worker_setup`, the former hook, still works but imports torch before Ray sets
   ``OMP_NUM_THREADS``; it warns.
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from robustdist.log import warn
+from robustdist.runtime.log import warn
 
 __all__ = [
     "bf16_pickle_patch",
@@ -214,7 +214,7 @@ def install_ray_serializers() -> None:
 
 
 def ray_worker_setup() -> None:
-    """Deprecated Ray setup hook: use ``"robustdist.ray_setup.worker_setup"`` (:mod:`robustdist.ray_setup`).
+    """Deprecated Ray setup hook: use ``"robustdist.ray.hook.worker_setup"`` (:mod:`robustdist.ray.hook`).
 
     Still installs the serializers, so old configs keep working, but warns once: importing this module
     imports torch before Ray sets ``OMP_NUM_THREADS`` for the worker, so torch uses every core's threads.
@@ -222,7 +222,7 @@ def ray_worker_setup() -> None:
     warn("robustdist.bf16.ray_worker_setup imports torch before Ray sets OMP_NUM_THREADS for this worker, "
          "so torch uses one thread per core of the machine instead of the task's CPUs (oversubscription, "
          "and results that differ in the last bit). Use runtime_env={'worker_process_setup_hook': "
-         "'robustdist.ray_setup.worker_setup'} instead: it installs the same serializers after torch is "
+         "'robustdist.ray.hook.worker_setup'} instead: it installs the same serializers after torch is "
          "imported, without changing the thread count", once="bf16.ray_worker_setup")
     install_ray_serializers()
 

@@ -38,8 +38,8 @@ def collect_info() -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from robustdist.errors import TopologyError
-    from robustdist.topology import detect_topology
+    from robustdist.runtime.errors import TopologyError
+    from robustdist.runtime.topology import detect_topology
 
     info: dict[str, Any] = {
         "versions": {"python": platform.python_version(), "robustdist": __version__,
@@ -109,7 +109,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"robustdist verify-checkpoint: {args.directory} is not a directory; expected a checkpoint.dir",
               file=sys.stderr)
         return 2
-    from robustdist.errors import RobustDistError
+    from robustdist.runtime.errors import RobustDistError
 
     try:
         rows = verify_all(args.directory)

@@ -8,7 +8,7 @@ and each GPU's NUMA node (sysfs), the detected topology, and a Ray cluster's res
 is set.
 
 Under torchrun (``torchrun --nproc_per_node=2 -m robustdist doctor``) every rank also runs
-:func:`~robustdist.process_group.safe_init_process_group`; rank 0 prints the cross-rank table (one row per
+:func:`~robustdist.init.process_group.safe_init_process_group`; rank 0 prints the cross-rank table (one row per
 rank, ``*`` marks a value that differs from the most common one) and the other ranks' findings that are not
 ok. Every rank exits with the same code: 0 when no rank found an error, 1 otherwise.
 """
@@ -34,7 +34,8 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from robustdist import _reach, netenv
+from robustdist.init import reach as _reach
+from robustdist.runtime import netenv
 
 __all__ = ["Finding", "collect_findings", "run_doctor"]
 
@@ -221,8 +222,8 @@ def _gpu_bus_ids() -> list[str]:
 
 
 def check_topology() -> tuple[list[Finding], Any]:
-    from robustdist.errors import TopologyError
-    from robustdist.topology import detect_topology
+    from robustdist.runtime.errors import TopologyError
+    from robustdist.runtime.topology import detect_topology
 
     try:
         topo = detect_topology()
@@ -339,8 +340,8 @@ def _run_distributed(findings: list[Finding], topo: Any, *, as_json: bool, timeo
     import torch
     import torch.distributed as dist
 
-    from robustdist.errors import RobustDistError
-    from robustdist.process_group import destroy_process_group_if_owned, safe_init_process_group
+    from robustdist.init.process_group import destroy_process_group_if_owned, safe_init_process_group
+    from robustdist.runtime.errors import RobustDistError
 
     try:
         report = safe_init_process_group(

@@ -3,16 +3,16 @@
 ``cfg`` (a ``HardenConfig``, dict, YAML path or None) is resolved once, here; each part gets its own typed
 section. In order, ``harden(model, loader, cfg, optimizer=...)``:
 
-1. detects the topology (:func:`~robustdist.topology.detect_topology`);
-2. calls :func:`~robustdist.process_group.safe_init_process_group` when distributed and no group exists, or
-   :func:`~robustdist.process_group.adopt_group` for a group that exists (Ray Train's, or the script's own:
+1. detects the topology (:func:`~robustdist.runtime.topology.detect_topology`);
+2. calls :func:`~robustdist.init.process_group.safe_init_process_group` when distributed and no group exists, or
+   :func:`~robustdist.init.process_group.adopt_group` for a group that exists (Ray Train's, or the script's own:
    validated, and told loudly what robustdist cannot protect in it);
-3. wraps the model: :func:`~robustdist.ddp.wrap_ddp` (``distributed`` section), or
-   :func:`~robustdist.fsdp.wrap_fsdp` (``fsdp`` section, per-layer sharding, meta-device init) when
+3. wraps the model: :func:`~robustdist.parallel.ddp.wrap_ddp` (``distributed`` section), or
+   :func:`~robustdist.parallel.fsdp.wrap_fsdp` (``fsdp`` section, per-layer sharding, meta-device init) when
    ``distributed.strategy == "fsdp"``;
-4. passes the loader through :func:`~robustdist.dataloader.safe_dataloader` (``data`` section);
+4. passes the loader through :func:`~robustdist.data.dataloader.safe_dataloader` (``data`` section);
 5. creates an :class:`~robustdist.checkpoint.AtomicCheckpointer` when ``checkpoint.dir`` is set, and a
-   :class:`~robustdist.train_state.TrainState` (model, optimizer, scheduler, extras, loader) that it saves;
+   :class:`~robustdist.checkpoint.train_state.TrainState` (model, optimizer, scheduler, extras, loader) that it saves;
 6. starts the health guards (:mod:`robustdist.health`): a :class:`~robustdist.health.Watchdog` attached to the
    model unless ``health.hang_timeout`` is None, and the step guard with ``health.nan_policy`` (through
    ``h.step_guard``; under DDP it reads the all-reduced gradients, or with ``health.check_gradients`` false only
@@ -56,25 +56,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from robustdist import _dist, _ray_train, fsdp
 from robustdist._hardened import Hardened
 from robustdist.checkpoint import AtomicCheckpointer, LocalTier
 from robustdist.checkpoint._run_owner import RunIdentity, claim
-from robustdist.checkpoint.local_tier import lineage_of
-from robustdist.config import HardenConfig, resolve_config
-from robustdist.dataloader import safe_dataloader
-from robustdist.ddp import wrap_ddp
-from robustdist.errors import ConfigError
-from robustdist.health import Watchdog
-from robustdist.log import get_logger
-from robustdist.process_group import (
+from robustdist.checkpoint.local.tier import lineage_of
+from robustdist.checkpoint.train_state import TrainState
+from robustdist.config.schema import HardenConfig, resolve_config
+from robustdist.data.dataloader import safe_dataloader
+from robustdist.health.step_guard import Watchdog
+from robustdist.init.process_group import (
     InitReport,
     adopt_group,
     destroy_process_group_if_owned,
     safe_init_process_group,
 )
-from robustdist.topology import Topology, detect_topology
-from robustdist.train_state import TrainState
+from robustdist.parallel import fsdp
+from robustdist.parallel.ddp import wrap_ddp
+from robustdist.ray import train as _ray_train
+from robustdist.runtime import dist as _dist
+from robustdist.runtime.errors import ConfigError
+from robustdist.runtime.log import get_logger
+from robustdist.runtime.topology import Topology, detect_topology
 
 __all__ = ["Hardened", "harden"]
 

@@ -1,6 +1,6 @@
 """``make demo-multinode``: the resilient-training demo across 2 nodes of the lab, with a kill.
 
-Builds two simulated nodes (``robustdist.nodelab``: network namespaces joined by veth links, each with its
+Builds two simulated nodes (``robustdist.testing.nodelab``: network namespaces joined by veth links, each with its
 own address, hostname and torchrun agent; the checkpoint directory is shared, as it must be), runs
 ``examples/resilient_training.py`` with one rank per node, lets rank 1 (on node 1) SIGKILL itself at step 37,
 and lets torchrun restart the group on both nodes. Prints each rank's attempt beside its node's
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from robustdist import nodelab
+from robustdist.testing import nodelab
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "resilient_training.py"
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from robustdist.state_dict import unwrap_model
+from robustdist.parallel.state_dict import unwrap_model
 
 
 def make_model(seed: int = 0) -> nn.Module:

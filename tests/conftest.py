@@ -32,10 +32,10 @@ settings.load_profile("robustdist")
 
 def pytest_configure(config):
     # Ranks fork from a server that imported torch once, instead of importing it each (the suite's main cost).
-    from robustdist.testing import use_forkserver
+    from robustdist.testing.ranks import use_forkserver
 
-    use_forkserver(("torch", "torch.distributed", "robustdist.testing"))
-    from robustdist import nodelab
+    use_forkserver(("torch", "torch.distributed", "robustdist.testing.ranks"))
+    from robustdist.testing import nodelab
 
     if nodelab.unavailable() is None and not hasattr(config, "workerinput"):  # the controller, once per run
         nodelab.remove_stale()  # namespaces a crashed earlier run left behind
@@ -88,7 +88,7 @@ def _no_leftover_children():
 
 @pytest.fixture(autouse=True)
 def _no_leftover_namespaces():
-    from robustdist import nodelab
+    from robustdist.testing import nodelab
 
     yield
     leftovers = nodelab.leftover_namespaces(owner=os.getpid())
@@ -100,9 +100,9 @@ def _no_leftover_namespaces():
 
 @pytest.fixture
 def node_lab(tmp_path):
-    """``node_lab(nodes, **kwargs)`` builds a :class:`robustdist.nodelab.NodeLab` torn down after the test.
+    """``node_lab(nodes, **kwargs)`` builds a :class:`robustdist.testing.nodelab.NodeLab` torn down after the test.
     Skips where the lab cannot run, except in CI (``CI`` set), where that is a failure."""
-    from robustdist import nodelab
+    from robustdist.testing import nodelab
 
     reason = nodelab.unavailable()
     if reason is not None:
@@ -130,9 +130,9 @@ def ray_cluster():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     before = _procs.descendants(os.getpid())
     # Every worker installs robustdist's bf16 serializers, as docs/ray.md tells users to (the bf16 tests need it),
-    # right after it first imports torch (the hook itself imports no torch: tests/test_ray_hook.py).
+    # right after it first imports torch (the hook itself imports no torch: tests/ray/test_ray_hook.py).
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"worker_process_setup_hook": "robustdist.ray_setup.worker_setup"})
+             runtime_env={"worker_process_setup_hook": "robustdist.ray.hook.worker_setup"})
     started = _procs.new_descendants(os.getpid(), before)
     try:
         yield ray
@@ -147,8 +147,8 @@ def ray_cluster():
 
 @pytest.fixture(autouse=True)
 def _reset_warn_once():
-    """``robustdist.log.warn(once=...)`` remembers keys per process; each test starts fresh."""
-    from robustdist import log
+    """``robustdist.runtime.log.warn(once=...)`` remembers keys per process; each test starts fresh."""
+    from robustdist.runtime import log
 
     log._warned.clear()
     yield

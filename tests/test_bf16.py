@@ -152,8 +152,9 @@ def test_copy_copy_keeps_torch_semantics():
 
 
 def test_multiprocessing_shared_memory_reductions_are_untouched():
-    import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
     from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
 
     patch_bf16_pickle()
     table = ForkingPickler(io.BytesIO()).dispatch_table

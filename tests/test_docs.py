@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import robustdist
-from robustdist.config import config_reference
+from robustdist.config.schema import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -94,7 +94,7 @@ def test_python_snippets_parse(page):
 @pytest.mark.parametrize("page", [ROOT / "README.md", DOCS / "configuration.md"], ids=["README.md", "configuration.md"])
 def test_yaml_snippets_are_valid_configs(page):
     yaml = pytest.importorskip("yaml")
-    from robustdist.config import HardenConfig
+    from robustdist.config.schema import HardenConfig
 
     blocks = re.findall(r"^```yaml\n(.*?)^```", page.read_text(), re.S | re.M)
     assert blocks
@@ -163,8 +163,9 @@ def test_failure_mode_rows_are_readable():
 MEASURED = re.compile(r"\b\d+\.\d+\s?(?:s|x)\b|\b\d+(?:\.\d+)?\s?(?:ms|us|µs)\b|\b\d+(?:\.\d+)?x\b"
                       r"|\b\d+(?:\.\d+)?\s?[KMGT]i?B/s\b|\b\d+\.\d+%|\btook \d")
 OWNED_DOCSTRINGS = [ROOT / "robustdist" / f"{name}.py" for name in (
-    "bf16", "syncbn", "consistency", "ray_actor", "ray_memory", "state_dict", "topology", "doctor", "netenv",
-    "agreement", "testing", "cli")] + sorted((ROOT / "examples").glob("*.py"))
+    "bf16", "parallel/syncbn", "parallel/consistency", "ray/actor", "ray/memory", "parallel/state_dict",
+    "runtime/topology", "doctor", "runtime/netenv", "runtime/agreement", "testing/ranks", "cli")] + sorted(
+    (ROOT / "robustdist").glob("*/__init__.py")) + sorted((ROOT / "examples").glob("*.py"))
 
 
 def _without_generated(text: str) -> str:

@@ -82,7 +82,7 @@ def test_torchrun_broken_env_exits_1_on_every_rank():
 def _launch_ranks(world, env_for_rank):
     """Start the doctor as `world` ranks with torchrun's env, each a process whose exit code we can see
     (torchrun itself stops the other ranks as soon as one fails, hiding their codes)."""
-    from robustdist.testing import free_port
+    from robustdist.testing.ranks import free_port
 
     port = str(free_port())
     procs = []

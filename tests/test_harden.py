@@ -4,8 +4,8 @@ FSDP, and the resilient-training demo under torchrun with a real SIGKILL."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from robustdist import harden
-from robustdist.dataloader import SafeDataLoader, safe_dataloader
-from robustdist.ddp import DistributedDataParallel, wrap_ddp
-from robustdist.errors import ConfigError
+from robustdist.data.dataloader import SafeDataLoader, safe_dataloader
 from robustdist.harden import Hardened
-from robustdist.process_group import safe_init_process_group
-from robustdist.testing import run_ranks
+from robustdist.init.process_group import safe_init_process_group
+from robustdist.parallel.ddp import DistributedDataParallel, wrap_ddp
+from robustdist.runtime.errors import ConfigError
+from robustdist.testing.ranks import run_ranks
 from tests import _training as tr
 
 ROOT = Path(__file__).resolve().parents[1]

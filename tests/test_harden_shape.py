@@ -17,14 +17,14 @@ import torch.distributed as dist
 
 from robustdist import harden
 from robustdist.checkpoint import AtomicCheckpointer
-from robustdist.config import HardenConfig
-from robustdist.dataloader import safe_dataloader
-from robustdist.errors import InitError, RobustDistWarning
-from robustdist.health import Watchdog
-from robustdist.log import logging_configured
-from robustdist.process_group import adopt_group, safe_init_process_group
-from robustdist.testing import run_ranks
-from robustdist.train_state import TrainState
+from robustdist.checkpoint.train_state import TrainState
+from robustdist.config.schema import HardenConfig
+from robustdist.data.dataloader import safe_dataloader
+from robustdist.health.step_guard import Watchdog
+from robustdist.init.process_group import adopt_group, safe_init_process_group
+from robustdist.runtime.errors import InitError, RobustDistWarning
+from robustdist.runtime.log import logging_configured
+from robustdist.testing.ranks import run_ranks
 from tests import _training as tr
 
 pytestmark = pytest.mark.timeout(120)
@@ -206,7 +206,7 @@ def test_resume_is_not_silent_when_the_script_configured_no_logging(single_proce
 
 
 def _warning_through_the_context_manager(rank: int) -> list[str]:
-    from robustdist.process_group import distributed
+    from robustdist.init.process_group import distributed
 
     os.environ.update(RESTARTS)
     with warnings.catch_warnings(record=True) as caught:
@@ -223,7 +223,7 @@ def test_a_warning_raised_through_the_context_manager_points_at_the_with_line():
 def _adopt_and_close_repeatedly(rank: int) -> int:
     from torch.distributed import distributed_c10d as c10d
 
-    from robustdist.process_group import destroy_process_group_if_owned
+    from robustdist.init.process_group import destroy_process_group_if_owned
 
     before = len(c10d._world.pg_map)
     for _ in range(3):
@@ -252,7 +252,7 @@ def test_the_watchdog_allows_a_bounded_operation_its_own_bound():
 
 
 def test_fsdp_only_arguments_with_ddp_are_refused_with_the_fix(single_process):
-    from robustdist.errors import ConfigError
+    from robustdist.runtime.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"apply to FSDP, but distributed.strategy is 'ddp'.*Fix: set "
                                           r"distributed.strategy: fsdp, or drop those arguments"):
@@ -260,7 +260,7 @@ def test_fsdp_only_arguments_with_ddp_are_refused_with_the_fix(single_process):
 
 
 def test_an_optimizer_over_a_meta_model_is_refused_before_fsdp_materialises_it(single_process):
-    from robustdist.errors import ConfigError
+    from robustdist.runtime.errors import ConfigError
 
     with torch.device("meta"):
         model = tr.make_model()

@@ -43,9 +43,14 @@ before = snapshot()
 import robustdist
 light = {"torch_free": True}
 import importlib, pkgutil
-for mod in pkgutil.iter_modules(robustdist.__path__):
-    if mod.name != "__main__":
-        importlib.import_module(f"robustdist.{mod.name}")
+imported = 0
+for mod in pkgutil.walk_packages(robustdist.__path__, "robustdist."):  # every module of every package
+    if mod.name != "robustdist.__main__":
+        package = importlib.import_module(mod.name)
+        imported += 1
+        for name in getattr(package, "__all__", ()) if mod.ispkg else ():
+            getattr(package, name)  # a package's lazy exports
+assert imported > 80, f"walked only {imported} modules"
 for name in robustdist.__all__:
     getattr(robustdist, name)
 after = snapshot()
@@ -59,6 +64,20 @@ def test_importing_everything_changes_no_global_state():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
+
+
+PACKAGES = ["runtime", "config", "init", "parallel", "data", "health", "ray", "testing"]
+
+
+def test_importing_a_package_imports_none_of_its_modules():
+    """Each package's ``__init__`` exports lazily: importing it (what importing any of its modules does first)
+    imports neither torch nor ray nor the package's own modules; the checkpoint package is eager, as before."""
+    code = ("import json, sys\n" + "".join(f"import robustdist.{p}\n" for p in PACKAGES) +
+            "print(json.dumps(sorted(m for m in sys.modules if m in ('torch', 'ray', 'numpy') or "
+            "(m.startswith('robustdist.') and m.count('.') > 1))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == ["robustdist.runtime.lazy"]
 
 
 def test_import_robustdist_is_light():

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from robustdist import ray_actor
 from robustdist.checkpoint import AtomicCheckpointer
-from robustdist.errors import CheckpointError, ConfigError, InitError, TopologyError
-from robustdist.fsdp import Calibration, fsdp_calibrate
-from robustdist.ray_actor import RobustGPUActor, gpu_positions
-from robustdist.ray_memory import ray_memory_plan
+from robustdist.parallel.fsdp import Calibration, fsdp_calibrate
+from robustdist.ray import actor as ray_actor
+from robustdist.ray.actor import RobustGPUActor, gpu_positions
+from robustdist.ray.memory import ray_memory_plan
+from robustdist.runtime.errors import CheckpointError, ConfigError, InitError, TopologyError
 
 
 def test_memory_plan_out_of_range():
@@ -46,7 +46,7 @@ def test_gpu_ids_without_cuda(monkeypatch):
 
 
 def test_missing_master_port(monkeypatch):
-    from robustdist.process_group import safe_init_process_group
+    from robustdist.init.process_group import safe_init_process_group
 
     for var in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "GLOO_SOCKET_IFNAME", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from robustdist import harden
-from robustdist.config import CheckpointConfig, HardenConfig, HealthConfig
-from robustdist.testing import run_ranks
+from robustdist.config.schema import CheckpointConfig, HardenConfig, HealthConfig
+from robustdist.testing.ranks import run_ranks
 
 N, BATCH, EPOCHS = 24, 4, 2
 
@@ -101,8 +101,8 @@ def _tutorial(rank, directory):
     records: list[str] = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("robustdist._sampler").addHandler(handler)
-    logging.getLogger("robustdist._sampler").setLevel(logging.DEBUG)
+    logging.getLogger("robustdist.data.sampler").addHandler(handler)
+    logging.getLogger("robustdist.data.sampler").setLevel(logging.DEBUG)
     snapshot = os.path.join(directory, f"snapshot{rank}.pt")
     # the tutorial's loader, built before any process group exists (explicit num_replicas/rank)
     group_before = dist.is_initialized()

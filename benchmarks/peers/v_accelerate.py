@@ -28,7 +28,7 @@ Idiomatic pieces, each from Accelerate's own docs ("Checkpointing" usage guide, 
 Launch: ``torchrun --standalone --nproc_per_node=2 [--max-restarts=R] v_accelerate.py --workdir DIR ...``.
 Restarts: with torch 2.13's torchrun as launched above, a restarted attempt often fails ("Gloo connectFullMesh
 failed ... Connection refused") or hangs in ``init_process_group`` (gloo can read the dead attempt's peer
-addresses from the agent store torchrun shares; see ``robustdist/_elastic_store.py``) unless the launcher
+addresses from the agent store torchrun shares; see ``robustdist/init/elastic_store.py``) unless the launcher
 sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; the variant does not set it (a launch choice, the same for every
 torchrun variant).
 """

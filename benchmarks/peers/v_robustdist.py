@@ -35,7 +35,7 @@ OPTIONS = {
     "nan": "h.step_guard(loss, step) with the default health.nan_policy='raise'",
     "stuck": "the default watchdog (health.hang_timeout 600 s, hang_action 'dump': report, keep waiting)",
 }
-# health.hang_timeout's default (robustdist/config.py HealthConfig, docs/configuration.md): the watchdog reports
+# health.hang_timeout's default (robustdist/config/schema.py HealthConfig, docs/configuration.md): the watchdog reports
 # a step that has not finished within it; the process-group timeout (distributed.timeout) is 1800 s.
 STUCK_DEFAULT_SECONDS = 600.0
 

@@ -4,13 +4,14 @@ The commit protocol of ``save`` is in the docstring of :mod:`._protocol`, the lo
 Layers, bottom up (each module imports only modules named before it): ``_types``, ``_faults``,
 ``_pickle_scan``, ``_schema``, ``_live`` (types, limits and validators); ``_io``, ``_safeio``, ``_layout``,
 ``_payload``, ``_sharded``, ``_restore``, ``_cleanup``, ``_collective``, ``_shared``, ``_snapshot`` (mechanisms);
-``_protocol`` (save) and ``_loading`` (load); ``checkpointer`` (the facade). The in-memory tier stands on
-them: ``_local_memory``, ``_local_layout``, ``_local_lineage``, ``_local_wire`` (mechanisms), ``_local_restore``
-(recovery), ``local_tier`` (its facade).
+``_protocol`` (save) and ``_loading`` (load); ``checkpointer`` (the facade). The in-memory tier, the package
+:mod:`.local`, stands on them: ``local.memory``, ``local.layout``, ``local.lineage``, ``local.wire`` (mechanisms),
+``local.restore`` (recovery), ``local.tier`` (its facade). :mod:`.train_state` (``TrainState``: what a run
+checkpoints) stands on the checkpointer and on :mod:`robustdist.data`.
 """
 
 from robustdist.checkpoint._layout import verify_all
 from robustdist.checkpoint.checkpointer import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint
-from robustdist.checkpoint.local_tier import LocalSaveInfo, LocalTier
+from robustdist.checkpoint.local.tier import LocalSaveInfo, LocalTier
 
 __all__ = ["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint", "LocalSaveInfo", "LocalTier", "verify_all"]

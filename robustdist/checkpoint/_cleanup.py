@@ -20,7 +20,7 @@ import uuid
 
 from robustdist.checkpoint import _layout
 from robustdist.checkpoint._io import fsync_dir
-from robustdist.log import get_logger
+from robustdist.runtime.log import get_logger
 
 __all__ = ["clean_stale", "delete_all", "remove", "set_aside", "trash"]
 

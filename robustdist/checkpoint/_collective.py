@@ -1,4 +1,4 @@
-"""The checkpointer's collectives: :class:`robustdist._dist.Collectives` set up for ``save()``/``load()``.
+"""The checkpointer's collectives: :class:`robustdist.runtime.dist.Collectives` set up for ``save()``/``load()``.
 
 ``save()`` and ``load()`` (and so ``Hardened.save``/``resume``) are collective: every rank of the
 checkpointer's group must call them, in the same order. A script that saves only on rank 0 (as the
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from robustdist._dist import Collectives
-from robustdist.errors import CheckpointError
+from robustdist.runtime.dist import Collectives
+from robustdist.runtime.errors import CheckpointError
 
 OPS = ("save", "load")
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-from robustdist.errors import CheckpointError
-from robustdist.log import get_logger
+from robustdist.runtime.errors import CheckpointError
+from robustdist.runtime.log import get_logger
 
 log = get_logger(__name__)
 _CHUNK = 8 << 20

@@ -35,7 +35,7 @@ from robustdist.checkpoint._schema import (
     check_manifest,
     rank_file,
 )
-from robustdist.errors import CheckpointCorruptError
+from robustdist.runtime.errors import CheckpointCorruptError
 
 __all__ = ["DCP_METADATA", "FORMAT_VERSION", "MANIFEST", "REPLICATED", "SHARDED_DIR", "committed_steps",
            "files_for_rank", "identity", "rank_file", "read_manifest", "step_dirname", "step_dirs", "verify",

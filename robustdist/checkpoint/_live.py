@@ -6,7 +6,7 @@ state, and a scheduler or grad scaler copies the saved dict into its ``__dict__`
 state would be accepted and break the next ``step()`` (AttributeError, KeyError, ZeroDivisionError). So:
 
 * a module's state dict must fit the live module: the same keys (after adapting prefixes), shapes and dtypes
-  (:func:`check_module`, a dry run of :func:`robustdist.state_dict.load_model_state_dict`);
+  (:func:`check_module`, a dry run of :func:`robustdist.parallel.state_dict.load_model_state_dict`);
 * an optimizer's (:func:`check_optimizer`) must have the live optimizer's layout (as many groups, as many
   parameters in each), each group the live group's keys with values of the same kinds (numbers stay numbers,
   bools bools, tuples of numbers such tuples; an option flag a newer torch added may be missing, as torch fills
@@ -20,8 +20,8 @@ state would be accepted and break the next ``step()`` (AttributeError, KeyError,
   is a positive int (a step size, a period, a total: the scheduler divides by it).
 
 A layout that differs from the live object's (another model or optimizer) is the caller's mismatch, a
-:class:`~robustdist.errors.CheckpointError` that says so; anything else is a
-:class:`~robustdist.errors.CheckpointCorruptError` naming the entry and the key. Either way ``load()`` falls
+:class:`~robustdist.runtime.errors.CheckpointError` that says so; anything else is a
+:class:`~robustdist.runtime.errors.CheckpointCorruptError` naming the entry and the key. Either way ``load()`` falls
 back to an older checkpoint before anything is restored.
 """
 
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from robustdist.checkpoint._schema import overlapping
-from robustdist.errors import CheckpointCorruptError, CheckpointError, StateDictMismatchError
-from robustdist.state_dict import load_model_state_dict, unwrap_model
+from robustdist.parallel.state_dict import load_model_state_dict, unwrap_model
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, StateDictMismatchError
 
 __all__ = ["check_module", "check_optimizer", "check_same_keys", "validated"]
 

@@ -33,10 +33,10 @@ Every rank calls ``load``; with no multi-rank group every collective below is a 
    then protects the loaded step from rotation.
 
 A candidate that disappears while it is read (a writer rotated it away) is not corrupt: the listing is
-retried (up to three times) and then :class:`~robustdist.errors.CheckpointBusyError` says to retry.
+retried (up to three times) and then :class:`~robustdist.runtime.errors.CheckpointBusyError` says to retry.
 A candidate that does not fit the live objects (another model, optimizer or set of entries) is skipped too,
-but it is not corrupt: when no candidate loads, a :class:`~robustdist.errors.CheckpointError` says so.
-Every other problem with the files is a :class:`~robustdist.errors.CheckpointCorruptError`, raised only
+but it is not corrupt: when no candidate loads, a :class:`~robustdist.runtime.errors.CheckpointError` says so.
+Every other problem with the files is a :class:`~robustdist.runtime.errors.CheckpointCorruptError`, raised only
 when no candidate is valid (or at once for an explicitly requested step); the steps whose files were
 corrupt are reported to ``AtomicCheckpointer``, which stops counting them as newer committed steps (see
 :mod:`._protocol`, step 1). When ``load()`` raises, the live objects are as they were (unless a restore of 3b
@@ -62,8 +62,8 @@ from robustdist.checkpoint._safeio import check_torch_zip
 from robustdist.checkpoint._schema import weights_only_reason
 from robustdist.checkpoint._sharded import read_metadata
 from robustdist.checkpoint._types import Context, LoadedCheckpoint
-from robustdist.errors import CheckpointBusyError, CheckpointCorruptError, CheckpointError
-from robustdist.log import user_stacklevel, warn
+from robustdist.runtime.errors import CheckpointBusyError, CheckpointCorruptError, CheckpointError
+from robustdist.runtime.log import user_stacklevel, warn
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from robustdist.checkpoint import _schema
-from robustdist.errors import CheckpointError
-from robustdist.state_dict import load_model_state_dict, model_state_dict
+from robustdist.parallel.state_dict import load_model_state_dict, model_state_dict
+from robustdist.runtime.errors import CheckpointError
 
 _SCALARS = frozenset({str, bytes, int, float, bool, type(None), torch.dtype, torch.device})
 _TENSORS = frozenset({torch.Tensor, nn.Parameter})

@@ -18,7 +18,7 @@ refuses:
 * sets (``EMPTY_SET``, ``ADDITEMS``, ``FROZENSET``), which robustdist never writes, and opcodes that
   ``torch.save`` and DCP never emit.
 
-Each refusal is a :class:`~robustdist.errors.CheckpointCorruptError` naming the file.
+Each refusal is a :class:`~robustdist.runtime.errors.CheckpointCorruptError` naming the file.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import pickletools
 from typing import Any
 
-from robustdist.errors import CheckpointCorruptError
+from robustdist.runtime.errors import CheckpointCorruptError
 
 MAX_KEY_INT = 2**61 - 1
 MAX_KEY_SIZE = 64

@@ -22,7 +22,7 @@ with the training collectives. Without a multi-rank group every collective below
    async save blocks on; in ``AtomicCheckpointer.save``), then :meth:`Committer.agree`: every rank reports
    its step, its sharded entries' names and its error, if any. **Collective: all_gather.** If a rank failed,
    or the ranks disagree on the step or on the sharded entries, rank 0 removes the staging dir and every rank
-   raises the same :class:`~robustdist.errors.CheckpointError` naming the ranks and their errors, within
+   raises the same :class:`~robustdist.runtime.errors.CheckpointError` naming the ranks and their errors, within
    seconds; nothing is written and the next save works. Only then are sharded entries (FSDP2 DTensors)
    written by ``torch.distributed.checkpoint`` into ``<staging>/sharded/``, by all ranks (**collective:
    DCP's own**); a rank whose DCP write fails goes to the report of step 4 with its error.
@@ -31,7 +31,7 @@ with the training collectives. Without a multi-rank group every collective below
    (``rank_<r>.pt``). Every file is checksummed (CRC-32, see :mod:`._io`) while written, flushed and fsynced.
 4. Every rank sets ``robustdist/ckpt/<token>/<rank>`` in the c10d store (when the job has one) and reports
    success or its error. **Collective: all_gather.** If any rank failed, rank 0 removes the staging dir,
-   every rank raises the same :class:`~robustdist.errors.CheckpointError` naming the failed ranks and their
+   every rank raises the same :class:`~robustdist.runtime.errors.CheckpointError` naming the failed ranks and their
    errors, and nothing is committed. If the report itself fails (a rank died or hung), the ranks whose store
    key is missing are named instead, and rank 0 (if alive) removes the staging dir.
 5. Rank 0 first checks that every file a rank reported is in its staging dir, a regular file of the reported
@@ -72,14 +72,14 @@ from typing import Any
 
 import torch
 
-from robustdist._dist import default_store
 from robustdist._version import __version__
 from robustdist.checkpoint import _cleanup, _faults, _layout
 from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir, write_json_atomic
 from robustdist.checkpoint._shared import refusal, this_node, unseen_files
 from robustdist.checkpoint._types import Context, FileEntry, SaveJob
-from robustdist.errors import CheckpointError, ranks_phrase
-from robustdist.log import get_logger
+from robustdist.runtime.dist import default_store
+from robustdist.runtime.errors import CheckpointError, ranks_phrase
+from robustdist.runtime.log import get_logger
 
 __all__ = ["Committer", "staging_dir", "write_file"]
 

@@ -30,7 +30,7 @@ from torch import nn
 from robustdist.checkpoint import _payload
 from robustdist.checkpoint._live import validated
 from robustdist.checkpoint._sharded import load_sharded
-from robustdist.errors import CheckpointError
+from robustdist.runtime.errors import CheckpointError
 
 __all__ = ["Plan", "plan", "put_back", "restore_checked", "restore_unchecked"]
 

@@ -3,7 +3,7 @@
 A Tune trial (another learning rate) that "resumes" trial 1's model trains nothing and reports nonsense; so
 does a job pointed at another job's directory. The first run that writes into a directory records its
 identity (:class:`RunIdentity`: the run's name, and a fingerprint of its training configuration); a later run
-whose identity differs is refused with :class:`~robustdist.errors.CheckpointError` naming both, before
+whose identity differs is refused with :class:`~robustdist.runtime.errors.CheckpointError` naming both, before
 anything is read or written. A field that is None on either side is not compared (an unnamed job may resume a
 named run's directory, and the other way round), so the guard bites where an identity exists: inside Ray Train
 (the run's ``RunConfig.name`` and its ``train_loop_config``), and wherever ``checkpoint.run_name`` is set.
@@ -21,12 +21,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from robustdist._dist import Collectives
 from robustdist.checkpoint._io import fsync_dir
 from robustdist.checkpoint._layout import committed_steps
 from robustdist.checkpoint._safeio import read_in
-from robustdist.errors import CheckpointCorruptError, CheckpointError
-from robustdist.log import get_logger
+from robustdist.runtime.dist import Collectives
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
+from robustdist.runtime.log import get_logger
 
 __all__ = ["RUN_RECORD", "RunIdentity", "claim"]
 

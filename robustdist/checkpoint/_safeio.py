@@ -11,7 +11,7 @@ Every read of a file inside a step directory goes through :func:`open_in`, which
   as ``/dev/zero``, a socket, a directory), so an open or a read never blocks,
 * checks the size before reading (:func:`open_in` with ``size=`` or ``max_size=``).
 
-Every refusal is a :class:`~robustdist.errors.CheckpointCorruptError` naming the file and the problem.
+Every refusal is a :class:`~robustdist.runtime.errors.CheckpointCorruptError` naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from robustdist.checkpoint._pickle_scan import scan
 from robustdist.checkpoint._schema import MAX_PICKLE_TREE
-from robustdist.errors import CheckpointCorruptError
+from robustdist.runtime.errors import CheckpointCorruptError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -11,7 +11,7 @@ where a file name is ``replicated.pt``, ``rank_<r>.pt`` (``r`` below ``world_siz
 or ``sharded/__<r>_<n>.distcp``, and the files the entries need are listed. A payload (``replicated.pt``,
 ``rank_<r>.pt``) must be a dict holding what the manifest promises, and a saved RNG state must have the shape
 :func:`robustdist.checkpoint._payload.capture_rng` gives it. Anything else is a
-:class:`~robustdist.errors.CheckpointCorruptError` naming the file and the problem, so ``load()`` falls back
+:class:`~robustdist.runtime.errors.CheckpointCorruptError` naming the file and the problem, so ``load()`` falls back
 to the previous step instead of failing deep inside with a ``TypeError``. What a payload's entries must be to
 fit the live objects they are restored into (a module, an optimizer, a scheduler) is checked by :mod:`._live`.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from robustdist.errors import CheckpointCorruptError
+from robustdist.runtime.errors import CheckpointCorruptError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

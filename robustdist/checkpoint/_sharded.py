@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from robustdist import _dist
 from robustdist.checkpoint._io import checksum_entry
 from robustdist.checkpoint._pickle_scan import scan
 from robustdist.checkpoint._safeio import check_torch_zip, open_in, read_in
@@ -44,7 +43,8 @@ from robustdist.checkpoint._schema import (
     is_int,
     weights_only_reason,
 )
-from robustdist.errors import CheckpointCorruptError, CheckpointError
+from robustdist.runtime import dist as _dist
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
 # Exactly what DCP's metadata pickles (read off torch 2.13's FileSystemWriter output).
@@ -296,9 +296,8 @@ def load_sharded(entries: dict[str, Any], step_dir: str, metadata: Any, group: A
     """Load DCP-saved entries into the live objects in ``entries`` (resharding as needed), from validated
     ``metadata`` (:func:`read_metadata`), reading only inside ``step_dir``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     _, reader_cls, planner_cls = _safe_classes()
     templates = _state_dicts(entries)

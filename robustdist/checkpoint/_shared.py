@@ -3,7 +3,7 @@
 Rank 0 commits a manifest listing the files every rank wrote, and on load every rank reads rank 0's files.
 When ``checkpoint.dir`` is node-local (each node has its own disk or tmpfs at that path), rank 0 would commit
 a manifest for files it cannot see, and a resume would read different directories on different nodes. Two
-guards refuse that, each with the same :class:`~robustdist.errors.CheckpointError` on every rank.
+guards refuse that, each with the same :class:`~robustdist.runtime.errors.CheckpointError` on every rank.
 
 :func:`check_shared_dir` runs once per checkpointer before its first ``save()`` and before each ``load()``
 until it has passed (in ``AtomicCheckpointer``, right after the arrival check), only when the group has more
@@ -11,7 +11,7 @@ than one rank. Its protocol:
 
 1. Every rank creates ``<dir>/.robustdist-probe-<rank>-<random>`` (``O_CREAT|O_EXCL|O_NOFOLLOW``) holding a
    fresh random token and closes it (close-to-open: an NFS client flushes it then). No collective.
-2. Every rank's node (:func:`robustdist._node.node_label`), probe name and token, or its write error.
+2. Every rank's node (:func:`robustdist.runtime.node.node_label`), probe name and token, or its write error.
    **Collective: all_gather.** On a write error a save raises on every rank; a load lets a rank that cannot
    write (a read-only directory) only read, and skips the check (it runs again later) when rank 0 cannot.
 3. Rank 0 reads every other rank's probe (on a few threads in a large job); every other rank reads rank 0's:
@@ -40,10 +40,10 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from robustdist._node import node_label
 from robustdist.checkpoint._types import Context, FileEntry
-from robustdist.errors import CheckpointError, ranks_phrase
-from robustdist.log import get_logger
+from robustdist.runtime.errors import CheckpointError, ranks_phrase
+from robustdist.runtime.log import get_logger
+from robustdist.runtime.node import node_label
 
 __all__ = ["GRACE_S", "PROBE_PREFIX", "check_shared_dir", "probe_name", "refusal", "this_node", "unseen_files"]
 
@@ -70,7 +70,7 @@ Row = tuple[str, str | None, str | None, str | None, bool]
 
 
 def this_node() -> str:
-    """This process's node in words (``node 1 (host gpu-07, 10.0.0.2)``, :func:`robustdist._node.node_label`)."""
+    """This process's node in words (``node 1 (host gpu-07, 10.0.0.2)``, :func:`robustdist.runtime.node.node_label`)."""
     return node_label()
 
 

@@ -1,7 +1,7 @@
 """Step 2 of a save, shared by both tiers: validate the entries and snapshot them to CPU.
 
 ``AtomicCheckpointer.save`` (the durable tier) and ``LocalTier.save`` (the in-memory tier,
-:mod:`robustdist.checkpoint.local_tier`) take the same snapshot, so what either writes restores the same way.
+:mod:`robustdist.checkpoint.local.tier`) take the same snapshot, so what either writes restores the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from robustdist.checkpoint import _payload
 from robustdist.checkpoint._sharded import is_sharded_stateful
-from robustdist.errors import CheckpointError
+from robustdist.runtime.errors import CheckpointError
 
 __all__ = ["Snapshot", "check_entries", "collect"]
 

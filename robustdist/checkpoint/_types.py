@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from robustdist._dist import Collectives
+from robustdist.runtime.dist import Collectives
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from robustdist import _dist
 from robustdist.checkpoint import _layout, _payload
 from robustdist.checkpoint._collective import checkpoint_collectives
 from robustdist.checkpoint._loading import is_ray_checkpoint, load_checkpoint
@@ -36,14 +35,15 @@ from robustdist.checkpoint._sharded import save_sharded
 from robustdist.checkpoint._shared import check_shared_dir
 from robustdist.checkpoint._snapshot import collect
 from robustdist.checkpoint._types import CheckpointInfo, Context, LoadedCheckpoint, SaveJob
-from robustdist.errors import CheckpointError
-from robustdist.log import get_logger
+from robustdist.runtime import dist as _dist
+from robustdist.runtime.errors import CheckpointError
+from robustdist.runtime.log import get_logger
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.serialization import MAP_LOCATION
 
-    from robustdist._dist import Collectives
+    from robustdist.runtime.dist import Collectives
 
 __all__ = ["AtomicCheckpointer", "CheckpointInfo", "LoadedCheckpoint"]
 

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from robustdist.checkpoint import AtomicCheckpointer, _faults
-from robustdist.errors import CheckpointError
+from robustdist.runtime.errors import CheckpointError
 
 
 def state_for(step: int, size: int = 64) -> dict:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from robustdist.checkpoint import AtomicCheckpointer, _faults, verify_all
-from robustdist.errors import CheckpointCorruptError, CheckpointError, RanksFailed, RobustDistWarning
-from robustdist.testing import run_ranks
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, RanksFailed, RobustDistWarning
+from robustdist.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 

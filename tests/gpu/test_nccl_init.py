@@ -16,7 +16,7 @@ pytestmark = [
 
 
 def test_nccl_single_rank_group(monkeypatch):
-    from robustdist.process_group import distributed
+    from robustdist.init.process_group import distributed
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
@@ -31,7 +31,7 @@ def test_nccl_single_rank_group(monkeypatch):
 def test_native_syncbn_conversion_on_cuda():
     from torch import nn
 
-    from robustdist.ddp import _convert_bn
+    from robustdist.parallel.ddp import _convert_bn
 
     model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2)).cuda()
     converted = _convert_bn(model, torch.device("cuda", 0))
@@ -39,7 +39,7 @@ def test_native_syncbn_conversion_on_cuda():
 
 
 def test_pin_memory_auto_pins_on_cuda(monkeypatch):
-    from robustdist.dataloader import safe_dataloader
+    from robustdist.data.dataloader import safe_dataloader
 
     monkeypatch.delenv("RANK", raising=False)
     data = [torch.full((4,), float(i)) for i in range(8)]

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from robustdist import nodelab
+from robustdist.testing import nodelab
 from tests.multinode._lab import DEMO, ROOT, finish, logs, wait_for
 
 pytestmark = pytest.mark.timeout(300)

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import pytest
 
-from robustdist import nodelab
-from robustdist.errors import RanksTimeout
-from robustdist.testing import run_ranks
+from robustdist.runtime.errors import RanksTimeout
+from robustdist.testing import nodelab
+from robustdist.testing.ranks import run_ranks
 from tests import _procs
 from tests.multinode._lab import FAST_RDZV, PY, ROOT, events, finish, logs, of, wait_for
 
@@ -170,7 +170,7 @@ def _flip(path: Path) -> None:
 
 def _tier(local_dir: Path, ckpt: Path) -> Path:
     """The in-memory tier's own directory under ``local_dir`` (named after the lineage kept in ``ckpt``)."""
-    from robustdist.checkpoint._local_layout import tier_root
+    from robustdist.checkpoint.local.layout import tier_root
 
     return Path(tier_root(str(local_dir), (ckpt / ".robustdist-lineage").read_text()))
 

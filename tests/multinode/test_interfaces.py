@@ -2,7 +2,7 @@
 
 Two lab nodes, each with ``eth0`` (10.213.0.<i+1>, on the shared bridge) and ``eth1`` (10.214.0.<i+1>, which
 reaches no other node). Each node runs one rank that connects to a TCPStore on node 0 and calls
-:func:`robustdist._reach.check_peers`, as ``safe_init_process_group`` does before ``init_process_group``;
+:func:`robustdist.init.reach.check_peers`, as ``safe_init_process_group`` does before ``init_process_group``;
 ``robustdist doctor`` runs in node 1 against a listener on node 0.
 """
 
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from robustdist.nodelab import NodeLab
+from robustdist.testing.nodelab import NodeLab
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PORT = 29500
@@ -28,8 +28,8 @@ RANK_SCRIPT = textwrap.dedent("""
     from datetime import timedelta
     logging.basicConfig(level=logging.DEBUG)
     import torch.distributed as dist
-    from robustdist._reach import check_peers
-    from robustdist.errors import InitError
+    from robustdist.init.reach import check_peers
+    from robustdist.runtime.errors import InitError
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from robustdist import nodelab
-from robustdist.nodelab import LabError, NodeLab
+from robustdist.testing import nodelab
+from robustdist.testing.nodelab import LabError, NodeLab
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -178,7 +178,7 @@ def one_rank_group() -> Iterator[None]:
     """A real 1-rank gloo group in this process (FSDP2 and DCP need one)."""
     import torch.distributed as dist
 
-    from robustdist.testing import free_port
+    from robustdist.testing.ranks import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -16,7 +16,7 @@ import torch
 
 from robustdist.checkpoint import AtomicCheckpointer
 from robustdist.checkpoint._sharded import check_metadata
-from robustdist.errors import CheckpointError, RobustDistWarning
+from robustdist.runtime.errors import CheckpointError, RobustDistWarning
 from tests.security._forge import (
     STEP2,
     forge,
@@ -261,8 +261,8 @@ def test_inner_schedulers_and_lr_lambdas_cannot_gain_attributes(tmp_path):
 def test_a_loader_without_a_length_never_skips_without_bound():
     from torch.utils.data import DataLoader, IterableDataset  # noqa: F401
 
-    from robustdist import _loader_state
-    from robustdist.errors import CheckpointError as Refused
+    from robustdist.data import state as _loader_state
+    from robustdist.runtime.errors import CheckpointError as Refused
 
     state = {"version": 1, "iterations": 1, "epoch": None, "num_batches": None, "batches": 2**62,
              "in_flight": True, "rng": {"torch": torch.get_rng_state(), "generator": None}}

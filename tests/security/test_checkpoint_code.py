@@ -15,7 +15,7 @@ import torch
 
 from robustdist.checkpoint import AtomicCheckpointer
 from robustdist.checkpoint._sharded import check_metadata
-from robustdist.errors import CheckpointCorruptError, RobustDistWarning
+from robustdist.runtime.errors import CheckpointCorruptError, RobustDistWarning
 from tests.security._forge import (
     STEP1,
     dotted_name_pickle,

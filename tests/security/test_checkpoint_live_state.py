@@ -12,7 +12,7 @@ import torch
 from torch.optim import lr_scheduler as L
 
 from robustdist.checkpoint import AtomicCheckpointer
-from robustdist.errors import CheckpointError, RobustDistWarning
+from robustdist.runtime.errors import CheckpointError, RobustDistWarning
 from tests.security._forge import STEP2, forge
 
 pytestmark = pytest.mark.timeout(120)

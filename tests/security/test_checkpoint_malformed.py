@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from robustdist.checkpoint import AtomicCheckpointer
-from robustdist.errors import CheckpointError, RobustDistWarning
+from robustdist.runtime.errors import CheckpointError, RobustDistWarning
 from tests.security._forge import STEP2, forge, manifest_of, state_for, two_steps, write_manifest
 
 
@@ -235,7 +235,7 @@ def _load_on_every_rank(rank, directory):
 
 
 def test_a_problem_only_one_rank_sees_makes_every_rank_fall_back_together(tmp_path):
-    from robustdist.testing import run_ranks
+    from robustdist.testing.ranks import run_ranks
 
     run_ranks(_save_two_steps, 2, args=(str(tmp_path),), timeout=60)
     payload = torch.load(tmp_path / STEP2 / "rank_00001.pt", weights_only=True)  # only rank 1 reads this file

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from robustdist.checkpoint import AtomicCheckpointer, _shared
-from tests.test_checkpoint_shared_dir import attempt, init_group, listing, needs_isolation, run_nodes
+from tests.checkpoint.test_checkpoint_shared_dir import attempt, init_group, listing, needs_isolation, run_nodes
 
 MODULE = "tests.security.test_checkpoint_node_local"
 pytestmark = pytest.mark.timeout(120)

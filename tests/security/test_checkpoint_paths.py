@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from robustdist.checkpoint import AtomicCheckpointer, verify_all
-from robustdist.errors import CheckpointError, RobustDistWarning
+from robustdist.runtime.errors import CheckpointError, RobustDistWarning
 from tests.security._forge import (
     STEP1,
     STEP2,

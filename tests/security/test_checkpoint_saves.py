@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from robustdist.checkpoint import AtomicCheckpointer
-from robustdist.errors import CheckpointBusyError, CheckpointError
+from robustdist.runtime.errors import CheckpointBusyError, CheckpointError
 from tests.security._forge import state_for
 
 ROOT = Path(__file__).resolve().parents[2]

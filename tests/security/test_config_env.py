@@ -18,12 +18,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from robustdist import _validate as v
-from robustdist._config_io import MAX_YAML_BYTES
-from robustdist.config import HardenConfig
-from robustdist.errors import ConfigError, TopologyError
-from robustdist.topology import Topology, detect_topology, parse_visible_devices
-from tests.test_topology import LAUNCHER_VARS, _set, clean_env  # noqa: F401 - clean_env is a fixture
+from robustdist.config import validate as v
+from robustdist.config.io import MAX_YAML_BYTES
+from robustdist.config.schema import HardenConfig
+from robustdist.runtime.errors import ConfigError, TopologyError
+from robustdist.runtime.topology import Topology, detect_topology, parse_visible_devices
+from tests.runtime.test_topology import LAUNCHER_VARS, _set, clean_env  # noqa: F401 - clean_env is a fixture
 
 pytest.importorskip("yaml")
 
@@ -160,7 +160,7 @@ def test_dev_zero_is_refused_without_reading(tmp_path):
     # In a child with a memory cap and a timeout, so that a regression (reading forever) fails, not the machine.
     code = (
         "import resource; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
-        "from robustdist.config import HardenConfig\nfrom robustdist.errors import ConfigError\n"
+        "from robustdist.config import HardenConfig\nfrom robustdist.runtime.errors import ConfigError\n"
         "try:\n    HardenConfig.from_yaml('/dev/zero')\nexcept ConfigError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

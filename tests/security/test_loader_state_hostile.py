@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from robustdist._loader_epochs import Position
-from robustdist._loader_state import FIELDS, MAX_COUNT
-from robustdist.dataloader import safe_dataloader
-from robustdist.errors import CheckpointError
+from robustdist.data.dataloader import safe_dataloader
+from robustdist.data.epochs import Position
+from robustdist.data.state import FIELDS, MAX_COUNT
+from robustdist.runtime.errors import CheckpointError
 
 DATA = TensorDataset(torch.arange(40).float())
 BATCHES = 14  # 40 samples in batches of 3

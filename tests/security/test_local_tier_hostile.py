@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from robustdist.checkpoint import AtomicCheckpointer, LocalTier
-from robustdist.checkpoint._local_layout import tier_root
-from robustdist.train_state import TrainState
+from robustdist.checkpoint.local.layout import tier_root
+from robustdist.checkpoint.train_state import TrainState
 
 pytestmark = pytest.mark.timeout(60)
 MARKER = "robustdist-local-tier-pwned"
@@ -182,8 +182,8 @@ def test_the_undamaged_copy_is_used(tiers):
 
 
 def test_a_hostile_lineage_file_is_replaced_not_trusted(tmp_path):
-    from robustdist._dist import Collectives
-    from robustdist.checkpoint.local_tier import LINEAGE, lineage_of
+    from robustdist.checkpoint.local.tier import LINEAGE, lineage_of
+    from robustdist.runtime.dist import Collectives
 
     single = Collectives(None, 0, 1, timeout=10, arrival_timeout=10)
     (tmp_path / LINEAGE).symlink_to("/etc/passwd")
@@ -198,7 +198,7 @@ def test_a_hostile_lineage_file_is_replaced_not_trusted(tmp_path):
 @pytest.mark.parametrize("planted", ["symlink", "other_owner", "world_writable"])
 def test_a_directory_planted_at_the_tier_path_is_refused(tmp_path, planted):
     """``/dev/shm`` is shared: another user could make the tier's directory first, or plant a link there."""
-    from robustdist.errors import CheckpointError
+    from robustdist.runtime.errors import CheckpointError
 
     path = Path(tier_root(str(tmp_path / "shm"), "x"))
     path.parent.mkdir()
@@ -222,7 +222,7 @@ def test_a_link_planted_inside_the_tier_is_never_written_through(tmp_path):
     outside.mkdir()
     Path(local.directory, "owner_00000").symlink_to(outside)
     state = _state(0)
-    from robustdist.errors import CheckpointError
+    from robustdist.runtime.errors import CheckpointError
 
     state.save_local(local, 1)
     with pytest.raises(CheckpointError, match="refused to write through"):

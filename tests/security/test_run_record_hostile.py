@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from robustdist import CheckpointError, harden
-from robustdist._dist import Collectives
 from robustdist.checkpoint._run_owner import RUN_RECORD, RunIdentity, claim
-from robustdist.health import Watchdog
+from robustdist.health.step_guard import Watchdog
+from robustdist.runtime.dist import Collectives
 
 ONE = Collectives(None, 0, 1, timeout=10, arrival_timeout=10, error=CheckpointError)
 
@@ -158,7 +158,7 @@ def test_a_newer_valid_ray_checkpoint_is_resumed_with_its_metrics(hardened, tmp_
 
 @pytest.mark.parametrize("damage", ["manifest", "payload", "link"])
 def test_a_damaged_ray_checkpoint_falls_back_to_robustdists_own(hardened, tmp_path, damage, caplog):
-    from robustdist import _ray_train
+    from robustdist.ray import train as _ray_train
 
     copy, checkpoint = _ray_copy(tmp_path, 6)
     if damage == "manifest":
@@ -191,7 +191,7 @@ def test_a_checkpoint_dir_that_is_a_link_you_made_keeps_working(tmp_path):
 
 
 def test_close_releases_everything_even_when_the_report_to_ray_fails(tmp_path, monkeypatch):
-    from robustdist import _ray_train
+    from robustdist.ray import train as _ray_train
 
     h = harden(torch.nn.Linear(2, 1), None, {"checkpoint": {"dir": str(tmp_path)}, "health": {"hang_timeout": 30}})
     h.ray = _ray_train.RayTrain("run", None, 0)  # as inside Ray Train (async: reported at the next save or close)
@@ -211,8 +211,8 @@ def test_close_releases_everything_even_when_the_report_to_ray_fails(tmp_path, m
 
 def _fake_ray(monkeypatch, h, checkpoint, run="mine"):
     """Only the Ray Train context is faked (it needs a Train worker); the resume path is the real one."""
-    from robustdist import _ray_train
     from robustdist.checkpoint._run_owner import RunIdentity
+    from robustdist.ray import train as _ray_train
 
     h.ray = _ray_train.RayTrain(run, None, 0)
     h.identity = RunIdentity(run, None, "Ray Train RunConfig.name")
@@ -262,7 +262,7 @@ def test_the_config_fingerprint_is_stable_and_bounded():
 
     import numpy as np
 
-    from robustdist._ray_train import fingerprint
+    from robustdist.ray.train import fingerprint
 
     assert fingerprint({"bs": np.int64(16)}) != fingerprint({"bs": np.int64(64)})
     assert fingerprint({"lr": 0.1, "n": 2}) == fingerprint({"n": 2, "lr": 0.1})
@@ -272,7 +272,7 @@ def test_the_config_fingerprint_is_stable_and_bounded():
     started = time.monotonic()
     fingerprint(loop)  # a self-referencing config is cut off, not walked forever
     assert time.monotonic() - started < 5
-    code = ("from robustdist._ray_train import fingerprint\nclass K: pass\n"
+    code = ("from robustdist.ray.train import fingerprint\nclass K: pass\n"
             "print(fingerprint({K(): 1, 'lr': object()}))")
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
             for _ in range(2)}

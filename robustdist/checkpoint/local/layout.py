@@ -1,0 +1,302 @@
+"""The in-memory tier's files on one node (see :mod:`robustdist.checkpoint.local.tier`).
+
+Layout, under the node's ``local_dir`` (``/dev/shm/...`` by default)::
+
+    owner_<r:05d>/own/step_<step:010d>/       rank r's own copy, written by rank r
+    owner_<r:05d>/replica/step_<step:010d>/   a copy of rank r's state that a rank on this node holds for it
+
+Each step directory holds ``payload.pt`` (the owner's RNG, per-rank entries and local shards), for owner 0
+``replicated.pt`` too (the replicated entries, as in the durable tier), and ``meta.json``: the format, step,
+owner, world size, lineage (which durable directory, and which configuration, the copy belongs to), entry kinds,
+and each file's size and CRC-32. A copy is written into ``.tmp-step_<step>-<token>`` and renamed into place
+after its meta, so it is never half-visible: a crash mid-write leaves the previous step's copy as it was.
+
+The directory is input like a durable one (a stale tmpfs, another job, a hostile user on a shared node):
+every name is matched by pattern, directories are real directories (never links), ``meta.json`` is read
+bounded and validated, and data files are read through :func:`.._safeio.open_in` (confined, regular files,
+exact size) and checked against their CRC before use. A copy that fails any of that is not a source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from robustdist.checkpoint import _faults
+from robustdist.checkpoint._safeio import lexists_dir, open_in, read_in
+from robustdist.checkpoint._schema import KINDS, MAX_STEP, is_int
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
+
+__all__ = ["PAYLOAD", "REPLICATED", "Holding", "check_root", "commit_copy", "read_verified", "remove_stale", "rotate",
+           "rotate_all", "scan", "siblings", "step_path", "tier_root"]
+
+FORMAT = 1
+META = "meta.json"
+PAYLOAD = "payload.pt"
+REPLICATED = "replicated.pt"
+ROLES = ("own", "replica")
+MAX_META_BYTES = 1 << 20
+MAX_OWNERS = 1 << 16
+MAX_STEPS_PER_OWNER = 64
+_OWNER_RE = re.compile(r"owner_(\d{5})")
+_STEP_RE = re.compile(r"step_(\d{10,19})")
+_HEX8 = re.compile(r"[0-9a-f]{8}")
+_SAVE = re.compile(r"[0-9a-f]{12,32}")
+_OLD_RE = re.compile(r"\.old-step_(\d{10,19})-[0-9a-f]{12}")
+PREFIX = "robustdist-"
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One copy of one owner's state for one step, found on this node."""
+
+    owner: int
+    role: str
+    step: int
+    path: str
+    world_size: int
+    lineage: str
+    save: str
+    """The id every rank of one save shares (rank 0's token): copies of one step from different saves (a
+    failed save repeated after a restart) are never combined."""
+    files: dict[str, dict[str, Any]]
+    kinds: dict[str, str]
+
+    def describe(self) -> str:
+        return f"{'its own copy' if self.role == 'own' else 'the replica'} of rank {self.owner}'s step {self.step}"
+
+
+def step_path(root: str, owner: int, role: str, step: int) -> str:
+    return os.path.join(root, f"owner_{owner:05d}", role, f"step_{step:010d}")
+
+
+def _role_dir(root: str, owner: int, role: str) -> str:
+    return os.path.join(root, f"owner_{owner:05d}", role)
+
+
+def _real_role_dir(root: str, owner: int, role: str) -> str | None:
+    """The role directory, if it and its owner directory are real directories (never a path through a link)."""
+    base = _role_dir(root, owner, role)
+    return base if lexists_dir(os.path.dirname(base)) and lexists_dir(base) else None
+
+
+def tier_root(base: str, lineage: str) -> str:
+    """The tier's own directory under ``base``: ``<base>/robustdist-<uid>-<hash of the lineage>``. Only this
+    directory is ever written, rotated or removed, so jobs that share ``base`` never touch each other's copies."""
+    digest = hashlib.sha256(lineage.encode()).hexdigest()[:16]
+    return os.path.join(base, f"{PREFIX}{os.getuid()}-{digest}")
+
+
+def siblings(root: str) -> list[tuple[str, int]]:
+    """Other tiers of this user beside ``root`` (stale ones hold RAM on a tmpfs), with their sizes."""
+    from robustdist.checkpoint.local.memory import held_bytes
+
+    base, own = os.path.split(root)
+    mine = f"{PREFIX}{os.getuid()}-"
+    out = []
+    for name in _listdir(base)[:1000]:
+        path = os.path.join(base, name)
+        if name.startswith(mine) and name != own and lexists_dir(path):
+            out.append((path, held_bytes(path, limit=10_000)))
+    return out
+
+
+def check_root(root: str) -> None:
+    """The tier's directory must be a real directory owned by this user and closed to others: ``/dev/shm`` is
+    shared by every user of the node, and a directory someone else made (or a link planted at its name) would
+    let them read or replace the copies."""
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(
+            st.st_mode) else f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else \
+            f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+        raise CheckpointError(f"the in-memory checkpoint directory {root} is {what}; expected a directory of this "
+                              f"user's (uid {os.getuid()}) that no one else can write. Fix: remove it, or set "
+                              "checkpoint.local_dir to a directory of your own.")
+
+
+def _entries(root: str, owner: int, role: str) -> tuple[str, list[str]]:
+    """The role directory of this owner and its entries (none when it is missing or not a real directory)."""
+    base = _real_role_dir(root, owner, role)
+    if base is None:
+        return "", []
+    try:
+        return base, os.listdir(base)
+    except OSError:
+        return base, []
+
+
+def remove_stale(root: str, owner: int, role: str) -> None:
+    """Remove the staging and set-aside directories an interrupted write of this owner's copies left."""
+    base, names = _entries(root, owner, role)
+    for name in names:
+        if name.startswith((".tmp-", ".old-")):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: dict[str, Any],
+                meta: dict[str, Any]) -> int:
+    """Write ``files`` (name -> bytes-like) and ``meta.json`` into a staging directory, then rename it into place
+    (an existing copy of the same step is set aside first and deleted after). Returns the bytes written.
+
+    No fsync: the tier is in memory (tmpfs); it protects against process and node loss, not power loss."""
+    base = _role_dir(root, owner, role)
+    for path in (os.path.dirname(base), base):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        if not lexists_dir(path):
+            raise CheckpointCorruptError(f"{path}: not a real directory (a symbolic link?); refused to write through "
+                                         "it. Fix: remove it (robustdist recreates it).")
+    final = step_path(root, owner, role, step)
+    staging = os.path.join(base, f".tmp-step_{step:010d}-{token}")
+    os.mkdir(staging)
+    written = 0
+    try:
+        entries = {}
+        for name, data in files.items():
+            with open(os.path.join(staging, name), "xb") as fh:
+                fh.write(data)
+            view = memoryview(data).cast("B")
+            entries[name] = {"size": len(view), "crc32": f"{zlib.crc32(view):08x}"}
+            written += len(view)
+        _faults.phase("local_writing")
+        with open(os.path.join(staging, META), "x") as fh:
+            json.dump({**meta, "format": FORMAT, "owner": owner, "step": step, "files": entries}, fh)
+        old = None
+        if os.path.lexists(final):
+            old = os.path.join(base, f".old-step_{step:010d}-{token}")
+            os.rename(final, old)
+        os.rename(staging, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return written
+
+
+def rotate(root: str, owner: int, role: str, keep: set[int]) -> None:
+    """Delete this owner's copies (of ``role``) of every step not in ``keep``."""
+    base, names = _entries(root, owner, role)
+    for name in names:
+        m = _STEP_RE.fullmatch(name)
+        if m and int(m.group(1)) not in keep:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+def rotate_all(root: str, keep: set[int]) -> None:
+    """Delete every copy under ``root`` (every owner, both roles) of a step not in ``keep``: after a complete
+    save, copies of other steps are older, or stale ones of an earlier rank-to-node mapping."""
+    for owner_name in _listdir(root)[:MAX_OWNERS]:
+        m = _OWNER_RE.fullmatch(owner_name)
+        if m and lexists_dir(os.path.join(root, owner_name)):
+            for role in ROLES:
+                rotate(root, int(m.group(1)), role, keep)
+
+
+def _check_meta(path: str, meta: Any, owner: int, step: int) -> dict[str, Any]:
+    def bad(problem: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{os.path.join(path, META)}: {problem}")
+
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise bad(f"expected a dict with format {FORMAT}")
+    if meta.get("owner") != owner or meta.get("step") != step:
+        raise bad(f"names owner {meta.get('owner')!r:.20} step {meta.get('step')!r:.30}; its directory says owner "
+                  f"{owner} step {step}")
+    if not is_int(meta.get("world_size"), 1, MAX_OWNERS) or owner >= meta["world_size"]:
+        raise bad(f"world_size {meta.get('world_size')!r:.20} is not an int above the owner {owner}")
+    if not isinstance(meta.get("lineage"), str) or len(meta["lineage"]) > 200:
+        raise bad("lineage is not a short string")
+    if not isinstance(meta.get("save"), str) or not _SAVE.fullmatch(meta["save"]):
+        raise bad("save is not a save id")
+    kinds = meta.get("kinds")
+    if not isinstance(kinds, dict) or len(kinds) > 4096 or not all(
+            isinstance(k, str) and 0 < len(k) <= 256 and v in KINDS for k, v in kinds.items()):
+        raise bad("kinds is not a map of entry names to entry kinds")
+    files = meta.get("files")
+    allowed = {PAYLOAD, REPLICATED} if owner == 0 else {PAYLOAD}
+    if not isinstance(files, dict) or PAYLOAD not in files or not set(files) <= allowed:
+        raise bad(f"files is not a map holding {PAYLOAD} (and, for rank 0, {REPLICATED}) only")
+    for name, entry in files.items():
+        if not (isinstance(entry, dict) and set(entry) == {"size", "crc32"} and is_int(entry["size"], 0, 1 << 50)
+                and isinstance(entry["crc32"], str) and _HEX8.fullmatch(entry["crc32"])):
+            raise bad(f"the entry of {name} is not {{'size': int, 'crc32': 8 hex digits}}")
+    return meta
+
+
+def _listdir(path: str) -> list[str]:
+    if not lexists_dir(path):
+        return []
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def scan(root: str) -> tuple[list[Holding], list[str]]:
+    """Every valid copy under ``root`` on this node, and a line per copy that was skipped as invalid."""
+    found: list[Holding] = []
+    skipped: list[str] = []
+    for owner_name in _listdir(root)[:MAX_OWNERS]:
+        m = _OWNER_RE.fullmatch(owner_name)
+        if not m:
+            continue
+        owner = int(m.group(1))
+        if not lexists_dir(os.path.join(root, owner_name)):
+            skipped.append(f"{os.path.join(root, owner_name)}: not a real directory (a symbolic link?); refused")
+            continue
+        for role in ROLES:
+            base = os.path.join(root, owner_name, role)
+            if os.path.lexists(base) and not lexists_dir(base):
+                skipped.append(f"{base}: not a real directory (a symbolic link?); refused")
+                continue
+            listing = _listdir(base)
+            finals = {n for n in listing if _STEP_RE.fullmatch(n)}
+            # a re-save of a step moves the previous copy aside for the instant between its two renames
+            names = sorted(finals | {n for n in listing if (m := _OLD_RE.fullmatch(n)) and
+                                     f"step_{m.group(1)}" not in finals})
+            for name in names[-MAX_STEPS_PER_OWNER:]:
+                step = int(name.split("step_")[1].split("-")[0])
+                path = os.path.join(base, name)
+                if step > MAX_STEP:
+                    continue
+                if not lexists_dir(path):
+                    skipped.append(f"{path}: not a real directory (a symbolic link?); refused")
+                    continue
+                try:
+                    raw = read_in(path, META, max_size=MAX_META_BYTES)
+                    meta = _check_meta(path, json.loads(raw.decode("utf-8")), owner, step)
+                except (CheckpointCorruptError, ValueError, RecursionError) as e:
+                    skipped.append(f"{path}: {str(e)[:300]}")
+                    continue
+                found.append(Holding(owner=owner, role=role, step=step, path=path, world_size=meta["world_size"],
+                                     lineage=meta["lineage"], save=meta["save"], files=meta["files"],
+                                     kinds=meta["kinds"]))
+    return found, skipped
+
+
+def read_verified(holding: Holding, name: str) -> bytearray:
+    """One file of a copy, read confined and bounded, checked against its size and CRC-32 from ``meta.json``."""
+    entry = holding.files[name]
+    with open_in(holding.path, name, size=entry["size"]) as fh:
+        data = bytearray(entry["size"])
+        view = memoryview(data)
+        got = 0
+        while got < len(data):
+            n = fh.readinto(view[got:])
+            if not n:
+                raise CheckpointCorruptError(f"{os.path.join(holding.path, name)}: shorter than its meta says")
+            got += n
+    if f"{zlib.crc32(data):08x}" != entry["crc32"]:
+        raise CheckpointCorruptError(f"{os.path.join(holding.path, name)}: CRC-32 differs from its meta.json "
+                                     "(the bytes changed)")
+    return data

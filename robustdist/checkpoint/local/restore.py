@@ -1,0 +1,384 @@
+"""Recovery from the in-memory tier (``LocalTier.load``): agree on a step, fetch, verify, restore.
+
+Every rank calls it; the collectives run on the tier's own group.
+
+1. Each rank lists the copies its node holds (:func:`.layout.scan`: validated ``meta.json``, this
+   lineage and world size only). **Collective: all_gather** of the lists, with rank 0's durable step.
+2. Candidates: the steps, newest first, not older than the durable tier's newest, for which every rank's
+   state has at least one copy somewhere in the job (and rank 0's has the replicated entries). For one
+   candidate, every rank computes the same assignment: rank r's state comes from r's own copy if it holds one,
+   else from a copy on another rank of the same node, else from the replica a peer node holds.
+3. Each assigned holder reads its copies (confined, exact size, CRC-32 against ``meta.json``). **Collective:
+   all_gather** of the problems: a copy that failed is excluded, with a warning naming the rank, the copy
+   and the reason, and the assignment is made again (the next source, then the next step).
+4. The replicated entries are broadcast from their holder (**collective: broadcast**); each rank whose state is
+   held elsewhere receives it point to point (:mod:`.wire`, CRC-checked).
+5. Each rank deserialises with ``torch.load(weights_only=True)`` (after the same zip and pickle scan as the
+   durable tier), validates the shapes (:mod:`.._schema`) and checks every entry against its live object
+   (:mod:`.._live`, as the durable loader does). **Collective: all_gather** of the problems: corrupt content
+   excludes its source (back to 3); entries that do not fit the live objects end the in-memory attempt
+   (None: the durable tier decides, and names the problem).
+6. Restore as the durable loader does (:mod:`.._restore`: unchecked objects with copies first, then this
+   rank's local shards for FSDP entries, then the checked entries; **collective: all_gather** after each
+   stage), then the RNG. The result is bit-identical to loading the same step from the durable tier.
+
+Nothing is deleted or written during recovery, so a crash in it leaves every copy for the next attempt.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from robustdist.checkpoint import _payload, _restore, _schema
+from robustdist.checkpoint._loading import check_entries
+from robustdist.checkpoint._safeio import check_torch_zip
+from robustdist.checkpoint._schema import weights_only_reason
+from robustdist.checkpoint._sharded import _optimizer_pair, _state_dicts
+from robustdist.checkpoint._types import LoadedCheckpoint
+from robustdist.checkpoint.local import layout
+from robustdist.checkpoint.local.wire import as_tensor, exchange
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
+from robustdist.runtime.log import get_logger, user_stacklevel, warn
+
+
+class LocalTier(Protocol):
+    """What recovery uses of :class:`robustdist.checkpoint.local.tier.LocalTier` (which imports this module)."""
+
+    directory: str
+    lineage: str
+    rank: int
+    world_size: int
+    nodes: list[int]
+    timeout: float
+    group: Any
+    collectives: Any
+
+__all__ = ["local_shards", "recover"]
+
+log = get_logger(__name__)
+Source = tuple[int, int, str]
+"""``(holder rank, owner rank, role)``: one copy of one owner's state."""
+Candidate = tuple[int, str]
+"""``(step, save id)``: one save of one step (copies of two saves of a step are never combined)."""
+
+
+# ---------------------------------------------------------------------- FSDP shards
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _to_local(value: Any, staging: dict[tuple[Any, ...], torch.Tensor], key: tuple[Any, ...]) -> Any:
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if _is_dtensor(value) else value
+        return _payload.snapshot(local, clone=True, staging=staging, key=key)
+    if isinstance(value, dict):
+        return {k: _to_local(v, staging, (*key, k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_local(v, staging, (*key, i)) for i, v in enumerate(value))
+    return value
+
+
+def local_shards(sharded: dict[str, Any], staging: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, Any]:
+    """This rank's local shards of the sharded (FSDP2) entries, as plain CPU tensors and data."""
+    if not sharded:
+        return {}
+    out = {}
+    for name, sd in _state_dicts(sharded).items():
+        out[name] = _payload.plain(_to_local(sd, staging, ("s", name)), f"state[{name!r}] (local shards)")
+    return out
+
+
+def _fill(template: Any, saved: Any, where: str) -> Any:
+    """``template`` (a live state dict with DTensors) with every local shard and value taken from ``saved``."""
+    if isinstance(template, torch.Tensor):
+        local = template.to_local() if _is_dtensor(template) else template
+        if not isinstance(saved, torch.Tensor) or saved.shape != local.shape or saved.dtype != local.dtype:
+            shown = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise CheckpointError(f"{where}: saved shard {shown} does not fit the live shard {tuple(local.shape)} "
+                                  f"{local.dtype} (another world size or model?)")
+        with torch.no_grad():
+            local.copy_(saved)
+        return template
+    if isinstance(template, dict):
+        if not isinstance(saved, dict) or set(saved) != set(template):
+            raise CheckpointError(f"{where}: saved keys differ from the live object's")
+        return type(template)((k, _fill(template[k], saved[k], f"{where}.{k}")) for k in template)
+    if isinstance(template, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(template):
+            raise CheckpointError(f"{where}: saved list differs in length from the live object's")
+        return type(template)(_fill(t, s, f"{where}[{i}]") for i, (t, s) in enumerate(zip(template, saved)))
+    return saved
+
+
+def _restore_shards(entries: dict[str, Any], shards: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    templates = _state_dicts(entries)
+    for name, value in entries.items():
+        if name not in shards:
+            raise CheckpointError(f"state[{name!r}]: no local shards saved for it")
+        filled = _fill(templates[name], shards[name], f"state[{name!r}]")
+        if isinstance(value, nn.Module):
+            value.load_state_dict(filled)
+        elif isinstance(value, torch.optim.Optimizer):
+            set_optimizer_state_dict(_optimizer_pair(entries, value), value, filled)
+
+
+class _Skip(Exception):
+    """This rank already found its copies corrupt: skip the checks against the live objects."""
+
+
+# ---------------------------------------------------------------------- reading
+def _torch_loads(data: Any, where: str) -> Any:
+    fh = io.BytesIO(data)
+    check_torch_zip(fh, where, length=len(memoryview(data)))
+    try:
+        payload = torch.load(fh, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointCorruptError(f"{where}: refused to load: {weights_only_reason(e)}; nothing was executed") \
+            from e
+    except Exception as e:
+        raise CheckpointCorruptError(f"{where}: not a loadable torch file ({type(e).__name__}: {str(e)[:200]})") from e
+    _schema.check_size(where, payload, _schema.MAX_VALUES + 16)
+    return payload
+
+
+def _inventory(tier: LocalTier) -> list[tuple[int, str, int, dict[str, int], dict[str, str], str, str]]:
+    holdings, skipped = layout.scan(tier.directory)
+    for line in skipped[:8]:
+        warn(f"rank {tier.rank}: in-memory checkpoint copy skipped as invalid: {line}", stacklevel=user_stacklevel())
+    rows = []
+    for h in holdings:
+        if h.lineage != tier.lineage or h.world_size != tier.world_size:
+            continue
+        rows.append((h.owner, h.role, h.step, {n: e["size"] for n, e in h.files.items()}, h.kinds, h.path, h.save))
+    return rows
+
+
+def _local_index(nodes: list[int], rank: int) -> int:
+    return [r for r, n in enumerate(nodes) if n == nodes[rank]].index(rank)
+
+
+def _assign(cand: Candidate, everyone: list[Any], nodes: list[int], excluded: set[tuple[Any, ...]]
+            ) -> dict[int, Source] | None:
+    """owner -> the copy of ``cand`` (a step and a save id) to use, the same on every rank, or None when some
+    owner has no usable copy. ``excluded`` holds ``(node, owner, role, step)``: a bad copy is one directory,
+    whichever rank of its node lists it. Among equal choices the rank with the owner's local index is taken,
+    so the reads spread over a node's ranks instead of landing on its lowest."""
+    out: dict[int, Source] = {}
+    step, save = cand
+    for owner in range(len(everyone)):
+        options = []
+        for holder, (rows, _) in enumerate(everyone):
+            for o, role, s, files, _, _, sid in rows:
+                if o != owner or s != step or sid != save or (nodes[holder], owner, role, step) in excluded:
+                    continue
+                if owner == 0 and layout.REPLICATED not in files:
+                    continue
+                rank_order = (0 if holder == owner else 1 if nodes[holder] == nodes[owner] else 2,
+                              0 if role == "own" else 1,
+                              0 if _local_index(nodes, holder) == _local_index(nodes, owner) else 1, holder)
+                options.append((rank_order, (holder, owner, role)))
+        if not options:
+            return None
+        out[owner] = min(options)[1]
+    return out
+
+
+def _replicated_on(node: int, cand: Candidate, everyone: list[Any], nodes: list[int],
+                   excluded: set[tuple[Any, ...]]) -> Source | None:
+    """A copy of rank 0's state holding the replicated entries on ``node`` (own copy first), or None."""
+    options = [(0 if role == "own" else 1, holder, (holder, 0, role))
+               for holder, (rows, _) in enumerate(everyone) if nodes[holder] == node
+               for o, role, s, files, _, _, sid in rows
+               if o == 0 and (s, sid) == cand and layout.REPLICATED in files
+               and (node, 0, role, s) not in excluded]
+    return min(options)[2] if options else None
+
+
+def _reads(rank: int, assigned: dict[int, Source], here: Source | None) -> list[tuple[Source, list[str]]]:
+    """What this rank reads from its node: the payloads it serves (and the replicated entries with rank 0's), and
+    the replicated entries from ``here`` when its node holds a copy."""
+    out: dict[Source, set[str]] = {}
+    for owner, src in assigned.items():
+        if src[0] == rank:
+            out.setdefault(src, set()).update([layout.PAYLOAD] + ([layout.REPLICATED] if owner == 0 else []))
+    if here is not None:
+        out.setdefault(here, set()).add(layout.REPLICATED)
+    return [(src, sorted(names)) for src, names in out.items()]
+
+
+def _row(everyone: list[Any], source: Source, cand: Candidate) -> tuple[Any, ...]:
+    holder, owner, role = source
+    return next(r for r in everyone[holder][0] if r[0] == owner and r[1] == role and (r[2], r[6]) == cand)
+
+
+def _find(tier: LocalTier, source: Source, cand: Candidate) -> layout.Holding:
+    holdings, _ = layout.scan(tier.directory)
+    _, owner, role = source
+    step, save = cand
+    for h in holdings:
+        if (h.owner, h.role, h.step, h.save, h.lineage) == (owner, role, step, save, tier.lineage):
+            return h
+    raise CheckpointCorruptError(f"{layout.step_path(tier.directory, owner, role, step)}: gone since it was listed")
+
+
+def _describe(source: Source, step: int) -> str:
+    holder, owner, role = source
+    what = "its own copy" if role == "own" else "the replica"
+    return f"{what} of rank {owner}'s step {step} held by rank {holder}"
+
+
+# ---------------------------------------------------------------------- the protocol
+def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any],
+            at_least: int | None) -> LoadedCheckpoint | None:
+    """Steps 1 to 6 of the module docstring on this rank."""
+    c = tier.collectives
+    everyone = c.all_gather((_inventory(tier), at_least if tier.rank == 0 else None), "local inventory")
+    floor = everyone[0][1]
+    candidates = sorted({(row[2], row[6]) for rows, _ in everyone for row in rows if floor is None or row[2] >= floor},
+                        reverse=True)
+    excluded: set[tuple[Any, ...]] = set()
+    for cand in candidates:
+        while (assigned := _assign(cand, everyone, tier.nodes, excluded)) is not None:
+            outcome = _attempt(tier, cand, assigned, everyone, state, per_rank, excluded)
+            if outcome == "unfit":
+                return None
+            if isinstance(outcome, LoadedCheckpoint):
+                return outcome
+    return None
+
+
+def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], everyone: list[Any],
+             state: dict[str, Any], per_rank: dict[str, Any], excluded: set[tuple[Any, ...]]
+             ) -> LoadedCheckpoint | str | None:
+    """One assignment of sources for ``cand``: the loaded checkpoint, "unfit" (the in-memory attempt ends: the
+    durable tier decides), or None (a source was excluded: assign again)."""
+    c, rank = tier.collectives, tier.rank
+    step = cand[0]
+    source0, mine_src = assigned[0], assigned[rank]
+    # the replicated entries: from a copy on this rank's node if there is one (no transfer), else sent by source0
+    near = {n: _replicated_on(n, cand, everyone, tier.nodes, excluded) for n in set(tier.nodes)}
+    here = near[tier.nodes[rank]]
+    data: dict[Source, dict[str, Any]] = {}
+    problems: list[tuple[Source, str]] = []
+    for source, names in _reads(rank, assigned, here):
+        try:
+            holding = _find(tier, source, cand)
+            data.setdefault(source, {}).update({n: layout.read_verified(holding, n) for n in names})
+        except CheckpointCorruptError as e:
+            problems.append((source, str(e)[:500]))
+    if _exclude(tier, step, c.all_gather(problems, "local read"), excluded):
+        return None
+    # step 4: move the bytes (point to point: each payload to its owner, the replicated entries to the ranks of
+    # nodes that hold no copy of them)
+    far = [r for r in range(tier.world_size) if near[tier.nodes[r]] is None]
+    sends: dict[int, list[torch.Tensor]] = {}
+    for owner, src in assigned.items():
+        if src[0] == rank and owner != rank:
+            sends.setdefault(owner, []).append(as_tensor(data[src][layout.PAYLOAD]))
+    if source0[0] == rank:
+        for r in far:
+            sends.setdefault(r, []).append(as_tensor(data[source0][layout.REPLICATED]))
+    receive = sorted(({mine_src[0]} if mine_src[0] != rank else set()) | ({source0[0]} if rank in far else set()))
+    got = exchange(tier.group, rank, sends, receive, timeout=tier.timeout, what=f"recovery of step {step}") \
+        if sends or receive else {}
+    payload_bytes = got[mine_src[0]][0] if mine_src[0] != rank else as_tensor(data[mine_src][layout.PAYLOAD])
+    replicated_src = here if here is not None else source0
+    replicated_bytes = got[source0[0]][-1] if rank in far else as_tensor(data[replicated_src][layout.REPLICATED])
+    # step 5: deserialise and check
+    kinds = _row(everyone, source0, cand)[4]
+    source0 = replicated_src if rank not in far else source0  # the copy whose bytes this rank checks
+    checked, replicated, own, payload = None, None, None, None
+    problem: tuple[Any, ...] | None = None
+    corrupt_of: Source = source0
+    try:
+        where0 = f"{_describe(source0, step)} ({layout.REPLICATED})"
+        corrupt_of = source0
+        replicated = _schema.check_replicated(where0, _torch_loads(replicated_bytes.numpy(), where0), kinds)
+        where = f"{_describe(mine_src, step)} ({layout.PAYLOAD})"
+        corrupt_of = mine_src
+        payload = _torch_loads(payload_bytes.numpy(), where)
+        if not isinstance(payload, dict) or not isinstance(payload.get("shards"), dict):
+            raise CheckpointCorruptError(f"{where}: expected a dict with 'mine' and 'shards'")
+        own = _schema.check_rank_payload(where, payload.get("mine"))
+    except CheckpointCorruptError as e:  # the bytes of one copy are wrong: exclude it, try the next source
+        problem = ("corrupt", corrupt_of, str(e)[:500])
+    except Exception as e:  # a check that itself failed on a crafted value: still that copy's problem
+        problem = ("corrupt", corrupt_of, f"could not be checked ({type(e).__name__}: {str(e)[:400]})")
+    try:
+        if problem is not None:
+            raise _Skip
+        for name in state:
+            if name not in kinds:
+                raise CheckpointError(f"state[{name!r}] is not in in-memory step {step} (it holds {sorted(kinds)})")
+        saved_per_rank = own.get("per_rank", {})
+        check_entries(where, kinds, replicated, state, saved_per_rank, per_rank)
+        checked = (replicated, own, payload["shards"], _restore.plan(kinds, replicated, state, saved_per_rank,
+                                                                      per_rank))
+    except _Skip:
+        pass
+    except Exception as e:  # well-formed copies that do not fit the live objects: the durable tier decides
+        problem = ("unfit", None, str(e)[:500] if isinstance(e, CheckpointError) else
+                   f"{type(e).__name__}: {str(e)[:500]}")
+    rows = c.all_gather(problem, "local check")
+    corrupt = [(r[1], f"rank {i}: {r[2]}") for i, r in enumerate(rows) if r and r[0] == "corrupt"]
+    if corrupt:
+        _exclude(tier, step, [[(s, p)] for s, p in corrupt], excluded)
+        return None
+    unfit = [f"rank {i}: {r[2]}" for i, r in enumerate(rows) if r]
+    if unfit:
+        warn(f"in-memory checkpoint step {step} does not fit the live objects ({'; '.join(unfit)[:1500]}); the "
+             "durable tier is used instead.", stacklevel=user_stacklevel())
+        return "unfit"
+    assert checked is not None
+    return _restore_all(tier, step, checked, state, mine_src) or "unfit"
+
+
+def _exclude(tier: LocalTier, step: int, rows: list[Any], excluded: set[tuple[Any, ...]]) -> bool:
+    bad = [(tuple(source), text) for row in rows for source, text in row]
+    for source, text in bad:
+        key = (tier.nodes[source[0]], source[1], source[2], step)
+        if key not in excluded:
+            excluded.add(key)
+            if tier.rank == 0:
+                warn(f"in-memory checkpoint: {_describe(source, step)} is unusable ({text}); falling back to the next "
+                     "source (another copy, an older step, then the durable tier).", stacklevel=user_stacklevel())
+    return bool(bad)
+
+
+def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: dict[str, Any],
+                 source: Source) -> LoadedCheckpoint | None:
+    """Step 6; None when the restore failed somewhere (the live objects are put back)."""
+    c = tier.collectives
+    replicated, own, shards, plan = checked
+    sharded = dict(plan.sharded)
+    plan.sharded = {}
+    copies, problem = _restore.restore_unchecked(plan, "", None, tier.group)
+    if sharded and problem is None:
+        try:
+            copies += [(f"state[{n!r}]", v, _restore._capture(v)) for n, v in sharded.items()]
+            _restore_shards(sharded, shards)
+        except Exception as e:
+            problem = f"{type(e).__name__}: {str(e)[:500]}"
+    bad = [p for p in c.all_gather(problem, "local restore") if p]
+    if not bad:
+        bad = [p for p in c.all_gather(_restore.restore_checked(plan), "local apply") if p]
+    if bad:
+        _restore.put_back(copies)
+        warn(f"in-memory checkpoint step {step} could not be restored ({'; '.join(bad)[:1500]}); the durable tier is "
+             "used instead.", stacklevel=user_stacklevel())
+        return None
+    _payload.restore_rng(own["rng"])
+    holder, owner, role = source
+    kind = "memory" if role == "own" and tier.nodes[holder] == tier.nodes[tier.rank] else "replica" \
+        if role == "replica" else "peer"
+    log.info("rank %d restored step %d from %s", tier.rank, step, _describe(source, step))
+    return LoadedCheckpoint(step=step, path=layout.step_path(tier.directory, owner, role, step), state=replicated,
+                            per_rank=own.get("per_rank", {}), metadata={}, manifest={}, source=kind,
+                            source_detail=_describe(source, step))

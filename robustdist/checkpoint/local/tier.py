@@ -1,0 +1,426 @@
+"""``LocalTier``: an in-memory checkpoint tier, replicated to a peer node, beside the durable one.
+
+A durable checkpoint (:class:`~robustdist.checkpoint.AtomicCheckpointer`) survives anything, but it is slow to
+write at scale, so it is taken rarely, and a crash loses every step since. This tier is taken often and cheaply:
+
+* **Save** (collective, every rank): the only blocking part is the snapshot to host memory (the same snapshot
+  the durable tier takes, :mod:`.._snapshot`; under FSDP each rank's own shards). On a background thread,
+  each rank then serialises its state and commits it into its node's tier directory
+  (``<base>/robustdist-<uid>-<hash of the lineage>``, ``base`` ``/dev/shm`` by default; staged, checksummed,
+  renamed into place: :mod:`.layout`), sends a copy to its peer (the same
+  local rank on the next node, over this tier's own gloo group: :mod:`.wire`), and commits the copy
+  it receives. Rank 0 also writes the replicated entries, once for the job (not once per rank), and
+  replicates them to its peer. Every copy carries the save's id (rank 0's, agreed with the snapshot), so
+  copies of one step from two different saves are never combined. Finally one small all_gather: the step is
+  *complete* only when every rank's copy and its replica are in place. Only then are older steps deleted, on
+  each node by its lowest rank (``keep_last`` complete steps stay),
+  so a crash at any point leaves the previous complete step intact. A background error is raised at the next
+  ``save``, ``wait``, ``load`` or ``close``, naming the ranks.
+* **Memory** is checked at the first save and whenever the copies grow (:mod:`.memory`): each node
+  needs ``(keep_last + 1)`` times the copies it holds; a tier that does not fit in the directory's free space
+  (plus what it already holds there) or in available RAM is refused on every rank, with the numbers and the
+  fix, before anything is written. Other tiers of this user left on the node are named.
+* **Load** (collective): every rank lists what its node holds; the ranks agree on the newest step that is
+  complete across the job from any source (its own copy, the replica a peer node holds for it, or a copy
+  left on this node by another rank) and newer than the durable tier's; each rank fetches what it lacks from
+  the rank that holds it, verifies it and restores it exactly as the durable tier would
+  (:mod:`.restore`). A corrupt or missing copy falls back, with a warning naming the rank and the
+  source, to the next source, then the next step; ``load`` returns None when the durable tier must be used.
+
+One node (or ``replicas=0``): no replica is kept; a node loss is then a job loss, recovered from the durable
+tier. The tier's files stay when a job fails (the restart needs them) and are removed by ``close(clean=True)``
+when every rank closes cleanly (a vote in the job's store: a rank leaving on an error never waits).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from robustdist.checkpoint import _faults
+from robustdist.checkpoint._schema import MAX_STEP, is_int
+from robustdist.checkpoint._snapshot import collect
+from robustdist.checkpoint.local import layout, memory
+from robustdist.checkpoint.local import restore as _local_restore
+from robustdist.checkpoint.local.lineage import LINEAGE, lineage_of
+from robustdist.checkpoint.local.memory import node_need
+from robustdist.checkpoint.local.wire import as_tensor, exchange
+from robustdist.runtime import dist as _dist
+from robustdist.runtime.dist import Collectives, default_store
+from robustdist.runtime.errors import CheckpointError, ranks_phrase
+from robustdist.runtime.log import get_logger
+from robustdist.runtime.node import node_label, node_rank
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from robustdist.checkpoint._types import LoadedCheckpoint
+
+__all__ = ["LINEAGE", "LocalSaveInfo", "LocalTier", "lineage_of", "node_need"]  # lineage: .lineage
+
+log = get_logger(__name__)
+OPS = ("local save", "local load")
+@dataclass
+class LocalSaveInfo:
+    """What a local save did: ``blocking_seconds`` (the snapshot), then, when the background part is done,
+    ``total_seconds``, ``bytes`` (what this rank wrote and received) and whether the step is ``complete``."""
+
+    step: int
+    blocking_seconds: float = 0.0
+    total_seconds: float | None = None
+    bytes: int | None = None
+    complete: bool = False
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 64
+
+
+def _serialise(obj: Any) -> memoryview:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getbuffer()  # no copy: the view keeps the buffer alive
+
+
+class LocalTier:
+    """The in-memory tier (see the module docstring).
+
+    Args:
+        base: where the tier's directory is made (default ``/dev/shm``, else the temp directory); the tier
+            writes only inside ``<base>/robustdist-<uid>-<hash of lineage>`` (:attr:`directory`). The same path
+            on every node.
+        lineage: names what the copies belong to (harden uses a token kept in the durable directory); copies
+            of another lineage or world size are never sources.
+        replicas: 1 (a copy on the next node) or 0.
+        keep_last: complete steps kept (1 or 2).
+        timeout: seconds bounding every wait (default 1800).
+        arrival_timeout: seconds every rank has to reach ``save``/``load`` once another rank has, and a clean
+            ``close`` waits for the other ranks' votes (default 60).
+    """
+
+    def __init__(self, base: str | os.PathLike[str] | None = None, *, lineage: str = "default",
+                 replicas: int = 1, keep_last: int = 1, timeout: float | None = None,
+                 arrival_timeout: float | None = None):
+        if replicas not in (0, 1) or isinstance(replicas, bool):
+            raise CheckpointError(f"replicas={replicas!r}; expected 0 or 1. Fix: pass replicas=1 (a copy on the next "
+                                  "node) or 0.")
+        if keep_last not in (1, 2) or isinstance(keep_last, bool):
+            raise CheckpointError(f"keep_last={keep_last!r}; expected 1 or 2 complete in-memory steps. Fix: pass 1 "
+                                  "or 2 (the durable tier keeps the history).")
+        self.lineage = str(lineage)
+        base = os.fspath(base) if base is not None else ("/dev/shm" if os.path.isdir("/dev/shm")
+                                                          else os.environ.get("TMPDIR", "/tmp"))
+        self.directory = layout.tier_root(os.path.abspath(base), self.lineage)
+        """The tier's own directory: the only one it writes, rotates or removes."""
+        os.makedirs(os.path.dirname(self.directory), exist_ok=True)
+        try:
+            os.mkdir(self.directory, 0o700)
+        except FileExistsError:
+            pass
+        layout.check_root(self.directory)
+        self.keep_last = keep_last
+        self.timeout = float(timeout) if timeout is not None else 1800.0
+        self.arrival_timeout = float(arrival_timeout) if arrival_timeout is not None else 60.0
+        self.distributed = _dist.is_multi()
+        self.group: ProcessGroup | None = None
+        if self.distributed:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        try:
+            self.rank = _dist.rank(self.group) if self.distributed else 0
+            self.world_size = _dist.world_size(self.group) if self.distributed else 1
+            self.collectives = Collectives(self.group, self.rank, self.world_size, timeout=self.timeout,
+                                           arrival_timeout=self.arrival_timeout, error=CheckpointError,
+                                           scope="local-ckpt", noun="in-memory checkpoint", owner="in-memory tier",
+                                           ops=OPS, knob="checkpoint.arrival_timeout")
+            keys = self.collectives.all_gather(_node_key(), "node map")
+        except BaseException:
+            self._destroy_group()
+            raise
+        order = list(dict.fromkeys(keys))
+        self.nodes = [order.index(k) for k in keys]
+        """Node index of every rank (in order of each node's lowest rank)."""
+        self.peers = self._peers(replicas)
+        """The rank holding each rank's replica (None: no replica)."""
+        self.senders = [r for r, p in enumerate(self.peers) if p == self.rank]
+        self.leader = self.nodes.index(self.nodes[self.rank]) == self.rank
+        """Whether this rank is its node's lowest: it rotates every copy on the node."""
+        if replicas and len(order) == 1 and self.rank == 0:
+            log.info("in-memory checkpoints: one node, so no replica is kept (a replica must be on another node); "
+                     "a node loss is a job loss here, recovered from the durable tier")
+        self.others = layout.siblings(self.directory) if self.leader else []
+        if self.others:
+            log.warning("other in-memory checkpoint tiers of this user hold %s of RAM on this node (%s); remove them if "
+                        "their jobs are gone", memory.size(sum(b for _, b in self.others)),
+                        ", ".join(p for p, _ in self.others[:3]))
+        self.last_complete: int | None = None
+        """The newest step this rank saw complete (saved or loaded)."""
+        self.node_bytes: int | None = None
+        """What the tier needs on this node (updated at each save whose copies grew), for ``ray_memory_plan``."""
+        self.on_complete: Callable[[int], None] | None = None
+        """Called on the background thread with the step each time a save completes (harden's progress mark)."""
+        self._checked_sizes: list[int] | None = None
+        self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    def _peers(self, replicas: int) -> list[int | None]:
+        if not replicas:
+            return [None] * self.world_size
+        count = max(self.nodes) + 1
+        members = {n: [r for r, m in enumerate(self.nodes) if m == n] for n in range(count)}
+        peers: list[int | None] = []
+        for r, n in enumerate(self.nodes):
+            if count == 1:
+                peers.append(None)
+                continue
+            local = members[n].index(r)
+            nxt = members[(n + 1) % count]
+            peers.append(nxt[local % len(nxt)])
+        return peers
+
+    @property
+    def err_rank(self) -> int | None:
+        return self.rank if self.distributed else None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: dict[str, Any], *, per_rank: dict[str, Any] | None = None) -> LocalSaveInfo:
+        """Snapshot ``state``/``per_rank`` and commit it in the background (see the module docstring)."""
+        self._check_open()
+        self.wait()
+        start = time.perf_counter()
+        if not is_int(step, 0, MAX_STEP):
+            raise CheckpointError(f"step={step!r:.60}; expected a non-negative integer. Fix: pass the training step.",
+                                  rank=self.err_rank)
+        self.collectives.arrive("local save")
+        snap, shards, error = None, {}, None
+        try:
+            snap = collect(state, per_rank, rank=self.rank, clone=True, staging=self._staging, err_rank=self.err_rank)
+            shards = _local_restore.local_shards(snap.sharded, self._staging)
+        except BaseException as e:  # told to every rank in the agreement below; every rank raises there
+            error = e
+        nbytes = _nbytes(snap.replicated) + _nbytes(snap.mine) + _nbytes(shards) if snap is not None else 0
+        save_id = self._agree_snapshot(step, error, nbytes)
+        assert snap is not None
+        info = LocalSaveInfo(step=step, blocking_seconds=time.perf_counter() - start)
+        job = (step, save_id, snap.kinds, snap.replicated, {"mine": snap.mine, "shards": shards}, info, start)
+        self._thread = threading.Thread(target=self._background, args=(job,), name=f"robustdist-local-ckpt-{step}",
+                                        daemon=True)
+        self._thread.start()
+        return info
+
+    def _agree_snapshot(self, step: int, error: BaseException | None, nbytes: int) -> str:
+        """Every rank's snapshot outcome, step and size; the save id (rank 0's). Raises the same error on every
+        rank when one failed or they disagree; checks the memory when the copies grew."""
+        text = None if error is None else f"{type(error).__name__}: {str(error)[:1500]}"
+        everyone = self.collectives.all_gather((text, step, nbytes, uuid.uuid4().hex[:16]), "local snapshot")
+        failed = {r: row[0] for r, row in enumerate(everyone) if row[0]}
+        steps = {row[1] for row in everyone}
+        if failed:
+            detail = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items()))
+            exc = CheckpointError(f"in-memory checkpoint step {step} was not taken: {ranks_phrase(failed)} could not "
+                                  f"snapshot ({detail}). Nothing was written; the previous complete step stays. Fix: "
+                                  "see the named ranks' errors.", rank=self.err_rank, ranks=sorted(failed))
+            raise exc from error
+        if len(steps) > 1:
+            raise CheckpointError(f"ranks disagree on the in-memory checkpoint step ({sorted(steps)}); expected every "
+                                  "rank to pass the same step. Nothing was written. Fix: pass the same step on every "
+                                  "rank.", rank=self.err_rank)
+        sizes = [row[2] for row in everyone]
+        if self._checked_sizes is None or any(a > b for a, b in zip(sizes, self._checked_sizes)):
+            self._check_memory(sizes)
+            self._checked_sizes = sizes
+        return str(everyone[0][3])
+
+    def _check_memory(self, sizes: list[int]) -> None:
+        node = self.nodes[self.rank]
+        need = memory.node_need(sizes, self.nodes, self.peers, self.keep_last)[node]
+        self.node_bytes = need
+        mine = [r for r in range(self.world_size) if self.nodes[r] == node]
+        held = [r for r, p in enumerate(self.peers) if p is not None and self.nodes[p] == node]
+        in_flight = 2 * sum(sizes[r] for r in mine) + sum(sizes[r] for r in held)  # snapshot + serialised; incoming
+        problem = memory.fits(self.directory, node, need, in_flight, self.others) if self.leader else None
+        bad = [(r, p) for r, p in enumerate(self.collectives.all_gather(problem, "local memory check")) if p]
+        if bad:
+            shown = "; ".join(f"rank {r}: {p}" for r, p in bad[:4])
+            raise CheckpointError(
+                f"the in-memory checkpoint tier does not fit: {shown}. Expected it to fit beside training. Fix: set "
+                "checkpoint.local_keep_last to 1, checkpoint.replicas to 0, point checkpoint.local_dir at a larger "
+                "tmpfs (or raise /dev/shm's size), or turn the tier off (checkpoint.local_every_n_steps: null). "
+                "Nothing was written.", rank=self.err_rank, ranks=[r for r, _ in bad])
+
+    def _background(self, job: tuple[Any, ...]) -> None:
+        step, save_id, kinds, replicated, payload, info, start = job
+        try:
+            info.bytes = self._write_and_replicate(step, save_id, kinds, replicated, payload)
+            info.complete = True
+            info.total_seconds = time.perf_counter() - start
+            if self.on_complete is not None:
+                self.on_complete(step)
+        except BaseException as e:  # surfaces at the next save(), wait(), load() or close()
+            self._error = e
+            log.error("in-memory checkpoint step %d failed: %s", step, e)
+        finally:
+            info.done.set()
+
+    def _write_and_replicate(self, step: int, save_id: str, kinds: dict[str, str], replicated: dict[str, Any],
+                             payload: dict[str, Any]) -> int:
+        token = uuid.uuid4().hex[:12]
+        meta = {"world_size": self.world_size, "lineage": self.lineage, "kinds": kinds, "save": save_id}
+        blobs = [_serialise(payload)] + ([_serialise(replicated)] if self.rank == 0 else [])
+        files = dict(zip((layout.PAYLOAD, layout.REPLICATED), blobs))
+        written, problem = 0, None
+        try:
+            layout.remove_stale(self.directory, self.rank, "own")
+            written += layout.commit_copy(self.directory, self.rank, "own", step, token, files, meta)
+        except Exception as e:  # still take part in the exchange (the peers wait for it), then report
+            problem = f"writing its own copy into {self.directory}: {type(e).__name__}: {e}"
+        _faults.phase("local_own_committed")
+        peer = self.peers[self.rank]
+        sends = {peer: [as_tensor(b) for b in blobs]} if peer is not None else {}
+        try:
+            received = exchange(self.group, self.rank, sends, self.senders, timeout=self.timeout,
+                                what=f"replication of step {step}") if sends or self.senders else {}
+            for src, got in received.items():
+                names = (layout.PAYLOAD, layout.REPLICATED)[: len(got)]
+                layout.remove_stale(self.directory, src, "replica")
+                written += layout.commit_copy(self.directory, src, "replica", step, token,
+                                              {n: memoryview(t.numpy()) for n, t in zip(names, got)}, meta)
+        except Exception as e:
+            problem = problem or f"replicating: {e}"
+        _faults.phase("local_replicated")
+        everyone = self.collectives.all_gather(problem, "local commit")
+        failed = {r: p for r, p in enumerate(everyone) if p}
+        if failed:
+            detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
+            raise CheckpointError(f"in-memory checkpoint step {step} is not complete: {ranks_phrase(failed)} failed "
+                                  f"({detail[:2000]}). The previous complete step ({self.last_complete}) stays. Fix: "
+                                  "see the named ranks' errors (a full /dev/shm? a dead peer?).", rank=self.err_rank,
+                                  ranks=sorted(failed))
+        keep = {step} | ({self.last_complete} if self.keep_last == 2 and self.last_complete is not None else set())
+        if self.leader:  # every copy on this node, stale ones of earlier rank-to-node mappings included
+            layout.rotate_all(self.directory, keep)
+        self.last_complete = step
+        return written
+
+    def wait(self) -> None:
+        """Wait for the background part of the last save; raise its error (once) if it failed."""
+        if self._thread is not None:
+            self._thread.join(self.timeout + 60.0)
+            if self._thread.is_alive():
+                raise CheckpointError(f"the in-memory checkpoint's background part did not finish within "
+                                      f"{self.timeout + 60:g} s; expected it to finish or fail. Fix: check the peers' "
+                                      "logs.", rank=self.err_rank)
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"the in-memory checkpoint's background part failed: {error}",
+                                  rank=self.err_rank) from error
+
+    # ------------------------------------------------------------------ load
+    def load(self, *, state: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
+             at_least: int | None = None) -> LoadedCheckpoint | None:
+        """Restore the newest step complete across the job (from any rank's copy or replica) that is at least
+        ``at_least`` (rank 0's value counts: the durable tier's newest step); None when there is none, so the
+        caller loads the durable tier. Collective."""
+        self._check_open()
+        try:
+            self.wait()
+        except CheckpointError as e:  # a failed last save leaves the previous complete step: recover from it
+            if self._thread is not None:  # still running: its collectives would interleave with the load's
+                raise
+            log.warning("the last in-memory save failed before this load: %s", e)
+        self.collectives.arrive("local load")
+        loaded = _local_restore.recover(self, dict(state or {}), dict(per_rank or {}), at_least)
+        if loaded is not None:
+            self.last_complete = loaded.step
+        return loaded
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, *, clean: bool = False) -> None:
+        """Wait for the background part, vote, and remove this tier's directory on this node only if every rank
+        voted clean; then destroy the tier's group and raise the background part's error, if any.
+
+        The vote goes through the job's store, not a collective: a rank leaving on an error (``clean=False``)
+        posts its vote and returns at once, even when its peers are dead; a clean rank waits at most
+        ``arrival_timeout`` for the other votes, and keeps the files (logging where) when one is missing or not
+        clean. The files are kept for a restart in every doubtful case."""
+        if self._closed:
+            return
+        self._closed = True
+        error: BaseException | None = None
+        try:
+            try:
+                self.wait()
+            except BaseException as e:  # raised after the vote
+                error, clean = e, False
+            if self._thread is None and self._votes_clean(clean):
+                shutil.rmtree(self.directory, ignore_errors=True)
+            elif self.leader:
+                log.info("in-memory checkpoints kept in %s for a restart", self.directory)
+        finally:
+            self._staging.clear()
+            self._destroy_group()
+        if error is not None:
+            raise error
+
+    def _votes_clean(self, clean: bool) -> bool:
+        if not self.distributed:
+            return clean
+        store = default_store()
+        if store is None:
+            return False
+        base = f"robustdist/local-close/{self.collectives.token}"
+        try:
+            store.set(f"{base}/{self.rank}", "1" if clean else "0")
+            if not clean:
+                return False
+            keys = [f"{base}/{r}" for r in range(self.world_size)]
+            deadline = time.monotonic() + self.arrival_timeout
+            while not store.check(keys):
+                if time.monotonic() > deadline:
+                    log.warning("in-memory checkpoints: not every rank closed within %g s; the files stay in %s",
+                                self.arrival_timeout, self.directory)
+                    return False
+                time.sleep(0.05)
+            return all(store.get(k) == b"1" for k in keys)
+        except Exception as e:  # the store is gone (its host exited): keep the files
+            log.debug("in-memory tier close vote failed: %s", e)
+            return False
+
+    def _destroy_group(self) -> None:
+        group, self.group = self.group, None
+        if group is not None and _dist.is_up():
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError) as e:
+                log.debug("in-memory tier group not destroyed: %s", e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this LocalTier is closed; expected an open one. Fix: create a new one.")
+
+
+def _node_key() -> str:
+    """What tells this node from the others: the launcher's node rank, else the hostname and address."""
+    rank = node_rank()
+    return f"rank {rank}" if rank is not None else node_label()

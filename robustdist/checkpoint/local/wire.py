@@ -1,0 +1,88 @@
+"""Moving the in-memory tier's bytes between ranks: point-to-point over the tier's own gloo group.
+
+Each message is a fixed header (how many blobs, then each blob's size and CRC-32) followed by the blobs, each
+under its own tag. The receiver allocates from the header, checks every CRC on arrival, and names the sender
+when anything is late or wrong. Every wait is bounded by the tier's timeout (gloo honours ``wait(timeout)``
+for point-to-point work), so a peer that died mid-transfer is an error naming it, never a hang.
+"""
+
+from __future__ import annotations
+
+import zlib
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from robustdist.runtime.errors import CheckpointError
+
+__all__ = ["as_tensor", "exchange"]
+
+MAX_BLOBS = 2
+_HEADER = 1 + 2 * MAX_BLOBS
+
+
+def as_tensor(data: Any) -> torch.Tensor:
+    """A uint8 CPU tensor over ``data`` (a bytearray or writable buffer): no copy."""
+    return torch.frombuffer(data, dtype=torch.uint8) if len(memoryview(data)) else torch.empty(0, dtype=torch.uint8)
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(t.numpy()))
+
+
+def _wait(works: list[tuple[Any, str]], timeout: float, rank: int, what: str) -> None:
+    for work, peer in works:
+        try:
+            ok = work.wait(timedelta(seconds=timeout))
+        except Exception as e:  # gloo raises on timeout or a closed connection
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise CheckpointError(f"the in-memory checkpoint {what} with {peer} failed ({type(e).__name__}: {first}); "
+                                  f"expected it within {timeout:g} s. The peer probably died. Fix: see its log; the "
+                                  "restarted job recovers from the newest complete step.", rank=rank) from e
+        if ok is False:
+            raise CheckpointError(f"the in-memory checkpoint {what} with {peer} did not finish within {timeout:g} s; "
+                                  "expected the peer to take part. Fix: see its log.", rank=rank)
+
+
+def exchange(group: Any, rank: int, sends: dict[int, list[torch.Tensor]], receive_from: list[int], *,
+             timeout: float, what: str) -> dict[int, list[torch.Tensor]]:
+    """Send ``sends[dst]`` (up to two uint8 tensors each) to every ``dst`` and receive from every rank in
+    ``receive_from``; return what each sender sent, CRC-checked. Every rank of a pair must call it."""
+    works: list[tuple[Any, str]] = []
+    keep: list[torch.Tensor] = []
+    for dst, blobs in sends.items():
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = len(blobs)
+        for i, blob in enumerate(blobs):
+            header[1 + 2 * i], header[2 + 2 * i] = blob.numel(), _crc(blob)
+        keep.append(header)
+        works.append((dist.isend(header, dst, group=group, tag=0), f"rank {dst}"))
+        for i, blob in enumerate(blobs):
+            if blob.numel():
+                works.append((dist.isend(blob, dst, group=group, tag=1 + i), f"rank {dst}"))
+    headers = {src: torch.zeros(_HEADER, dtype=torch.int64) for src in receive_from}
+    recv_works = [(dist.irecv(h, src, group=group, tag=0), f"rank {src}") for src, h in headers.items()]
+    _wait(recv_works, timeout, rank, f"{what} (header)")
+    received: dict[int, list[torch.Tensor]] = {}
+    data_works = []
+    for src, h in headers.items():
+        count = int(h[0])
+        if not 0 <= count <= MAX_BLOBS or any(int(h[1 + 2 * i]) < 0 for i in range(count)):
+            raise CheckpointError(f"rank {src} sent a malformed in-memory checkpoint header {h.tolist()}; expected "
+                                  f"up to {MAX_BLOBS} sizes. Fix: run the same robustdist version on every rank.",
+                                  rank=rank)
+        received[src] = [torch.empty(int(h[1 + 2 * i]), dtype=torch.uint8) for i in range(count)]
+        for i, buf in enumerate(received[src]):
+            if buf.numel():
+                data_works.append((dist.irecv(buf, src, group=group, tag=1 + i), f"rank {src}"))
+    _wait(data_works, timeout, rank, what)
+    _wait(works, timeout, rank, what)
+    for src, blobs in received.items():
+        for i, buf in enumerate(blobs):
+            if _crc(buf) != int(headers[src][2 + 2 * i]):
+                raise CheckpointError(f"the in-memory checkpoint {what} from rank {src} arrived with a CRC-32 other "
+                                      "than the one it sent; expected the bytes it sent. Fix: check the network.",
+                                      rank=rank)
+    return received

@@ -1,0 +1,176 @@
+"""A fresh c10d store for each torchrun attempt, so a restarted group never reads the last attempt's keys.
+
+torchrun (c10d rendezvous, torch >= 2.4) shares its agent's TCPStore with the workers
+(``TORCHELASTIC_USE_AGENT_STORE=True``) and, in torch 2.13, creates that store once per job: after a
+restart (``--max-restarts``), ``init_process_group`` finds the previous attempt's keys (gloo peer addresses,
+NCCL unique ids) still there. Verified here on torch 2.13 CPU: a gloo group re-initialised after a rank was
+SIGKILLed fails with "Gloo connectFullMesh failed ... Connection refused" on the dead peer's old address
+(torch #135712 describes the NCCL form). ``TORCHELASTIC_RESTART_COUNT`` cannot be used as a namespace: it
+is counted per agent, so nodes disagree on it after a restart (torch #108158).
+
+So when restarts are enabled (``TORCHELASTIC_MAX_RESTARTS > 0``) and the agent store is shared, rank 0
+starts a new TCPStore on a free port and publishes its address and a random token in the agent store; the
+other ranks read the address, connect, and check the token on the new store. A stale address from a
+previous attempt points at a dead server (or, if its port was reused, a store without that token), so they
+simply retry until the fresh one appears, bounded by ``distributed.init_timeout``. The process group, and
+everything robustdist keeps in the default store (barrier arrivals, watchdog records), then lives in a store
+that exists only for this attempt.
+
+**The attempt number.** The agent's store lives as long as the job, so it can count attempts where the
+environment cannot. Before publishing, rank 0 adds 1 to a counter key in the agent store (an atomic ``add``:
+the value is ``attempt + 1``) and writes the attempt into the fresh store; the other ranks read it there,
+after the token proved the store is this attempt's (never from a key an earlier attempt may have left in the
+agent store). Every rank of the attempt therefore reports the same number (:func:`attempt_of`), 0 on the
+first. For a store that outlives attempts but is no fresh one (the agent store without restarts, or a group
+robustdist only adopted), :func:`count_attempt` is the same count, taken by rank 0 and shared through the
+group by the caller (:func:`attempt_mode`, :func:`contribution`). Limit: torch 2.13 keeps the agent store on
+the node whose agent was rendezvous rank 0 at the first rendezvous; if that node leaves an elastic job, the
+next store starts counting at 0 again.
+
+With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (needed in torch 2.13 for a restarted agent to rejoin) torchrun
+gives the workers no store that outlives an attempt: rank 0's worker hosts a new one each time. Then, and only
+then, the number is the largest ``TORCHELASTIC_RESTART_COUNT`` of any rank, agreed through the group: the
+same on every rank, and at least the real attempt as far as any agent counted it (a restart that no agent
+counted, such as a node joining an elastic job, is missed).
+
+Why ``TORCHELASTIC_RESTART_COUNT`` cannot be used: each agent counts its own restarts of its own workers
+(``max_restarts - remaining``). When a worker fails on one node, that node's agent restarts its workers and
+counts 1; the other agents see the rendezvous change and restart theirs as a membership change, which does
+not count. After one failure the variable is 1 on one node and 0 on the others (torch #108158, seen on a
+2-node job), and a script that reads 0 as "fresh run" discards the checkpoint it should resume from. A
+script can also overwrite the variable before init; the store's count does not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from robustdist.init import rendezvous as _rendezvous
+from robustdist.runtime.errors import InitError
+from robustdist.runtime.log import get_logger
+
+log = get_logger(__name__)
+_KEY = "robustdist/attempt_store"
+_TOKEN = "robustdist/attempt_token"
+_counted: dict[tuple[Any, ...], int] = {}  # (job id, store address) -> the attempt this process counted
+_COUNTER = "robustdist/attempt_counter"  # in the agent's (job-lifetime) store: rank 0 adds 1 per attempt
+_ATTEMPT = "robustdist/attempt"  # in the attempt's own store: the number rank 0 counted
+_CONNECT_S = 5.0
+
+
+def needed(environ: Mapping[str, str], init_method: str) -> bool:
+    """True when torchrun can restart workers and shares its (job-lifetime) store with them."""
+    try:
+        restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        restarts = 0
+    return (init_method.startswith("env://") and restarts > 0
+            and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+def attempt_mode(environ: Mapping[str, str], init_method: str) -> str:
+    """Where this attempt's number comes from: ``"fresh-store"`` (restarts enabled and the agent's store shared:
+    rank 0 counts in the agent store, the others read this attempt's store), ``"agent-store"`` (the agent's store
+    shared, no per-attempt store: rank 0 counts, the group shares it), ``"restart-count"`` (torchrun without a
+    shared store, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the largest ``TORCHELASTIC_RESTART_COUNT`` of any
+    rank, shared through the group) or ``"none"`` (no torchrun: 0)."""
+    shared = environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    if needed(environ, init_method):
+        return "fresh-store"
+    if shared == "True" and init_method.startswith("env://"):
+        return "agent-store"
+    return "none" if shared is None else "restart-count"
+
+
+def contribution(mode: str, rank: int, job_store: Any, environ: Mapping[str, str]) -> int:
+    """This rank's part of the attempt number, which the group then reduces with MAX: rank 0's count in the
+    job's store (``"agent-store"``), this rank's ``TORCHELASTIC_RESTART_COUNT`` (``"restart-count"``), else 0."""
+    if mode == "agent-store":
+        return count_in_group_store(job_store) if rank == 0 else 0
+    if mode == "restart-count":
+        raw = environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+        return int(raw) if raw.isdigit() and len(raw) < 10 else 0
+    return 0
+
+
+def count_attempt(job_store: Any) -> int:
+    """Rank 0 only, once per attempt: count this attempt in a store that lives as long as the job, and return
+    its number (0 on the first). ``job_store`` may be wrapped in ``PrefixStore`` layers: the count is kept in the store
+    under them, so a group robustdist created and one it adopted count in the same key."""
+    raw = job_store
+    for _ in range(8):  # a group's store is PrefixStore(<group>, PrefixStore("default_pg", <the store>))
+        if not isinstance(raw, dist.PrefixStore):
+            break
+        raw = raw.underlying_store
+    # A process is one attempt (torchrun restarts workers as new processes): a second init in it (a retry, a
+    # second harden()) is the same attempt, not the next.
+    key = (os.environ.get("TORCHELASTIC_RUN_ID", ""), getattr(raw, "host", None), getattr(raw, "port", id(raw)))
+    if key not in _counted:
+        _counted[key] = int(raw.add(_COUNTER, 1)) - 1
+    return _counted[key]
+
+
+def count_in_group_store(store: Any) -> int:
+    """Rank 0's :func:`count_attempt` in an adopted group's store (the agent's, for a group made with ``env://``
+    under torchrun); -1 when there is no store or it cannot count (the attempt then falls back to 0)."""
+    if store is None:
+        return -1
+    try:
+        return count_attempt(store)
+    except Exception as e:  # a custom store without add()
+        log.warning("could not count this attempt in the process group's store (%s: %s); attempt is 0",
+                    type(e).__name__, str(e)[:200])
+        return -1
+
+
+def attempt_of(store: Any) -> int:
+    """The attempt number rank 0 wrote into this attempt's store (see the module docstring)."""
+    return int(store.get(_ATTEMPT))
+
+
+def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
+    """The store for this attempt (a server on rank 0, a client elsewhere), by ``timeout_s`` (the init timeout)."""
+    deadline = time.monotonic() + timeout_s
+    endpoint = _rendezvous.Endpoint("env", f"MASTER_ADDR={addr!r}, MASTER_PORT={port}", host=addr, port=port,
+                                    addresses=[addr])
+    agent = _rendezvous.connect_tcp(endpoint, rank=rank, world_size=world_size, deadline=deadline,
+                                    init_timeout=timeout_s, serving="torchrun's agent on the master node")
+    if rank == 0:
+        server = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                               wait_for_workers=False)
+        token = uuid.uuid4().hex
+        server.set(_TOKEN, token)
+        server.set(_ATTEMPT, str(count_attempt(agent)))
+        agent.set(_KEY, json.dumps({"addr": addr, "port": server.port, "token": token}))
+        log.debug("attempt store on %s:%d", addr, server.port)
+        return server
+    last_error = "no address published yet"
+    while time.monotonic() < deadline:
+        try:
+            agent.wait([_KEY], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            info = json.loads(agent.get(_KEY))
+            host, fresh_port = str(info["addr"]), int(info["port"])
+            # a previous attempt's dead server refuses at once: then read the published address again
+            store, _, detail = _rendezvous.try_connect(host, fresh_port, world_size,
+                                                       min(deadline, time.monotonic() + _CONNECT_S), retry_refused=False)
+            if store is None:
+                last_error = f"{host}:{fresh_port}: {detail}"
+            elif store.check([_TOKEN]) and store.get(_TOKEN).decode() == info["token"]:
+                store.set_timeout(timedelta(seconds=timeout_s))
+                return store
+            else:
+                last_error = f"{host}:{fresh_port} is a different store (a reused port)"
+        except (RuntimeError, OSError, ValueError, KeyError, TypeError) as e:  # DistError is a RuntimeError
+            last_error = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        time.sleep(0.2)
+    raise InitError(f"could not reach rank 0's store for this torchrun attempt within {timeout_s:g} s (last: "
+                    f"{last_error}); expected rank 0 to publish it in the agent store at {addr}:{port}. Fix: check "
+                    "rank 0's log for an earlier failure, or raise distributed.init_timeout.", rank=rank)

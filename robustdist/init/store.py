@@ -1,0 +1,58 @@
+"""The rendezvous of ``safe_init_process_group`` (step 3 of :mod:`robustdist.init.process_group`): find or serve the
+store, count the attempt, wait for every rank, check that every node reaches every other, all by one deadline."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from robustdist.config.schema import DistributedConfig
+from robustdist.init import elastic_store as _elastic_store
+from robustdist.init import reach as _reach
+from robustdist.init import rendezvous as _rendezvous
+from robustdist.runtime.errors import InitError
+from robustdist.runtime.node import node_label
+from robustdist.runtime.topology import Topology
+
+__all__ = ["rendezvous_store"]
+
+
+def rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int, bool]:
+    """Step 3 of :mod:`robustdist.init.process_group`'s docstring: ``(store, attempt, share)`` with every rank arrived in ``store``.
+
+    Everything after the preflight runs on a thread joined at the deadline: a TCPStore client's calls do not
+    honour its timeout when the server stops answering after the handshake (a frozen or cut-off master)."""
+    deadline = time.monotonic() + dcfg.init_timeout  # one bound for resolving, connecting and arriving
+    ep = _rendezvous.preflight(_rendezvous.endpoint(dcfg.init_method, topo), topo, dcfg.init_timeout)
+    mode = _elastic_store.attempt_mode(os.environ, dcfg.init_method)
+    where: list[str] = [ep.path if ep.scheme == "file" else f"{ep.host}:{ep.port}"]
+
+    def rendezvous() -> tuple[Any, int, bool]:
+        if mode == "fresh-store" and ep.host and ep.port:
+            store = _elastic_store.attempt_store(ep.host, ep.port, topo.rank, topo.world_size, dcfg.init_timeout)
+            attempt, share, serves = _elastic_store.attempt_of(store), False, topo.rank == 0
+            where[0] = f"this attempt's store, published in torchrun's agent store at {ep.host}:{ep.port}"
+        else:
+            store, serves = _rendezvous.open_store(ep, topo, deadline, dcfg.init_timeout)
+            attempt = _elastic_store.contribution(mode, topo.rank, store, os.environ)
+            share = mode in ("agent-store", "restart-count")
+        _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=where[0],
+                                      init_timeout=dcfg.init_timeout, serves_it=serves)
+        # Can every node reach the address gloo will bind on every other node? (else init hangs for `timeout`)
+        _reach.check_peers(store, topo.rank, topo.world_size, timeout_s=max(10.0, deadline - time.monotonic()))
+        return store, attempt, share
+
+    bound = max(deadline, time.monotonic() + 10.0) + 5.0  # the peer check's floor, and time to name the absent
+    value, error, finished = _rendezvous.bounded(rendezvous, bound, "rendezvous", ends_by=bound + 30.0)
+    if error is not None:
+        raise error
+    if not finished:
+        raise InitError(
+            f"the c10d store at {where[0]} ({ep.told}) stopped answering "
+            f"during the rendezvous: no reply within distributed.init_timeout ({dcfg.init_timeout:g} s) from "
+            f"{node_label()}. Expected the process serving it (rank 0, or torchrun's agent on the master node) to "
+            "answer until every rank had arrived. Fix: that process is frozen, overloaded or cut off from this node: "
+            "see its log and stack (robustdist's watchdog, py-spy), and check the network between the nodes.",
+            rank=topo.rank)
+    return value  # type: ignore[no-any-return]

@@ -1,0 +1,139 @@
+"""``wrap_ddp``: a real ``DistributedDataParallel``, with SyncBatchNorm that works on CPU and a readable
+unused-parameter error.
+
+* Single process (no group, or world size 1): the model is moved to its device and returned unwrapped, so a
+  script runs unchanged without a launcher.
+* ``sync_batchnorm`` ("auto"/True with world size > 1) converts every BatchNorm *before* wrapping: torch's
+  ``SyncBatchNorm`` on CUDA, :class:`robustdist.parallel.syncbn.SyncBatchNorm` elsewhere (torch's raises on CPU).
+* Wrapping twice is refused. The recommended order with ``torch.compile`` is **wrap, then compile**
+  (``torch.compile(wrap_ddp(model))``), so DDP's graph splitting at bucket boundaries keeps communication
+  overlapped; a compiled module handed in is wrapped as it is (correct, but less overlap) with a warning.
+* With ``find_unused_parameters=False``, DDP's "Expected to have finished reduction in the prior
+  iteration" lists parameter *indices*; the returned DDP re-raises it as a :class:`RobustDistError` naming
+  the parameters and the two fixes, at no per-step cost.
+
+DDP's own semantics are unchanged: no barrier is needed before ``optimizer.step()`` (backward's all-reduce
+is the sync point), and ``state_dict()`` keeps its ``module.`` prefix; use
+:func:`robustdist.parallel.state_dict.model_state_dict` for prefix-free keys.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+
+from robustdist.config.schema import DistributedConfig, HardenConfig, section_of
+from robustdist.parallel.state_dict import is_compiled
+from robustdist.parallel.syncbn import convert_batchnorm_for
+from robustdist.runtime import dist as _dist
+from robustdist.runtime.errors import RobustDistError
+from robustdist.runtime.log import get_logger, warn
+from robustdist.runtime.topology import detect_topology
+
+__all__ = ["DistributedDataParallel", "reducer_parameter_names", "wrap_ddp"]
+
+log = get_logger(__name__)
+_UNFINISHED = "Expected to have finished reduction in the prior iteration"
+
+
+def reducer_parameter_names(module: nn.Module, ignored: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Parameter names in the order DDP's reducer indexes them (its ``_build_params_for_reducer``)."""
+    names, seen = [], set()
+    for module_name, sub in module.named_modules():
+        for param_name, param in sub.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if param.requires_grad and full not in ignored and param not in seen:
+                seen.add(param)
+                names.append(full)
+    return names
+
+
+class DistributedDataParallel(_TorchDDP):
+    """torch's ``DistributedDataParallel``, plus an unused-parameter error that names the parameters."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as e:
+            if _UNFINISHED not in str(e):
+                raise
+            raise self._unused_parameter_error(e) from e
+
+    def _unused_parameter_error(self, error: RuntimeError) -> RobustDistError:
+        match = re.search(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)", str(error))
+        rank = _dist.error_rank()
+        if match is None:
+            names = "(torch did not list them; set TORCH_DISTRIBUTED_DEBUG=INFO to see them)"
+        else:
+            table = reducer_parameter_names(self.module, set(self.parameters_to_ignore))
+            found = [table[int(i)] if int(i) < len(table) else f"#{i}" for i in match.group(2).split()]
+            names = ", ".join(found)
+        return RobustDistError(
+            f"DDP found parameters that received no gradient in the last backward: {names}; expected every "
+            "parameter that requires grad to take part in the loss (find_unused_parameters=False). Fix: pass "
+            "find_unused_parameters=True to wrap_ddp (costs a graph traversal every step), or make those "
+            "parameters part of the loss (or set requires_grad=False on them).",
+            rank=rank,
+        )
+
+
+def _contains_ddp(model: nn.Module) -> bool:
+    return any(isinstance(m, _TorchDDP) for m in model.modules()) or (
+        is_compiled(model) and _contains_ddp(model._orig_mod))
+
+
+def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = None, *, device: torch.device | str | int | None = None,
+             sync_batchnorm: bool | str | None = None, **ddp_kwargs: Any) -> nn.Module:
+    """Move ``model`` to this rank's device and wrap it in a real DDP (see the module docstring).
+
+    Args:
+        model: a bare module, or a ``torch.compile``'d one.
+        cfg: the ``distributed`` section (or a whole HardenConfig); ``find_unused_parameters``,
+            ``broadcast_buffers`` and ``sync_batchnorm`` are used. A dict still works, with a DeprecationWarning.
+        device: overrides the topology's device.
+        sync_batchnorm: overrides ``distributed.sync_batchnorm`` ("auto", True or False).
+        ddp_kwargs: passed to DDP, overriding the config.
+    """
+    if _contains_ddp(model):
+        raise RobustDistError(
+            f"{type(model).__name__} is already wrapped in DistributedDataParallel; expected a bare module. "
+            "Fix: call wrap_ddp once, on the unwrapped model (robustdist.unwrap_model(model) gives it back)."
+        )
+    config = section_of(cfg, DistributedConfig, "wrap_ddp")
+    target = torch.device(device) if device is not None and not isinstance(device, int) else (
+        torch.device("cuda", device) if isinstance(device, int) else detect_topology().device)
+    distributed = _dist.is_multi()
+    if not distributed:
+        log.debug("no process group of more than one rank: returning the model on %s, unwrapped", target)
+        return model.to(target)
+    mode = config.sync_batchnorm if sync_batchnorm is None else sync_batchnorm
+    if mode not in ("auto", True, False):
+        raise RobustDistError(f"sync_batchnorm={mode!r}; expected 'auto', True or False. Fix: pass one of those.")
+    if mode in ("auto", True):
+        model = convert_batchnorm_for(model, target)
+    if is_compiled(model):
+        warn("wrap_ddp got a torch.compile'd module: wrapping it as it is works, but compiling after wrapping "
+             "(torch.compile(wrap_ddp(model))) lets DDP split the graph at bucket boundaries and overlap "
+             "communication. Silence this by compiling after wrap_ddp.", once="compiled-before-ddp")
+    model = model.to(target)
+    kwargs: dict[str, Any] = {"find_unused_parameters": config.find_unused_parameters}
+    if not config.broadcast_buffers and not {"broadcast_buffers", "forward_sync_buffers"} & set(ddp_kwargs):
+        # True is DDP's default and is not passed. False keeps its historical meaning (no buffer sync at init nor
+        # at forward), which torch >= 2.13 still honours through this deprecated argument only.
+        kwargs["broadcast_buffers"] = False
+    kwargs.update(ddp_kwargs)
+    if target.type == "cuda":
+        kwargs.setdefault("device_ids", [target])
+    log.info("wrapping in DDP on %s (%s)", target, ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+    with warnings.catch_warnings():
+        if "broadcast_buffers" not in ddp_kwargs:  # robustdist passed it on the config's behalf
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+        return DistributedDataParallel(model, **kwargs)
+
+
+_convert_bn = convert_batchnorm_for  # the name robustdist < 0.3 used

@@ -1,0 +1,152 @@
+"""The Ray Train side of :class:`~robustdist.harden.Hardened`: reporting committed checkpoints to Ray, Ray's
+checkpoint as a resume candidate, and the report at ``close``. A mixin: ``Hardened`` holds the state these
+methods use (``ray``, ``checkpointer``, ``identity``, ``state``, ``local``, ``_unreported``, ``_reported``,
+``_resumed_from``, ``last_metrics``); :mod:`robustdist.ray.train` does the talking to Ray."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from robustdist.checkpoint import CheckpointInfo, LoadedCheckpoint, _layout
+from robustdist.ray import train as _ray_train
+from robustdist.runtime.errors import CheckpointError
+from robustdist.runtime.log import get_logger
+
+if TYPE_CHECKING:
+    import contextlib
+
+    from robustdist.checkpoint import AtomicCheckpointer, LocalTier
+    from robustdist.checkpoint._run_owner import RunIdentity
+    from robustdist.checkpoint.train_state import TrainState
+
+__all__ = ["RayReporting"]
+
+log = get_logger("robustdist.harden")
+
+
+class RayReporting:
+    """Ray Train reporting and resume for ``Hardened`` (inert outside Ray Train: ``ray`` is None)."""
+
+    ray: _ray_train.RayTrain | None
+    checkpointer: AtomicCheckpointer | None
+    identity: RunIdentity | None
+    state: TrainState
+    local: LocalTier | None
+    last_metrics: dict[str, Any] | None
+    _unreported: list[tuple[CheckpointInfo, dict[str, Any]]]
+    _reported: bool
+    _resumed_from: int | None
+
+    def _bounded(self, what: str) -> contextlib.AbstractContextManager[None]:  # pragma: no cover - Hardened's
+        raise NotImplementedError
+
+    def _report_committed(self, *, wait: bool) -> None:
+        """Inside Ray Train, report the committed durable saves not reported yet (collective: every rank reaches
+        this at the same calls). ``wait``: first wait for an async save in flight."""
+        if self.ray is None or self.checkpointer is None or not self._unreported:
+            return
+        pending, self._unreported = self._unreported, []  # a report that fails is not retried at every save
+        if wait:
+            with self._bounded("waiting for the previous checkpoint save"):
+                self.checkpointer.wait()
+        for info, metrics in pending:
+            if info.total_seconds is None:  # never committed (its error surfaced already)
+                continue
+            with self._bounded("report to Ray Train"):
+                name = _ray_train.report(_ray_train.ray_metrics(metrics), info.path, _layout.read_manifest(info.path),
+                                         rank=self.checkpointer.rank, world_size=self.checkpointer.collectives.world_size,
+                                         timeout=min(self.checkpointer.timeout, _ray_train.REGISTER_TIMEOUT_S))
+            self._reported = True
+            log.info("reported checkpoint step %d to Ray Train as %s", info.step, name)
+
+    def _ray_candidate(self, level: int) -> tuple[Any, str, int | None, bool]:
+        """Inside Ray Train: Ray's newest reported checkpoint as a resume candidate, ``(checkpoint, why, its step,
+        first)``: ``first`` when it is newer than robustdist's newest committed step (then it is tried first;
+        otherwise only when robustdist's own copies fail or fall back below it). A checkpoint without a valid
+        manifest, or whose manifest names another run, is no candidate. The same on every rank (rank 0 reads,
+        broadcasts)."""
+        none: tuple[Any, str, int | None, bool] = (None, "", None, False)
+        if self.ray is None or self.checkpointer is None:
+            return none
+        checkpoint = _ray_train.latest_checkpoint()
+        facts: tuple[int | None, str | None, int | None] = (None, None, None)
+        if self.checkpointer.rank == 0:
+            bad: str | None = None
+            ray_step: int | None = None
+            if checkpoint is not None:
+                with self._bounded("reading Ray Train's checkpoint"):
+                    manifest, bad = _ray_train.checkpoint_manifest(checkpoint)
+                if manifest is not None:
+                    ray_step, bad = manifest["step"], self._foreign(manifest)
+            steps = self.checkpointer.steps()
+            facts = (ray_step, bad, steps[-1] if steps else None)
+        ray_step, bad, newest = self.checkpointer.collectives.broadcast(facts, "Ray checkpoint")
+        if checkpoint is None:
+            return none
+        if bad is not None or ray_step is None:
+            log.warning("Ray Train's checkpoint %s is not resumed from: %s", getattr(checkpoint, "path", checkpoint), bad)
+            return none
+        if newest is not None and ray_step <= newest:
+            return checkpoint, f"Ray Train's newest is step {ray_step}, not newer", ray_step, False
+        log.log(level, "Ray Train's checkpoint (step %s) is newer than %s: resuming from Ray's", ray_step,
+                f"robustdist's newest (step {newest})" if newest is not None else "anything in robustdist's directory")
+        return checkpoint, f"Ray Train's step {ray_step} is newer than robustdist's {newest}", ray_step, True
+
+    def _foreign(self, manifest: dict[str, Any]) -> str | None:
+        """Why a checkpoint (Ray's) belongs to another run, from the run its manifest records; None if ours."""
+        recorded = manifest.get("metadata", {}).get("run")
+        if not isinstance(recorded, dict) or self.identity is None:
+            return None
+        for field in ("run", "config"):
+            ours, theirs = getattr(self.identity, field), recorded.get(field)
+            if ours is not None and theirs is not None and ours != theirs:
+                return (f"it belongs to run {recorded.get('run')!r} with training config {recorded.get('config')}, "
+                        f"but this is {self.identity.describe()} (they differ in: {field})")
+        return None
+
+    def _metrics_of(self, loaded: LoadedCheckpoint) -> dict[str, Any] | None:
+        """The metrics saved with the resumed step: its manifest's, or, for an in-memory copy (which keeps none),
+        the durable copy's of the same step."""
+        metrics = loaded.metadata.get("metrics") if isinstance(loaded.metadata, dict) else None
+        if not isinstance(metrics, dict) and loaded.source not in ("durable", "ray") and self.checkpointer is not None:
+            try:
+                durable = _layout.read_manifest(os.path.join(self.checkpointer.directory,
+                                                             _layout.step_dirname(loaded.step)), loaded.step)
+                metrics = durable.get("metadata", {}).get("metrics")
+            except Exception:  # no durable copy of that step, or a damaged one: no metrics
+                metrics = None
+        return dict(metrics) if isinstance(metrics, dict) else None
+
+    def _load_ray(self, checkpoint: Any, step: int | None) -> LoadedCheckpoint | None:
+        """Ray's checkpoint (newer than robustdist's), verified like any; on failure, robustdist's own."""
+        assert self.checkpointer is not None
+        try:
+            loaded = self.state.load(self.checkpointer, local=self.local, checkpoint=checkpoint, at_least=step)
+        except (CheckpointError, OSError) as e:
+            log.warning("Ray Train's checkpoint %s failed to load (%s); falling back to robustdist's own in %s",
+                        getattr(checkpoint, "path", checkpoint), e, self.checkpointer.directory)
+            return None
+        if loaded is not None and loaded.source == "durable":
+            loaded.source, loaded.source_detail = "ray", "Ray Train's checkpoint"
+        return loaded
+
+    def _report_at_close(self) -> None:
+        """Inside Ray Train: report async saves still unreported, and, when this attempt resumed and reported
+        nothing (a restored run already at its end), the resumed checkpoint's metrics, so Ray's (and Tune's)
+        last result is this run's, not a stale one. Collective, like every report."""
+        if self.ray is None or self.checkpointer is None:
+            return
+        if sys.exc_info()[0] is not None:  # close() in a `finally:` while an error propagates: the other ranks
+            log.info("close() while an exception propagates: nothing reported to Ray Train")  # may not be here
+            return
+        self._report_committed(wait=True)
+        if not self._reported and self._resumed_from is not None:
+            metrics = dict(self.last_metrics or {"step": self._resumed_from})
+            with self._bounded("report to Ray Train"):
+                _ray_train.report_metrics(metrics)
+            self._reported = True
+            log.info("resumed at step %d and reported nothing since: reported its metrics to Ray Train again",
+                     self._resumed_from)
+

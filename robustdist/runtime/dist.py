@@ -1,0 +1,227 @@
+"""The distributed runtime every robustdist module stands on (floor 1: it imports only torch, ``errors`` and
+``log``; nothing here imports upward).
+
+It owns the few questions every mechanism asks of ``torch.distributed``:
+
+* :func:`is_up`, :func:`rank`, :func:`world_size`, :func:`is_multi`: is a default group up, who am I, how
+  many of us (0 and 1 without a group, so single-process code needs no special case);
+* :func:`error_rank`: the rank that error messages name, or None without a group;
+* :func:`backend_kind` and :func:`collective_device`: "nccl"/"gloo" (a mixed ``cpu:gloo,cuda:nccl`` backend
+  counts as nccl) and the device its collectives take tensors on;
+* :func:`default_store`: the default group's c10d store, or None;
+* :class:`Collectives`: "run this collective with a bound, and name the absent ranks": an arrival check
+  through the store, then named wrappers of ``broadcast_object_list``/``all_gather_object`` that turn a
+  failure into the caller's error class with what failed and after how long.
+
+The arrival check (``Collectives.arrive(op)``): each rank sets ``robustdist/<scope>/<token>/<seq>/<op>/<rank>``
+in the store and waits, at most ``arrival_timeout`` seconds, for every rank's key of the same call. A rank
+that does not arrive in time is named (with the call it is in instead, if any) on every rank that did, with
+the rule ("save() is collective: call it on every rank"). A rank that arrives after the others gave up sees
+their ``abandoned`` mark and raises too, instead of entering a collective alone. After such an error, or a
+failed collective, the ranks' call sequences may no longer match, so the object refuses further calls.
+Without a c10d store (a group made from a custom store torch does not expose) the arrival check is skipped
+and only the collectives' own timeout bounds the wait.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from robustdist.runtime.errors import RobustDistError, ranks_phrase
+
+__all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "error_rank", "is_multi", "is_up",
+           "rank", "world_size"]
+
+T = TypeVar("T")
+
+
+def is_up() -> bool:
+    """Whether the default process group exists in this process."""
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the default group); 0 without a group."""
+    return dist.get_rank(group) if is_up() else 0
+
+
+def world_size(group: Any = None) -> int:
+    """The size of ``group`` (default: the default group); 1 without a group."""
+    return dist.get_world_size(group) if is_up() else 1
+
+
+def is_multi(group: Any = None) -> bool:
+    """A group is up and has more than one rank."""
+    return is_up() and dist.get_world_size(group) > 1
+
+
+def error_rank() -> int | None:
+    """The rank error messages name: this process's rank, or None without a group."""
+    return dist.get_rank() if is_up() else None
+
+
+def backend_kind(group: Any = None) -> str | None:
+    """"nccl" when the group's backend includes NCCL (also ``cpu:gloo,cuda:nccl``), "gloo" for gloo, the raw name
+    otherwise, None without a group."""
+    if not is_up():
+        return None
+    found = str(dist.get_backend(group))
+    return "nccl" if "nccl" in found else "gloo" if "gloo" in found else found
+
+
+def collective_device(backend: str | None) -> torch.device:
+    """The device the collectives of ``backend`` (a :func:`backend_kind`) take tensors on."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_store() -> Any:
+    """The default group's c10d store, or None. Private torch API, used only to name ranks that did not
+    arrive, so its absence only makes those messages less specific."""
+    if not is_up():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+class Collectives:
+    """Bounded, named collectives over one group (see the module docstring).
+
+    Args:
+        group: the process group the collectives run on (None: the default group).
+        rank, world_size: this rank and the group's size.
+        timeout: the group's collective timeout in seconds (for messages: the group enforces it).
+        arrival_timeout: seconds every rank has to reach the same call once another rank has.
+        error: the error class raised (a :class:`~robustdist.runtime.errors.RobustDistError` subclass).
+        scope: the store key prefix (``robustdist/<scope>/...``).
+        noun: what the collectives belong to, in messages ("checkpoint").
+        owner: what the caller builds these for, in the "fell out of step" message ("checkpointer").
+        ops: the collective calls ranks can be in (to say "rank 1 is in load() instead").
+        knob: the config field that raises ``arrival_timeout``.
+    """
+
+    def __init__(self, group: Any, rank: int, world_size: int, *, timeout: float, arrival_timeout: float,
+                 error: type[RobustDistError] = RobustDistError, scope: str = "collective", noun: str = "group",
+                 owner: str = "object", ops: Sequence[str] = (), knob: str = "the arrival timeout"):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.timeout, self.arrival_timeout = timeout, arrival_timeout
+        self.error, self.scope, self.ops, self.knob = error, scope, tuple(ops), knob
+        self.noun, self.owner = noun, owner
+        self.broken: str | None = None
+        self._seq = 0
+        self._last_op = ""
+        self._store = default_store() if world_size > 1 else None
+        self.token = uuid.uuid4().hex[:12]
+        if world_size > 1:  # one token per object, the same on every rank (no stale keys from other runs)
+            self.token = self.broadcast(self.token, "setup")
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise self.error(f"this {self.owner}'s ranks fell out of step earlier ({self.broken}); expected every "
+                             "rank to make the same calls. Fix: restart the job (or create a new one on every "
+                             "rank).", rank=self.rank)
+
+    # ------------------------------------------------------------------ arrival
+    def arrive(self, op: str) -> None:
+        """Wait until every rank has reached ``op`` (the same call); raise naming those that have not."""
+        self.check_usable()
+        if self.world_size == 1 or self._store is None:
+            return
+        self._seq += 1
+        self._last_op, op_before = op, self._last_op
+        base = f"robustdist/{self.scope}/{self.token}/{self._seq}"
+        try:
+            self._wait_for_all(op, base)
+        except RobustDistError:
+            raise
+        except Exception as e:  # the store went away: rank 0 (its host, usually) exited
+            self._fail(f"the job's c10d store stopped answering while this rank waited in {op}() "
+                       f"({type(e).__name__}: {str(e)[:200]}); the rank hosting it (rank 0, usually) probably exited",
+                       op, [])
+        if self.rank == 0 and self._seq > 1:  # every rank is past the previous call now: drop its keys
+            previous = f"robustdist/{self.scope}/{self.token}/{self._seq - 1}"
+            for key in [f"{previous}/{op_before}/{r}" for r in range(self.world_size)]:
+                try:
+                    self._store.delete_key(key)
+                except Exception:  # a store without delete_key only keeps a few bytes more
+                    break
+
+    def _wait_for_all(self, op: str, base: str) -> None:
+        store = self._store
+        if store.check([f"{base}/abandoned"]):
+            self._fail(f"the other ranks stopped waiting for {op}() before this rank arrived (each waits "
+                       f"{self.arrival_timeout:g} s)", op, [])
+        store.set(f"{base}/{op}/{self.rank}", "1")
+        keys = [f"{base}/{op}/{r}" for r in range(self.world_size)]
+        start = time.monotonic()
+        delay = 0.001
+        while not store.check(keys):
+            gave_up = store.check([f"{base}/abandoned"])
+            if gave_up or time.monotonic() - start > self.arrival_timeout:
+                if store.check(keys):  # the last rank arrived just now
+                    break
+                store.set(f"{base}/abandoned", str(self.rank))
+                self._fail_absent(op, base)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        if store.check([f"{base}/abandoned"]):
+            self._fail(f"another rank stopped waiting for {op}() just as this rank arrived", op, [])
+
+    def _fail_absent(self, op: str, base: str) -> None:
+        store = self._store
+        missing = [r for r in range(self.world_size) if not store.check([f"{base}/{op}/{r}"])]
+        elsewhere = [f"rank {r} is in {other}() instead" for r in missing for other in self.ops
+                     if other != op and store.check([f"{base}/{other}/{r}"])]
+        where = f" ({'; '.join(elsewhere)})" if elsewhere else ""
+        self._fail(f"{ranks_phrase(missing)} did not reach {op}() within {self.arrival_timeout:g} s{where}; expected "
+                   f"all {self.world_size} ranks", op, missing)
+
+    def _fail(self, found: str, op: str, missing: list[int]) -> None:
+        self.broken = found
+        slow = f" if {ranks_phrase(missing)} {'is' if len(missing) == 1 else 'are'} only slow" if missing else ""
+        raise self.error(
+            f"{op}() is collective: call it on every rank. {found[0].upper()}{found[1:]}. Fix: call {op}() on every "
+            f"rank, not under `if rank == 0:` (robustdist writes from the right ranks itself), or raise "
+            f"{self.knob}{slow} (e.g. evaluating on one rank before saving).",
+            rank=self.rank, ranks=missing)
+
+    # ------------------------------------------------------------------ collectives
+    def run(self, what: str, fn: Callable[[], T]) -> T:
+        """Run a collective; turn its failure into ``self.error`` saying when and what failed."""
+        start = time.monotonic()
+        try:
+            return fn()
+        except Exception as e:
+            elapsed = time.monotonic() - start
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            self.broken = f"the {what} collective failed"
+            raise self.error(
+                f"the {self.noun}'s {what} collective failed after {elapsed:.1f} s (bound {self.timeout:g} s): "
+                f"{type(e).__name__}: {first}. Expected every rank of the {self.noun}'s group in it; another rank "
+                "probably died or left the call. Fix: see the other ranks' logs for their error.",
+                rank=self.rank) from e
+
+    def broadcast(self, obj: T, what: str) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        self.run(what, lambda: dist.broadcast_object_list(box, src=0, group=self.group))
+        return box[0]
+
+    def all_gather(self, obj: T, what: str) -> list[T]:
+        """Every rank's ``obj``, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        everyone: list[Any] = [None] * self.world_size
+        self.run(what, lambda: dist.all_gather_object(everyone, obj, group=self.group))
+        return everyone

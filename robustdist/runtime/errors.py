@@ -1,0 +1,164 @@
+"""Exceptions and warnings raised by robustdist.
+
+Every exception derives from :class:`RobustDistError`; where a stdlib type is the natural one to catch
+(a bad config value is a ``ValueError``), the class derives from both, so existing ``except`` clauses keep
+working::
+
+    Exception
+    └── RobustDistError
+        ├── ConfigError (+ ValueError)          a config value, key or file is invalid
+        ├── MissingDependencyError (+ ImportError)  an optional extra is not installed
+        ├── TopologyError                       ranks, sizes or devices don't add up
+        ├── InitError                           process-group init, barrier or smoke test failed
+        ├── CheckpointError
+        │   ├── CheckpointCorruptError          a checkpoint file is missing, malformed or fails verification
+        │   └── CheckpointBusyError             checkpoints were rotated away while read: retry
+        ├── StateDictMismatchError              keys/shapes differ between a state dict and a model
+        ├── RankDivergenceError                 ranks hold different parameters or configs
+        ├── NonFiniteLossError                  a loss or gradients went NaN/Inf (health.nan_policy='raise')
+        ├── HangError                           something waited past its bound
+        ├── RestartLoopError                    restart after restart made no progress (a crash loop)
+        └── RanksFailed                         one or more ranks of ``testing.run_ranks`` failed
+            └── RanksTimeout (+ HangError)      ranks still running at the harness timeout
+
+    UserWarning
+    └── RobustDistWarning                       filter with ``warnings.filterwarnings(..., RobustDistWarning)``
+        └── RobustDistDeprecationWarning (+ FutureWarning)  an old robustdist path or name still works, for now
+
+Errors raised in a distributed context carry ``.rank`` (the rank that raised) and, where known, ``.ranks``
+(the ranks involved, e.g. the ranks that missed a barrier). When ``rank`` is given, the message starts with
+``[rank N]``. Every message says what was found, what was expected, and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "CheckpointBusyError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "ConfigError",
+    "HangError",
+    "InitError",
+    "MissingDependencyError",
+    "NonFiniteLossError",
+    "RankDivergenceError",
+    "RanksFailed",
+    "RanksTimeout",
+    "RestartLoopError",
+    "RobustDistDeprecationWarning",
+    "RobustDistError",
+    "RobustDistWarning",
+    "StateDictMismatchError",
+    "TopologyError",
+]
+
+
+def ranks_phrase(ranks: Iterable[int]) -> str:
+    """``"rank 3"`` or ``"ranks 0, 2"``, for messages that name ranks (internal helper, not exported)."""
+    ordered = sorted(ranks)
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
+
+
+class RobustDistError(Exception):
+    """Root of every robustdist exception.
+
+    Args:
+        message: what was found, what was expected, and the fix.
+        rank: the rank raising it, when raised inside a distributed job.
+        ranks: the ranks involved (e.g. those that never reached a barrier), when known.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, ranks: Iterable[int] | None = None):
+        self.message = message
+        self.rank = rank
+        self.ranks: tuple[int, ...] | None = tuple(sorted(ranks)) if ranks is not None else None
+        prefix = f"[rank {rank}] " if rank is not None else ""
+        super().__init__(prefix + message)
+
+    def __reduce__(self):  # keep .rank/.ranks across pickling (multiprocessing, Ray)
+        return (_rebuild, (type(self), self.message, self.rank, self.ranks, self.__dict__))
+
+
+def _rebuild(cls, message, rank, ranks, state):
+    obj = cls.__new__(cls)
+    RobustDistError.__init__(obj, message, rank=rank, ranks=ranks)
+    obj.__dict__.update(state)
+    return obj
+
+
+class ConfigError(RobustDistError, ValueError):
+    """A configuration value, key or file is invalid. The message names the field path."""
+
+
+class MissingDependencyError(RobustDistError, ImportError):
+    """An optional dependency (an extra such as ``robustdist[yaml]`` or ``robustdist[ray]``) is missing."""
+
+
+class TopologyError(RobustDistError):
+    """Ranks, world sizes, nodes or visible devices are inconsistent."""
+
+
+class InitError(RobustDistError):
+    """Process-group initialisation, the named barrier, the smoke test or cross-rank agreement failed."""
+
+
+class CheckpointError(RobustDistError):
+    """A checkpoint could not be saved, committed or loaded."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is missing, truncated, malformed, unsafe, or fails its checksum."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """A load found the checkpoints rotated away under it by a writer, repeatedly: retrying is safe."""
+
+
+class RestartLoopError(RobustDistError):
+    """Restart after restart resumed from the same step and none committed a newer one: a crash loop."""
+
+
+class StateDictMismatchError(RobustDistError):
+    """A state dict and a model disagree on keys, shapes or dtypes."""
+
+
+class RankDivergenceError(RobustDistError):
+    """Ranks that should hold identical state (parameters, configs, versions) do not."""
+
+
+class NonFiniteLossError(RobustDistError):
+    """A loss or the gradients were NaN/Inf at a step; ``.ranks`` names the ranks whose loss was."""
+
+
+class HangError(RobustDistError):
+    """An operation waited past its bound."""
+
+
+class RanksFailed(RobustDistError):
+    """One or more ranks started by :func:`robustdist.testing.run_ranks` raised, exited or died.
+
+    ``failures`` maps each failed rank to a readable description: the formatted traceback for a raise,
+    the signal name for a kill, the exit code for an exit without a result.
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None, **kwargs):
+        self.failures: dict[int, str] = dict(failures or {})
+        kwargs.setdefault("ranks", self.failures.keys())
+        super().__init__(message, **kwargs)
+
+
+class RanksTimeout(RanksFailed, HangError):
+    """Ranks were still running when :func:`robustdist.testing.run_ranks` hit its timeout."""
+
+
+class RobustDistWarning(UserWarning):
+    """Every warning robustdist issues; filter it as a category of its own."""
+
+
+class RobustDistDeprecationWarning(RobustDistWarning, FutureWarning):
+    """An old robustdist path or name that still works but will go; the message names the new one.
+
+    A ``FutureWarning`` (shown by default), not a ``DeprecationWarning``: the code that triggers it is often
+    not the user's ``__main__`` (a Ray worker runs the setup hook), where a ``DeprecationWarning`` is hidden."""
