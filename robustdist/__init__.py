@@ -88,7 +88,8 @@ _LAZY: dict[str, str] = {
     "get_logger": "robustdist.runtime.log",
     **dict.fromkeys(["Calibration", "fsdp_calibrate", "wrap_fsdp"], "robustdist.parallel.fsdp"),
     **dict.fromkeys(["Hardened", "harden"], "robustdist.harden"),
-    **dict.fromkeys(["HANG_EXIT_CODE", "HangReport", "StepDecision", "StepGuard", "Watchdog"], "robustdist.health.step_guard"),
+    **dict.fromkeys(["HANG_EXIT_CODE", "HangReport", "StepDecision", "StepGuard", "Watchdog"],
+                    "robustdist.health.step_guard"),
     **dict.fromkeys(
         ["InitReport", "adopt_group", "destroy_process_group_if_owned", "distributed", "safe_init_process_group"],
         "robustdist.init.process_group",

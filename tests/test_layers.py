@@ -62,7 +62,8 @@ def _lazy_table(path: Path) -> dict[str, str]:
             table = node.value
         elif isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "_LAZY":
             table = node.value
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("attach", "_attach") and len(node.args) == 2:
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("attach", "_attach") and \
+                len(node.args) == 2:
             table = node.args[1]
         if table is not None:
             return eval(compile(ast.Expression(table), str(path), "eval"), {"__builtins__": {}, "dict": dict})
@@ -87,7 +88,8 @@ def _imports(path: Path, tables: dict[str, dict[str, str]] | None = None, root: 
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             if not base.startswith("robustdist"):
                 continue
             for alias in node.names:  # `from robustdist import _dist` imports a module, not a name
@@ -176,7 +178,8 @@ def test_testing_stands_on_the_runtime_only_and_the_product_never_imports_it():
                             "--", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     outside = [f for f in found if not f.startswith(("tests/", "benchmarks/", "scripts/", "robustdist/testing/"))
                and f not in ("examples/run_ranks_example.py", "robustdist/__init__.py")]
-    assert not outside, f"these files import robustdist.testing (the test tools), which the product never does: {outside}"
+    assert not outside, f"these files import robustdist.testing (the test tools), which the product never does: " \
+                        f"{outside}"
 
 
 @pytest.mark.parametrize("module", sorted(FLOORS))
@@ -238,7 +241,8 @@ def test_is_distributed_is_asked_in_one_place():
     """``dist.is_initialized()`` lives in robustdist.runtime.dist; the rest ask it (is_up, is_multi, rank, ...)."""
     offenders = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
                  if p.name != "dist.py" and "dist.is_initialized()" in p.read_text()]
-    assert not offenders, f"these modules ask torch.distributed directly instead of robustdist.runtime.dist: {offenders}"
+    assert not offenders, f"these modules ask torch.distributed directly instead of robustdist.runtime.dist: " \
+                          f"{offenders}"
 
 
 def test_every_subpackage_ships_in_the_wheel():
@@ -247,7 +251,8 @@ def test_every_subpackage_ships_in_the_wheel():
 
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
-    assert found == listed, f"pyproject.toml [tool.setuptools] packages lists {sorted(listed)}; the tree has {sorted(found)}"
+    assert found == listed, f"pyproject.toml [tool.setuptools] packages lists {sorted(listed)}; the tree has " \
+                            f"{sorted(found)}"
 
 
 def test_each_package_exports_what_it_names():

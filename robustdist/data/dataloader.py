@@ -24,11 +24,11 @@ how to silence it); with ``data.strict=True`` it raises :class:`~robustdist.runt
    shuffle intent (``shuffle=True`` shuffles, ``shuffle=False`` shards in order), ``drop_last`` and
    ``data.seed``. A custom sampler or batch sampler cannot be sharded safely: ``ConfigError`` saying what to
    change. An ``IterableDataset`` is not sharded: a warning.
-6. Epochs (see :mod:`robustdist.data.epochs` and :mod:`robustdist.data.state`): each new epoch calls ``sampler.set_epoch(n)``; a user's own
-   ``set_epoch`` is respected. An iteration abandoned before the epoch ends (a batch-size peek
-   ``next(iter(loader))``) does not advance the epoch: the next iteration replays the same order, as a plain
-   ``DataLoader`` with ``set_epoch`` does. The position (epoch and batches consumed) saves and restores
-   mid-epoch: ``state_dict()``/``load_state_dict()``.
+6. Epochs (see :mod:`robustdist.data.epochs` and :mod:`robustdist.data.state`): each new epoch calls
+   ``sampler.set_epoch(n)``; a user's own ``set_epoch`` is respected. An iteration abandoned before the epoch
+   ends (a batch-size peek ``next(iter(loader))``) does not advance the epoch: the next iteration replays the
+   same order, as a plain ``DataLoader`` with ``set_epoch`` does. The position (epoch and batches consumed)
+   saves and restores mid-epoch: ``state_dict()``/``load_state_dict()``.
 7. Worker seeding: python ``random``, numpy and torch are seeded from (``data.seed``, rank, worker id,
    epoch), then the user's ``worker_init_fn`` runs.
 8. ``/dev/shm``: the bytes in flight (workers x prefetch_factor x one measured batch) must fit its free

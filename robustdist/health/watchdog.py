@@ -282,7 +282,8 @@ class Watchdog:
 
     def _report(self) -> ws.Findings:
         """Publish this rank's record and read every rank's, on a thread of its own, for at most ``grace`` plus
-        half a second; name the lost ranks by node and the live ranks behind (:mod:`robustdist.health.watchdog_store`)."""
+        half a second; name the lost ranks by node and the live ranks behind
+        (:mod:`robustdist.health.watchdog_store`)."""
         box = ws.gather(self._connect, self._key, self._record, self._prefix, self.world_size, self._stale_after,
                         self.grace, rank=self.rank)
         return ws.findings(box, rank=self.rank, node=self._node, world_size=self.world_size,

@@ -19,7 +19,8 @@ __all__ = ["rendezvous_store"]
 
 
 def rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int, bool]:
-    """Step 3 of :mod:`robustdist.init.process_group`'s docstring: ``(store, attempt, share)`` with every rank arrived in ``store``.
+    """Step 3 of :mod:`robustdist.init.process_group`'s docstring: ``(store, attempt, share)`` with every rank
+    arrived in ``store``.
 
     Everything after the preflight runs on a thread joined at the deadline: a TCPStore client's calls do not
     honour its timeout when the server stops answering after the handshake (a frozen or cut-off master)."""

@@ -49,8 +49,9 @@ def _initializing(module: ModuleType) -> bool:
 
 
 def _run_callbacks(name: str, module: ModuleType, callbacks: Sequence[Callable[[ModuleType], Any]]) -> None:
-    # Nothing in this module logs before torch is imported: robustdist.runtime.log's rank prefix asks robustdist.runtime.dist,
-    # which imports torch. Here the failure log may import it (for a name other than torch), after the fact.
+    # Nothing in this module logs before torch is imported: robustdist.runtime.log's rank prefix asks
+    # robustdist.runtime.dist, which imports torch. Here the failure log may import it (for a name other than
+    # torch), after the fact.
     for callback in callbacks:
         try:
             callback(module)

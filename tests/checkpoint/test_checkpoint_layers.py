@@ -19,8 +19,8 @@ ROOT = Path(robustdist.__file__).parent
 PACKAGE = "robustdist.checkpoint"
 # What checkpoint modules may import from the rest of robustdist: the floor (runtime base, errors, logging,
 # version) and state_dict (how a module's state is taken and given back, which save and load share).
-ALLOWED_OUTSIDE = ("robustdist.runtime.dist", "robustdist.runtime.errors", "robustdist.runtime.log", "robustdist._version",
-                   "robustdist.parallel.state_dict", "robustdist.runtime.node")
+ALLOWED_OUTSIDE = ("robustdist.runtime.dist", "robustdist.runtime.errors", "robustdist.runtime.log",
+                   "robustdist._version", "robustdist.parallel.state_dict", "robustdist.runtime.node")
 # TrainState (what a run checkpoints) stands on top of the checkpointer: it also holds the loader's position.
 TRAIN_STATE = f"{PACKAGE}.train_state"
 ALLOWED_TO_TRAIN_STATE = ("robustdist.data.dataloader",)
@@ -137,7 +137,8 @@ def f():
 def test_the_reader_sees_every_kind_of_import_and_the_checker_names_the_edges():
     edges = _imports(PROBE, f"{PACKAGE}._probe")
     assert edges == [("robustdist.runtime.errors", 3), (f"{PACKAGE}._io", 4), (f"{PACKAGE}._types", 5),
-                     ("robustdist.runtime.dist", 6), (PACKAGE, 10), (f"{PACKAGE}.checkpointer", 10), ("robustdist.harden", 11)]
+                     ("robustdist.runtime.dist", 6), (PACKAGE, 10), (f"{PACKAGE}.checkpointer", 10),
+                     ("robustdist.harden", 11)]
     graph = {"a": [("b", 3)], "b": [("c", 5), ("robustdist.runtime.errors", 6)], "c": [("a", 7)]}
     cycle = _cycle(graph)
     assert cycle == ["a", "b", "c", "a"]

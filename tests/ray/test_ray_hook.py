@@ -183,8 +183,9 @@ def test_the_old_hook_string_runs_the_hook_when_warnings_are_errors():
 
 def test_hooked_worker_matches_a_worker_without_the_hook_bit_for_bit(ray_cluster):
     """The session cluster's job runs the new hook; a second driver runs the identical task without a hook, then
-    with the old hook (the bug), then with the hook's pre-1.0 string (``robustdist.ray_setup.worker_setup``). New hook: same thread count (1) and the same bits as no hook, and the
-    serializers are installed in the worker. Old hook: torch got a thread per core."""
+    with the old hook (the bug), then with the hook's pre-1.0 string (``robustdist.ray_setup.worker_setup``).
+    New hook: same thread count (1) and the same bits as no hook, and the serializers are installed in the
+    worker. Old hook: torch got a thread per core."""
     ray = ray_cluster
     gcs = ray.get_runtime_context().gcs_address
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
