@@ -67,7 +67,7 @@ def test_make_demo_multinode_resumes_after_a_rank_is_killed(tmp_path):
 
 def test_demo_across_two_nodes_resumes_after_a_whole_node_is_killed(node_lab, tmp_path):
     """Node 1 (agent and worker) is SIGKILLed mid-run and its agent started again. torch 2.13 needs
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for a restarted agent to rejoin (README, "Several nodes")."""
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for a restarted agent to rejoin (docs/multinode.md)."""
     lab = node_lab(2)
     work = tmp_path / "demo"
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

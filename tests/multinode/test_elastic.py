@@ -1,6 +1,6 @@
 """A lost node under elastic sizing (``--nnodes=1:2``): the job continues on the node that is left.
 
-The world-size-change rule (README, "Several nodes"): each surviving rank restores its own RNG state, the
+The world-size-change rule (docs/multinode.md): each surviving rank restores its own RNG state, the
 state of ranks that no longer exist is not used, and the loader's interrupted epoch restarts from its
 beginning with a warning (its batches per epoch changed with the world size); a rank that did not exist at
 the save is reseeded from (step, rank).
