@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Two pytest-xdist workers: most tests wait on the processes they start. Ray tests share one worker (conftest.py).
 PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 
-.PHONY: demo demo-multinode test bench bench-peers bench-check venv clean
+.PHONY: demo demo-multinode test test-matrix bench bench-peers bench-check venv clean
 
 venv:
 	@VENV=$(VENV) bash scripts/ensure-venv.sh
@@ -29,6 +29,14 @@ demo-multinode: venv
 
 test: venv
 	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+
+# The version matrix: the whole suite once per (Python, torch, Ray) lane, each in its own venv under .matrix/,
+# then the rendered table (docs/status.md) and data (robustdist/runtime/tested_versions.json). Not part of make
+# test: about 25-35 minutes a lane on the 2-core machine. `make test-matrix LANES="newest oldest"` runs only those
+# (and does not render). See docs/development.md "The version matrix".
+LANES ?=
+test-matrix:
+	python3 scripts/matrix.py $(LANES) $(if $(LANES),,--render)
 
 # Every benchmark, side by side with the plain torch/Ray way; writes benchmarks/results.json and RESULTS.md.
 # `make bench BENCH="bench_bf16 bench_step"` re-runs only those. Timing is not a test: not part of `make test`.

@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         RobustDistWarning,
         StateDictMismatchError,
         TopologyError,
+        UnsupportedVersionError,
     )
     from robustdist.runtime.log import get_logger
     from robustdist.runtime.topology import Topology, detect_topology
@@ -82,7 +83,7 @@ _LAZY: dict[str, str] = {
         ["CheckpointBusyError", "CheckpointCorruptError", "CheckpointError", "ConfigError", "HangError", "InitError",
          "MissingDependencyError", "NonFiniteLossError", "RankDivergenceError", "RanksFailed", "RanksTimeout",
          "RestartLoopError", "RobustDistDeprecationWarning", "RobustDistError",
-         "RobustDistWarning", "StateDictMismatchError", "TopologyError"],
+         "RobustDistWarning", "StateDictMismatchError", "TopologyError", "UnsupportedVersionError"],
         "robustdist.runtime.errors",
     ),
     "get_logger": "robustdist.runtime.log",

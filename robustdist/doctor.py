@@ -35,17 +35,14 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from robustdist.init import reach as _reach
-from robustdist.runtime import netenv
+from robustdist.runtime import netenv, versions
 
 __all__ = ["Finding", "collect_findings", "run_doctor"]
 
-# (supported: outside is an error; tested in CI: outside is a warning)
-RANGES = {
-    "python": (">=3.10", "==3.11.*"),
-    "torch": (">=2.4", "==2.13.*"),
-    "numpy": (">=1.24", "==2.4.*"),
-    "ray": (">=2.40", "==2.60.*"),
-}
+# numpy's (supported: outside is an error; tested: outside is a warning). Python, torch and Ray are judged by
+# the version matrix's data (robustdist.runtime.versions): tested, untested inside the range, or unsupported.
+RANGES = {"numpy": (">=1.24", "==2.*")}
+_LEVELS = {"tested": "ok", "untested": "warn", "unsupported": "error"}
 SHM_WARN_BYTES = 1 << 30
 NOFILE_WARN = 4096
 
@@ -69,6 +66,18 @@ def _installed(name: str) -> str | None:
 
 def check_versions() -> list[Finding]:
     out = []
+    for name in versions.DEPENDENCIES:
+        found = _installed(name)
+        if found is None:
+            out.append(Finding(f"version.{name}", "ok", "not installed", "optional: pip install 'robustdist[ray]'"))
+            continue
+        try:
+            verdict = versions.classify(name, found)
+        except versions.MatrixDataError as e:
+            out.append(Finding(f"version.{name}", "warn", found, str(e)))
+            continue
+        out.append(Finding(f"version.{name}", _LEVELS[verdict.status], f"{found} ({verdict.status})",
+                           "" if verdict.status == "tested" else verdict.message))
     for name, (supported, tested) in RANGES.items():
         found = _installed(name)
         if found is None:

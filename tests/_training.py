@@ -82,3 +82,11 @@ class Plain:
 
     def save(self, step: int, **kwargs: Any) -> None:
         return None
+
+
+def gloo_averages(rank: int) -> bool:
+    """In a rank: whether this torch's gloo reduce-scatter averages for ReduceOp.AVG, as FSDP2 on the CPU needs
+    (torch 2.8's sums: pytorch#162338)."""
+    from robustdist.parallel.fsdp import gloo_averages as probe
+
+    return probe()

@@ -6,6 +6,8 @@ Autouse, per test:
 * a test that leaves child processes behind fails, and the children are killed;
 * a test that leaves a node-lab network namespace behind fails, and the namespace is deleted.
 
+``fsdp_cpu``: skips a test that trains FSDP2 on the CPU where this torch's gloo cannot average (torch 2.8).
+
 Session: ``ray_cluster``, one local Ray cluster (``num_cpus=2``) shared by every test that asks for it,
 skipped when ray is not installed, shut down (and checked for survivors) at the end of the session.
 
@@ -120,6 +122,23 @@ def node_lab(tmp_path):
     yield make
     for lab in labs:
         lab.close()
+
+
+@pytest.fixture(scope="session")
+def _gloo_averages():
+    from robustdist.testing.ranks import run_ranks
+    from tests._training import gloo_averages
+
+    return all(run_ranks(gloo_averages, 2, timeout=120))
+
+
+@pytest.fixture
+def fsdp_cpu(_gloo_averages):
+    """For a test that trains FSDP2 on the CPU: skipped on a torch whose gloo sums for ReduceOp.AVG (torch 2.8,
+    pytorch#162338), where FSDP2 on the CPU trains wrong and wrap_fsdp refuses it (a test checks the refusal)."""
+    if not _gloo_averages:
+        pytest.skip("this torch's gloo reduce-scatter sums for ReduceOp.AVG (pytorch#162338): FSDP2 cannot train "
+                    "on the CPU here, and wrap_fsdp refuses it")
 
 
 @pytest.fixture(scope="session")

@@ -177,7 +177,7 @@ def _fsdp_resume(rank, directory):
     return resumed, restored
 
 
-def test_fsdp_strategy_shards_trains_with_the_allreduce_guard_and_resumes(tmp_path):
+def test_fsdp_strategy_shards_trains_with_the_allreduce_guard_and_resumes(fsdp_cpu, tmp_path):
     trained = run_ranks(_fsdp_train, 2, args=(str(tmp_path),), init=False, timeout=120)
     resumed = run_ranks(_fsdp_resume, 2, args=(str(tmp_path),), init=False, timeout=120)
     for rank in range(2):

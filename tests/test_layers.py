@@ -34,7 +34,10 @@ FLOORS = {
     "robustdist.runtime.errors": set(),
     "robustdist._version": set(),
     "robustdist.runtime.log": {"robustdist.runtime.errors", "robustdist.runtime.dist"},
-    "robustdist.runtime.dist": {"robustdist.runtime.errors"},
+    "robustdist.runtime.dist": {"robustdist.runtime.errors", "robustdist.runtime._torch_compat"},
+    # The private-API fences: the record type, and the torch fence below the group state that uses it.
+    "robustdist.runtime.private_api": set(),
+    "robustdist.runtime._torch_compat": {"robustdist.runtime.errors", "robustdist.runtime.private_api"},
     "robustdist.runtime.node": set(),  # which node this is: the standard library only
     "robustdist.runtime.lazy": set(),  # every package __init__ imports it: the standard library only
 }

@@ -67,7 +67,10 @@ def plain(value: Any, path: str, budget: list[int] | None = None) -> Any:
         raise CheckpointError(f"checkpoint value {path} is an empty bytes value (b''), which torch.save pickles as a "
                               "call to bytes() that torch.load(weights_only=True) refuses (a torch limitation); "
                               "expected non-empty bytes. Fix: store None (or a non-empty value) instead.")
-    if kind in _TENSORS or kind in _SCALARS:
+    if kind in _TENSORS:
+        _check_loadable(value, path)
+        return value
+    if kind in _SCALARS:
         return value
     if isinstance(value, np.generic) and isinstance(value, (np.bool_, np.integer, np.floating)):
         return value.item()
@@ -96,6 +99,74 @@ def plain(value: Any, path: str, budget: list[int] | None = None) -> Any:
         "data (dict, list, tuple, str, int, float, bool, None), which load safely with weights_only=True. Fix: store "
         "its state_dict() or convert it to plain data (e.g. an Enum's .value, float(x), dict(d))."
     )
+
+
+def _tensor_kind(t: torch.Tensor) -> tuple[Any, ...]:
+    """What decides how torch.save writes ``t``: layout, nested, quantized (and its scheme), dtype."""
+    return (t.layout, t.is_nested, t.is_quantized, t.qscheme() if t.is_quantized else None, t.dtype)
+
+
+_LOADABLE: dict[tuple[Any, ...], str | None] = {}  # tensor kind -> None (loads) or why weights_only refuses it
+_PROBE_BYTES = 1 << 16
+
+
+def _check_loadable(t: torch.Tensor, path: str) -> None:
+    """Refuse at save a tensor that this torch's ``torch.load(weights_only=True)`` would refuse at load (torch 2.15
+    dropped nested tensors from its allow-list): a save must never load as nothing. A plain strided tensor always
+    loads; any other kind is tried once per process with a small tensor of the same kind (``t`` itself when it is
+    small, otherwise its first element's worth), and the answer is kept."""
+    if t.layout == torch.strided and not t.is_nested and not t.is_quantized:
+        return
+    kind = _tensor_kind(t)
+    if kind not in _LOADABLE:
+        _LOADABLE[kind] = _weights_only_refusal(_probe_of(t))
+    why = _LOADABLE[kind]
+    if why is not None:
+        raise CheckpointError(
+            f"checkpoint value {path} is a {_kind_name(t)} tensor, which this torch ({torch.__version__}) refuses to "
+            f"load with weights_only=True ({why}); expected tensors it loads back, so the checkpoint would be "
+            "skipped at resume. Fix: save a plain form (a nested tensor's .unbind() as a list, or "
+            ".to_padded_tensor(0); a sparse tensor's .to_dense() or its indices and values).")
+
+
+def _kind_name(t: torch.Tensor) -> str:
+    if t.is_nested:
+        return f"nested ({t.layout})"
+    if t.is_quantized:
+        return f"quantized ({t.qscheme()})"
+    return str(t.layout).removeprefix("torch.")
+
+
+def _probe_of(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    try:
+        small = t.element_size() * max(1, t.numel()) <= _PROBE_BYTES if not t.is_nested else t.numel() < 4096
+    except (RuntimeError, NotImplementedError):
+        small = False
+    if small:
+        return t
+    if t.is_nested:
+        return torch.nested.nested_tensor([torch.zeros(1, dtype=t.dtype), torch.zeros(2, dtype=t.dtype)],
+                                          layout=t.layout)
+    return t  # a large sparse or quantized tensor: tried as it is, once per kind
+
+
+def _weights_only_refusal(t: torch.Tensor) -> str | None:
+    import io
+    import warnings
+
+    buf = io.BytesIO()
+    try:
+        with warnings.catch_warnings():  # torch's own notices about prototype/deprecated tensor kinds
+            warnings.simplefilter("ignore")
+            torch.save(t, buf)
+            buf.seek(0)
+            torch.load(buf, weights_only=True)
+    except Exception as e:  # an UnpicklingError or whatever the refused rebuild raises
+        return _schema.weights_only_reason(e)
+    return None
 
 
 def json_metadata(metadata: Any) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from torch import nn
 from robustdist.checkpoint import _payload
 from robustdist.checkpoint._live import validated
 from robustdist.checkpoint._sharded import load_sharded
+from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import CheckpointError
 
 __all__ = ["Plan", "plan", "put_back", "restore_checked", "restore_unchecked"]
@@ -79,8 +80,9 @@ def _clone(value: Any, cpu: bool) -> Any:
         return t.to("cpu") if cpu and t.device.type != "cpu" and type(t).__name__ != "DTensor" else t.clone()
     if isinstance(value, OrderedDict):
         out = type(value)((k, _clone(v, cpu)) for k, v in value.items())
-        if hasattr(value, "_metadata"):  # a module's state dict carries its version numbers here
-            out._metadata = value._metadata  # type: ignore[attr-defined]
+        meta = _torch_compat.STATE_DICT_METADATA  # a module's state dict carries its version numbers here
+        if hasattr(value, meta):
+            setattr(out, meta, getattr(value, meta))
         return out
     if isinstance(value, dict):
         return {k: _clone(v, cpu) for k, v in value.items()}

@@ -43,6 +43,7 @@ from robustdist.checkpoint._schema import (
     is_int,
     weights_only_reason,
 )
+from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 
@@ -50,10 +51,8 @@ _DCP_META = "torch.distributed.checkpoint.metadata"
 # Exactly what DCP's metadata pickles (read off torch 2.13's FileSystemWriter output).
 _SAFE_GLOBALS = frozenset({
     *((_DCP_META, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                               "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                               "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                               "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata")),
+    *_torch_compat.DCP_PICKLED_PRIVATE, ("torch", "Size"), ("collections", "OrderedDict"),
 })
 # DCP records the checkpoint path (storage_meta.checkpoint_id) as a PosixPath; it is read back as a bounded str
 # (pathlib splits every argument eagerly: one long memoised string passed many times is a memory bomb)
@@ -105,14 +104,14 @@ def unpickle_metadata(data: bytes, path: str) -> Any:
 
 
 def _check_storage(path: str, metadata: Any, files: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
+    storage_info = _torch_compat.dcp_storage_info_type()
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CheckpointCorruptError(f"{path}: storage_data or state_dict_metadata is not a dict")
     for info in storage.values():
-        if type(info) is not _StorageInfo:
-            raise CheckpointCorruptError(f"{path}: a storage entry is a {type(info).__name__}; expected _StorageInfo")
+        if type(info) is not storage_info:
+            raise CheckpointCorruptError(f"{path}: a storage entry is a {type(info).__name__}; expected "
+                                         f"{storage_info.__name__}")
         rel = info.relative_path
         entry = files.get(f"{SHARDED_DIR}/{rel}") if isinstance(rel, str) and _DATA_FILE.fullmatch(rel) else None
         if entry is None:
@@ -252,18 +251,18 @@ def _safe_classes() -> tuple[type, type, type]:
                 raise CheckpointError(f"robustdist's checkpoint reader only reads; DCP asked to open {path} as {mode!r}")
             return open_in(self.step_dir, os.path.relpath(os.fspath(path), self.step_dir))
 
-    class SafeReader(FileSystemReader):
-        """A FileSystemReader that returns already-validated metadata and reads through ConfinedFileSystem."""
+    def check_slice(reader: Any, file: Any, sinfo: Any) -> None:
+        check_torch_zip(file, f"{os.path.join(reader.path, sinfo.relative_path)} at byte {sinfo.offset}",
+                        offset=sinfo.offset, length=sinfo.length)
+
+    class SafeReader(_torch_compat.reader_checking_slices(FileSystemReader, check_slice)):  # type: ignore[misc]
+        """A FileSystemReader that returns already-validated metadata, reads through ConfinedFileSystem and checks
+        every slice of a data file before DCP unpickles it."""
 
         def __init__(self, step_dir: str, metadata: Any):
             super().__init__(os.path.join(step_dir, SHARDED_DIR))
             self.fs = ConfinedFileSystem(step_dir)
             self._validated = metadata
-
-        def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            check_torch_zip(file, f"{os.path.join(self.path, sinfo.relative_path)} at byte {sinfo.offset}",
-                            offset=sinfo.offset, length=sinfo.length)
-            return super()._slice_file(file, sinfo)
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta

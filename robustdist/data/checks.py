@@ -82,7 +82,7 @@ def batch_bytes(dataset: Any, kw: dict[str, Any]) -> int | None:
     """Bytes of one collated batch, measured on the dataset's first samples; None when it cannot be measured
     (an iterable dataset, a custom batch sampler, an empty dataset)."""
     from torch.utils.data import IterableDataset
-    from torch.utils.data._utils.collate import default_collate
+    from torch.utils.data import default_collate
 
     batch_size = kw.get("batch_size", 1)
     if isinstance(dataset, IterableDataset) or kw.get("batch_sampler") is not None or not batch_size:

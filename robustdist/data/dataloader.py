@@ -51,7 +51,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset
-from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from robustdist.config.schema import DataConfig, HardenConfig, section_of
 from robustdist.data import checks, epochs
@@ -59,6 +58,7 @@ from robustdist.data import sampler as _sampler
 from robustdist.data import state as loader_state
 from robustdist.data.checks import warn_user
 from robustdist.runtime import dist as _dist
+from robustdist.runtime._torch_compat import BaseDataLoaderIter, LoaderHooks
 from robustdist.runtime.errors import ConfigError
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.topology import Topology, detect_topology
@@ -95,7 +95,7 @@ class WorkerSeeder:
             self.user_fn(worker_id)
 
 
-class SafeDataLoader(DataLoader):
+class SafeDataLoader(LoaderHooks, DataLoader):
     """A real ``DataLoader`` that starts a new sampler epoch at each new epoch (unless the user did), replays an
     epoch whose iteration was abandoned, and whose position can be saved and restored mid-epoch
     (``state_dict``/``load_state_dict``; see :mod:`robustdist.data.state` for exactly what is restored)."""
@@ -106,15 +106,13 @@ class SafeDataLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self._pos = epochs.Position()
 
-    @property
-    def _index_sampler(self) -> epochs.PositionedSampler:  # type: ignore[override]
-        inner = DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+    def rd_index_sampler(self, inner: Any) -> epochs.PositionedSampler:
         return epochs.PositionedSampler(self._pos, self.generator, inner)
 
-    def _get_iterator(self) -> _BaseDataLoaderIter:
+    def rd_new_iterator(self) -> BaseDataLoaderIter:
         return epochs.new_iterator(self)
 
-    def __iter__(self) -> _BaseDataLoaderIter:
+    def __iter__(self) -> BaseDataLoaderIter:
         sampler = _epoch_sampler(self)
         start = epochs.begin_iteration(self, sampler)
         if self._seeder is not None:

@@ -30,10 +30,10 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
-from torch.utils.data import dataloader as torch_loader
-from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from robustdist.data.checks import warn_user
+from robustdist.runtime import _torch_compat
+from robustdist.runtime._torch_compat import BaseDataLoaderIter
 from robustdist.runtime.log import get_logger
 
 log = get_logger(__name__)
@@ -89,7 +89,7 @@ class Position:
     start: Start | None = None  # where each iteration of the open epoch starts, after a resume
     offset: int = 0  # batches the current iteration skipped (its start)
     progress: Progress | None = None  # the current iteration's
-    iterator: weakref.ref[_BaseDataLoaderIter] | None = None  # the current iteration's, while it lives
+    iterator: weakref.ref[BaseDataLoaderIter] | None = None  # the current iteration's, while it lives
     rng: RngState | None = None  # what the current iteration's sampler started from
     pending: Start | None = None  # the current iteration's start, taken by its index sampler's iter()
 
@@ -135,33 +135,31 @@ def watch_set_epoch(sampler: EpochSampler | None) -> int | None:
 
 
 class _Tracked:
-    """Counts the batches an iterator yields and notes when it runs out, into its :class:`Progress`."""
+    """Counts the batches an iterator yields and notes when it runs out, into its :class:`Progress` (the batch
+    hook of :mod:`robustdist.runtime._torch_compat`'s iterators)."""
 
     _rd_progress: Progress | None = None
 
-    def _next_data(self) -> Any:
+    def rd_batch(self, finished: bool) -> None:
         progress = self._rd_progress
-        try:
-            data = super()._next_data()  # type: ignore[misc]
-        except StopIteration:
-            if progress is not None:
-                progress.finished = True
-            raise
-        if progress is not None:
+        if progress is None:
+            return
+        if finished:
+            progress.finished = True
+        else:
             progress.batches += 1
-        return data
 
 
 # torch's iterators with progress tracking, under torch's class names (the profiler's record names use them)
-class _SingleProcessDataLoaderIter(_Tracked, torch_loader._SingleProcessDataLoaderIter):
+class _SingleProcessDataLoaderIter(_Tracked, _torch_compat.SingleProcessDataLoaderIter):
     """torch's single-process iterator, with progress tracking."""
 
 
-class _MultiProcessingDataLoaderIter(_Tracked, torch_loader._MultiProcessingDataLoaderIter):
+class _MultiProcessingDataLoaderIter(_Tracked, _torch_compat.MultiProcessingDataLoaderIter):
     """torch's worker-process iterator, with progress tracking."""
 
 
-def new_iterator(loader: DataLoader[Any]) -> _BaseDataLoaderIter:
+def new_iterator(loader: DataLoader[Any]) -> BaseDataLoaderIter:
     """``DataLoader._get_iterator``, returning the tracking iterators."""
     if loader.num_workers == 0:
         return _SingleProcessDataLoaderIter(loader)
@@ -247,7 +245,7 @@ def begin_iteration(loader: PositionedLoader, sampler: EpochSampler | None) -> S
     return pos.start
 
 
-def iteration_started(pos: Position, iterator: _BaseDataLoaderIter) -> None:
+def iteration_started(pos: Position, iterator: BaseDataLoaderIter) -> None:
     """Called by ``SafeDataLoader.__iter__`` with the iterator it returns."""
     pos.iterator = weakref.ref(iterator)
     iterator._rd_progress = pos.progress  # type: ignore[attr-defined]

@@ -54,7 +54,8 @@ def shuffle_intent(sampler: Sampler[Any] | None, dataset: Dataset[Any]) -> bool 
     if type(sampler) is SequentialSampler:
         return False if sampler.data_source is dataset else None
     if type(sampler) is RandomSampler:
-        plain = sampler.data_source is dataset and not sampler.replacement and sampler._num_samples is None
+        plain = (sampler.data_source is dataset and not sampler.replacement
+                 and sampler.num_samples == len(dataset))  # the same order as num_samples=None
         return True if plain else None
     return None
 

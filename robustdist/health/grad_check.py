@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import ConfigError
 
 METHODS = ("per_tensor", "fused")
@@ -79,8 +80,10 @@ def _fused_flag(grads: list[torch.Tensor]) -> torch.Tensor:
         # torch._foreach_norm(grads, inf) takes a per-tensor slow path on the CPU, and an isfinite() per tensor
         # allocates a bool tensor per gradient.
         try:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, group_found, unit[device])
-        except (AttributeError, RuntimeError):  # no such op (another torch), no kernel for this dtype, or
+            fused = _torch_compat.non_finite_check_and_unscale_(group, group_found, unit[device])
+        except RuntimeError:  # no kernel for this dtype, or overlapping elements (NotImplementedError is one)
+            fused = False
+        if not fused:  # no such op in this torch, or it refused the group  # no such op (another torch), no kernel for this dtype, or
             group_found = _sum_flag(group, dtype)  # overlapping elements (NotImplementedError is a RuntimeError)
         found[device].add_(group_found)
     flags = list(found.values())
@@ -118,7 +121,7 @@ _NATIVE = (torch.float32, torch.float64)  # summed in their own type; real, so _
 def _plain(grad: torch.Tensor) -> torch.Tensor:
     """A dense, real tensor holding every value of ``grad`` (no copy)."""
     if grad.layout != torch.strided:
-        grad = grad._values() if grad.is_sparse else grad.values()
+        grad = _torch_compat.sparse_values(grad) if grad.is_sparse else grad.values()
     return torch.view_as_real(grad) if grad.is_complex() else grad
 
 

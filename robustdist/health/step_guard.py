@@ -74,6 +74,7 @@ from robustdist.config.validate import show
 from robustdist.health.grad_check import check, finite_loss, finite_number
 from robustdist.health.watchdog import HANG_EXIT_CODE, HangReport, Watchdog
 from robustdist.parallel.consistency import check_consistency
+from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import (
     CheckpointError,
@@ -120,7 +121,7 @@ class _Snapshot:
     def of(cls, model: nn.Module | None) -> _Snapshot:
         if model is None:
             return cls()
-        norms = (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase))
+        norms = (m for m in model.modules() if isinstance(m, _torch_compat.norm_base()))
         return cls([(b, b.detach().clone()) for m in norms for b in m.buffers(recurse=False) if b is not None])
 
     def restore(self) -> None:

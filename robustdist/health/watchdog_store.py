@@ -38,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import ranks_phrase
 from robustdist.runtime.log import get_logger
 
@@ -57,9 +58,7 @@ def connector(store: Any, timeout: float) -> Callable[[], Any]:
     """A function that opens a connection of the caller's own to ``store``'s TCPStore server (a store client
     serialises its operations, so a thread sharing the group's would wait behind a main thread stuck in a
     store wait). Other store types are used as given."""
-    inner = store
-    while hasattr(inner, "underlying_store"):
-        inner = inner.underlying_store
+    inner = _torch_compat.innermost_store(store)
     if not isinstance(inner, dist.TCPStore):
         return lambda: store
     host, port = inner.host, inner.port
@@ -72,9 +71,7 @@ def connector(store: Any, timeout: float) -> Callable[[], Any]:
 
 def store_name(store: Any) -> str:
     """``the c10d store at 10.0.0.1:29500`` (or ``the c10d store`` when it has no address)."""
-    inner = store
-    while hasattr(inner, "underlying_store"):
-        inner = inner.underlying_store
+    inner = _torch_compat.innermost_store(store)
     host, port = getattr(inner, "host", None), getattr(inner, "port", None)
     return f"the c10d store at {host}:{port}" if host and port else "the c10d store"
 

@@ -54,6 +54,7 @@ from typing import Any
 import torch.distributed as dist
 
 from robustdist.init import rendezvous as _rendezvous
+from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import InitError
 from robustdist.runtime.log import get_logger
 
@@ -105,11 +106,7 @@ def count_attempt(job_store: Any) -> int:
     """Rank 0 only, once per attempt: count this attempt in a store that lives as long as the job, and return
     its number (0 on the first). ``job_store`` may be wrapped in ``PrefixStore`` layers: the count is kept in the store
     under them, so a group robustdist created and one it adopted count in the same key."""
-    raw = job_store
-    for _ in range(8):  # a group's store is PrefixStore(<group>, PrefixStore("default_pg", <the store>))
-        if not isinstance(raw, dist.PrefixStore):
-            break
-        raw = raw.underlying_store
+    raw = _torch_compat.innermost_store(job_store)
     # A process is one attempt (torchrun restarts workers as new processes): a second init in it (a retry, a
     # second harden()) is the same attempt, not the next.
     key = (os.environ.get("TORCHELASTIC_RUN_ID", ""), getattr(raw, "host", None), getattr(raw, "port", id(raw)))

@@ -312,7 +312,7 @@ def safe_init_process_group(cfg: HardenConfig | DistributedConfig | None = None,
     start = time.perf_counter()
     report.attempt, share = _init(report.backend, dcfg, timeout_s, topo,
                                   single=topo.world_size == 1 and topo.launcher == "single")
-    group = dist.distributed_c10d._get_default_group()
+    group = dist.group.WORLD
     _created.add(group)
     report.timings["init"] = time.perf_counter() - start
     try:
@@ -348,7 +348,7 @@ def adopt_group(cfg: HardenConfig | DistributedConfig | None = None, *,
 def _adopt(dcfg: DistributedConfig, fingerprint: str, topo: Topology) -> InitReport:
     report = InitReport(distributed=True, created=False, backend=_dist.backend_kind(), rank=dist.get_rank(),
                         world_size=dist.get_world_size(), topology=topo)
-    owned = dist.distributed_c10d._get_default_group() in _created
+    owned = dist.group.WORLD in _created
     if not owned and _elastic_store.needed(os.environ, "env://"):
         message = (f"the process group was created outside robustdist under torchrun with restarts enabled "
                    f"(TORCHELASTIC_MAX_RESTARTS={os.environ.get('TORCHELASTIC_MAX_RESTARTS')}): torch reuses the "
@@ -359,7 +359,7 @@ def _adopt(dcfg: DistributedConfig, fingerprint: str, topo: Topology) -> InitRep
         report.warnings.append(message)
         log.warning("%s", message, all_ranks=True)
         warn(message, once="adopted-group-restarts", stacklevel=user_stacklevel())
-    group = dist.distributed_c10d._get_default_group()
+    group = dist.group.WORLD
     mode = _elastic_store.attempt_mode(os.environ, "env://")
     mode = "agent-store" if mode == "fresh-store" else mode  # no store of its own: count in the group's
     share = group not in _attempts and mode in ("agent-store", "restart-count")

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from robustdist.config.schema import DistributedConfig, HardenConfig, section_of
 from robustdist.parallel.state_dict import is_compiled
 from robustdist.parallel.syncbn import convert_batchnorm_for
+from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import RobustDistError
 from robustdist.runtime.log import get_logger, warn
@@ -84,7 +85,7 @@ class DistributedDataParallel(_TorchDDP):
 
 def _contains_ddp(model: nn.Module) -> bool:
     return any(isinstance(m, _TorchDDP) for m in model.modules()) or (
-        is_compiled(model) and _contains_ddp(model._orig_mod))
+        is_compiled(model) and _contains_ddp(_torch_compat.compiled_inner(model)))
 
 
 def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = None, *, device: torch.device | str | int | None = None,

@@ -39,8 +39,9 @@ from torch import nn
 from robustdist.config.schema import FsdpConfig, HardenConfig, section_of
 from robustdist.parallel import fsdp_wrap as _w
 from robustdist.parallel.syncbn import SyncBatchNorm, convert_batchnorm_for
+from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
-from robustdist.runtime.errors import ConfigError, TopologyError
+from robustdist.runtime.errors import ConfigError, TopologyError, UnsupportedVersionError
 from robustdist.runtime.log import get_logger, warn
 from robustdist.runtime.topology import Topology, detect_topology
 
@@ -270,6 +271,19 @@ def wrap_fsdp(model: nn.Module, config: FsdpConfig | HardenConfig | None = None,
         raise TopologyError(f"the calibration is for {calibration.world_size} rank(s) but the process group has "
                             f"{_dist.world_size()}; expected the same world. Fix: call fsdp_calibrate() after the "
                             "group exists, or pass calibration=None.", rank=_dist.error_rank())
+    missing = fsdp2_missing(target.type)
+    if missing:
+        raise UnsupportedVersionError(
+            f"wrap_fsdp needs FSDP2 on {target.type}, and this torch ({torch.__version__}) lacks {missing}; expected "
+            f"torch >= {FSDP2_CPU_TORCH if target.type == 'cpu' else FSDP2_TORCH}. Fix: upgrade torch (robustdist doctor "
+            "lists the tested versions), or wrap with DDP.", rank=_dist.error_rank())
+    if target.type == "cpu" and not gloo_averages():
+        raise UnsupportedVersionError(
+            f"this torch ({torch.__version__}) has gloo's reduce-scatter ignore ReduceOp.AVG (it sums), and FSDP2 "
+            "reduces gradients with it on the CPU: every step would apply world-size times the gradient, silently "
+            f"(pytorch/pytorch#162338); expected a torch whose gloo averages (torch >= {FSDP2_GLOO_AVG_TORCH}, the "
+            "oldest the version matrix verified). Fix: upgrade torch, or wrap with DDP on the CPU.",
+            rank=_dist.error_rank())
     if _w.is_fsdp(model):
         _adopt(model, calibration, bn_mode)
     else:
@@ -277,6 +291,46 @@ def wrap_fsdp(model: nn.Module, config: FsdpConfig | HardenConfig | None = None,
     if on_meta:
         _w.materialise(model, target, init_weights, cpu_offload=cfg.cpu_offload)
     return model
+
+
+FSDP2_TORCH = "2.6"  # torch.distributed.fsdp.fully_shard, FSDPModule, MixedPrecisionPolicy; DTensor public
+FSDP2_CPU_TORCH = "2.7"  # fully_shard's all-gather calls torch.cpu.Stream.record_event (absent in 2.6)
+
+
+FSDP2_GLOO_AVG_TORCH = "2.13"  # gloo's reduce-scatter sums for ReduceOp.AVG in 2.8 (pytorch#162338); 2.13 averages
+_gloo_avg: dict[int, bool] = {}
+
+
+def gloo_averages() -> bool:
+    """Whether the default group's reduce-scatter honours ``ReduceOp.AVG``, as FSDP2's gradient reduction needs
+    (True for a group that is not gloo). A capability probe, not a version check: one reduce-scatter of one
+    element per rank, collective like the ``wrap_fsdp`` that calls it, answered once per group."""
+    if not _dist.is_multi() or _dist.backend_kind() != "gloo":
+        return True
+    key = id(dist.group.WORLD)
+    if key not in _gloo_avg:
+        world = _dist.world_size()
+        out = torch.zeros(1)
+        dist.reduce_scatter_tensor(out, torch.full((world,), float(_dist.rank() + 1)), op=dist.ReduceOp.AVG)
+        _gloo_avg[key] = abs(out.item() - (world + 1) / 2) < 1e-6  # the mean of 1..world
+        if not _gloo_avg[key]:
+            log.warning("gloo's reduce-scatter returned %s for ReduceOp.AVG; expected the mean %s", out.item(),
+                        (world + 1) / 2)
+    return _gloo_avg[key]
+
+
+def fsdp2_missing(device_type: str) -> str | None:
+    """What this torch lacks to run FSDP2 on ``device_type`` (checked by capability, not by version number),
+    or None. 2.4/2.5 keep FSDP2 under a private path; 2.6 cannot run its all-gather on the CPU."""
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor import DTensor
+    except ImportError as e:
+        return f"the public FSDP2 API ({e})"
+    del CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, DTensor
+    if device_type == "cpu" and not hasattr(getattr(torch.cpu, "Stream", None), "record_event"):
+        return "torch.cpu.Stream.record_event, which FSDP2's all-gather calls on the CPU"
+    return None
 
 
 def _device(device: torch.device | str | int | None) -> torch.device:
@@ -336,7 +390,7 @@ def _shard(model: nn.Module, cfg: FsdpConfig, calibration: Calibration, policy: 
 def _convert_bn(model: nn.Module, device: torch.device, mode: bool | str, *, sharded: bool) -> nn.Module:
     if mode is False:
         return model
-    from torch.nn.modules.batchnorm import _BatchNorm
+    _BatchNorm = _torch_compat.batch_norm_base()
 
     plain = [n for n, m in model.named_modules()
              if isinstance(m, _BatchNorm) and not isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))]

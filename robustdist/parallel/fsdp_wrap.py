@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import ConfigError
 from robustdist.runtime.log import get_logger, warn
@@ -209,7 +210,7 @@ def _marks(model: nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
                 _local(t).fill_(float("nan"))
                 marks[name] = (t, None)
             else:
-                marks[name] = (t, t._version)
+                marks[name] = (t, _torch_compat.tensor_version(t))
     return marks
 
 
@@ -222,7 +223,7 @@ def _uninitialised(model: nn.Module, marks: dict[str, tuple[torch.Tensor, int | 
             t = now.get(name)
             if t is None or t is not before:
                 continue  # removed or re-created by the init
-            if bool(torch.isnan(_local(t)).any()) if version is None else t._version == version:
+            if bool(torch.isnan(_local(t)).any()) if version is None else _torch_compat.tensor_version(t) == version:
                 mine.append(name)
     if not _dist.is_multi():
         return mine
@@ -293,9 +294,10 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
     """Put every buffer on the compute device (an init may re-create them elsewhere; CPU offload keeps
     parameters on the CPU but not buffers, which FSDP does not manage)."""
     for module in model.modules():
-        for name, buf in module._buffers.items():
+        buffers = _torch_compat.module_buffers(module)
+        for name, buf in buffers.items():
             if buf is not None and not _on(buf, device):
-                module._buffers[name] = buf.to(device)
+                buffers[name] = buf.to(device)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import StateDictMismatchError
 from robustdist.runtime.log import get_logger
 
@@ -31,7 +32,7 @@ SHOWN = 20  # entries of each kind listed in a message; the rest are counted
 
 def is_compiled(model: Any) -> bool:
     """True for ``torch.compile``'s ``OptimizedModule`` wrapper around a module."""
-    return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)
+    return _torch_compat.compiled_inner(model) is not None
 
 
 def _wrapper_types() -> tuple[type, ...]:
@@ -49,8 +50,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip any nesting of DDP, DataParallel, FSDP1 and ``torch.compile`` wrappers."""
     wrappers = _wrapper_types()
     while True:
-        if is_compiled(model):
-            model = model._orig_mod
+        inner = _torch_compat.compiled_inner(model)
+        if inner is not None:
+            model = inner
         elif isinstance(model, wrappers):
             model = model.module
         else:
@@ -64,7 +66,7 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
 
 def canonical_key(key: str) -> str:
     """``key`` without leading ``module.`` segments and without any ``_orig_mod.`` segment."""
-    parts = [p for p in key.split(".") if p != "_orig_mod"]
+    parts = [p for p in key.split(".") if p != _torch_compat.COMPILED_KEY_SEGMENT]
     while len(parts) > 1 and parts[0] == "module":
         parts.pop(0)
     return ".".join(parts)

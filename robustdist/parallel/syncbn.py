@@ -29,15 +29,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from robustdist.parallel.state_dict import unwrap_model
+from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import RobustDistError
 
 __all__ = ["SyncBatchNorm", "convert_batchnorm_for", "convert_sync_batchnorm", "revert_sync_batchnorm"]
 
 
+_BatchNorm = _torch_compat.batch_norm_base()
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 _HOST_MATH = True  # tests turn it off to exercise the device path on CPU
 

@@ -37,10 +37,11 @@ The runner is killed and the sweep runs after a fit that finished or failed too,
 run outlives the future.
 
 Internals used, since Ray has no public API that names an actor's owner or a placement group's creator, nor a
-handle to an actor this process did not create: the GCS tables through ``ray._private.state.state`` (parsed
-from ``gcs_pb2``), ``ActorHandle._actor_id`` (as ``ray.kill`` uses), and, in the runner, the controller's handle
-found among the process's objects (``gc``). If they change, the abort or sweep is skipped with a warning and
-``cancel()`` still kills the runner, controller and workers.
+handle to an actor this process did not create: the GCS tables, an actor handle's id and the controller's
+``abort`` method, all through :mod:`robustdist.runtime._ray_compat` (which lists the versions each was verified
+on), and, in the runner, the controller's handle found among the process's objects (``gc``). Where the installed
+Ray lacks one, the abort or the sweep is skipped with one warning and ``cancel()`` still kills the runner,
+controller and workers.
 
 What it asks of the trainer: it is serialized (Ray's cloudpickle) to the runner, so everything it references
 must be picklable, and the train function must be defined in ``__main__`` (pickled by value) or importable by
@@ -59,6 +60,8 @@ import threading
 import time
 from typing import Any, Protocol
 
+from robustdist.runtime import _ray_compat
+from robustdist.runtime._ray_compat import ActorRow
 from robustdist.runtime.errors import ConfigError, RobustDistError
 from robustdist.runtime.log import get_logger
 
@@ -70,8 +73,6 @@ DEFAULT_POLL_INTERVAL_S = 0.5
 DEFAULT_RELEASE_TIMEOUT_S = 30.0
 _ENV_PREFIXES = ("RAY_TRAIN_", "TUNE_")
 _ENV_NAMES = ("RAY_CHDIR_TO_TRIAL_DIR",)
-_CONTROLLER_CLASS = "TrainController"
-_CLEANER_CLASS = "PlacementGroupCleaner"  # Ray Train's detached placement-group watchdog
 _ABORT_TIMEOUT_S = 10.0
 
 
@@ -96,8 +97,10 @@ class _FitRunner:
         from ray.actor import ActorHandle
 
         wanted = set(controller_ids)
-        handles = {o._actor_id.binary(): o for o in gc.get_objects()
-                   if isinstance(o, ActorHandle) and o._actor_id.binary() in wanted}
+        handles: dict[bytes, Any] = {}
+        for o in gc.get_objects():
+            if isinstance(o, ActorHandle) and (found := _ray_compat.actor_id(o)) in wanted:
+                handles[found] = o
         refs = [h.abort.remote() for h in handles.values()]
         if not refs:
             return 0
@@ -137,34 +140,16 @@ def _unwrap(error: BaseException) -> BaseException:
 # --- the sweep: what the run still holds, from the GCS tables (Ray internals, see the module docstring) ------
 
 
-def _gcs_pb2() -> Any:
-    from ray.core.generated import gcs_pb2
-
-    return gcs_pb2
-
-
-def _gcs_tables(job_hex: str) -> tuple[list[Any], list[Any]]:
-    """(actor table of this job, placement group table), as ``gcs_pb2`` messages."""
-    import ray
-    from ray._private.state import state
-
-    pb = _gcs_pb2()
-    accessor = state._connect_and_get_accessor()
-    actors = [pb.ActorTableData.FromString(raw) for raw in accessor.get_actor_table(ray.JobID.from_hex(job_hex), None)]
-    pgs = [pb.PlacementGroupTableData.FromString(raw) for raw in accessor.get_placement_group_table()]
-    return actors, pgs
-
-
-def _run_actors(actors: list[Any], runner_id: bytes) -> list[Any]:
+def _run_actors(actors: list[ActorRow], runner_id: bytes) -> list[ActorRow]:
     """The runner and every actor below it in the ownership tree (owner's worker id -> actor's worker id)."""
-    owned: dict[bytes, list[Any]] = {}
+    owned: dict[bytes, list[ActorRow]] = {}
     for actor in actors:
-        owned.setdefault(actor.owner_address.worker_id, []).append(actor)
+        owned.setdefault(actor.owner_worker_id, []).append(actor)
     tree = [a for a in actors if a.actor_id == runner_id]
     seen = {runner_id}
     i = 0
     while i < len(tree):
-        worker_id = tree[i].address.worker_id
+        worker_id = tree[i].worker_id
         i += 1
         for child in owned.get(worker_id, []) if worker_id else []:
             if child.actor_id not in seen:
@@ -176,15 +161,13 @@ def _run_actors(actors: list[Any], runner_id: bytes) -> list[Any]:
 def _controllers(runner_id: bytes, job_hex: str) -> list[bytes]:
     """Ids of the live Train controllers the runner created (its direct children) that can answer an abort:
     not those blocked waiting for their workers' placement group to be scheduled."""
-    pb = _gcs_pb2()
-    actors, pgs = _gcs_tables(job_hex)
+    actors, pgs = _ray_compat.cluster_tables(job_hex)
     runner = next((a for a in actors if a.actor_id == runner_id), None)
-    if runner is None or not runner.address.worker_id:
+    if runner is None or not runner.worker_id:
         return []
-    waiting = {pg.creator_actor_id for pg in pgs
-               if pg.state in (pb.PlacementGroupTableData.PENDING, pb.PlacementGroupTableData.RESCHEDULING)}
-    return [a.actor_id for a in actors if a.owner_address.worker_id == runner.address.worker_id
-            and a.class_name == _CONTROLLER_CLASS and a.state == pb.ActorTableData.ALIVE
+    waiting = {pg.creator_actor_id for pg in pgs if pg.state in ("PENDING", "RESCHEDULING")}
+    return [a.actor_id for a in actors if a.owner_worker_id == runner.worker_id
+            and a.class_name == _ray_compat.TRAIN_CONTROLLER_CLASS and a.state == "ALIVE"
             and a.actor_id not in waiting]
 
 
@@ -194,30 +177,27 @@ def _sweep(runner_id: bytes, job_hex: str) -> tuple[list[str], list[str]]:
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    pb = _gcs_pb2()
-    actors, pgs = _gcs_tables(job_hex)
+    actors, pgs = _ray_compat.cluster_tables(job_hex)
     tree = {a.actor_id: a for a in _run_actors(actors, runner_id)}
     held: list[str] = []
     cleaners: list[str] = []
     for actor in tree.values():
-        if actor.state == pb.ActorTableData.DEAD:
+        if actor.state == "DEAD":
             continue
-        described = (f"actor {actor.class_name} {actor.actor_id.hex()} (pid {actor.pid}, "
-                     f"{pb.ActorTableData.ActorState.Name(actor.state)})")
+        described = f"actor {actor.class_name} {actor.actor_id.hex()} (pid {actor.pid}, {actor.state})"
         if not actor.is_detached:
             held.append(described)
-        elif actor.class_name == _CLEANER_CLASS:
+        elif actor.class_name == _ray_compat.PG_CLEANER_CLASS:
             cleaners.append(described)
         # any other detached actor was made detached on purpose (by the user's code or Ray's shared services)
     for pg in pgs:
         creator = tree.get(pg.creator_actor_id)
-        if creator is None or pg.is_detached or pg.state == pb.PlacementGroupTableData.REMOVED:
+        if creator is None or pg.is_detached or pg.state == "REMOVED":
             continue
-        if creator.state == pb.ActorTableData.DEAD:  # nobody will use or remove it now
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
-        bundles = [dict(b.unit_resources) for b in pg.bundles]
-        held.append(f"placement group {pg.placement_group_id.hex()} {bundles} (created by {creator.class_name}, "
-                    f"{pb.PlacementGroupTableData.PlacementGroupState.Name(pg.state)})")
+        if creator.state == "DEAD":  # nobody will use or remove it now
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.group_id)))
+        held.append(f"placement group {pg.group_id.hex()} {list(pg.bundles)} (created by {creator.class_name}, "
+                    f"{pg.state})")
     return held, cleaners
 
 
@@ -256,7 +236,7 @@ class FitFuture(concurrent.futures.Future[Any]):
         super().__init__()
         self._runner = runner
         self._ref = ref
-        self._runner_id: bytes = runner._actor_id.binary()  # ActorHandle._actor_id: what ray.kill() uses too
+        self._runner_id = _ray_compat.actor_id(runner)  # None: this Ray's handles changed, no abort or sweep
         self._job_hex = job_hex
         self._poll_interval = poll_interval
         self._release_timeout = release_timeout
@@ -321,7 +301,7 @@ class FitFuture(concurrent.futures.Future[Any]):
             return
         start = time.monotonic()
         aborted = 0
-        if abort:
+        if abort and self._runner_id is not None and _ray_compat.controller_abort_supported():
             try:  # graceful: the controller stops its cleaner, kills its workers, removes their placement group
                 ids = _controllers(self._runner_id, self._job_hex)
                 if ids:
@@ -334,6 +314,8 @@ class FitFuture(concurrent.futures.Future[Any]):
             ray.kill(self._runner, no_restart=True)  # fate-sharing: the controller and its workers die with it
         except Exception as e:  # already gone, or Ray is shutting down
             log.debug(f"fit_async {self._label}: killing the runner: {e!r}")
+        if self._runner_id is None:  # said once by _ray_compat.actor_id: nothing to follow the run's actors from
+            return
         held, cleaners = _release(self._runner_id, self._job_hex,
                                   max(0.0, start + self._release_timeout - time.monotonic()),
                                   cleaner_grace=5.0 if aborted else 0.0)  # a stopped cleaner takes a moment to exit
@@ -427,7 +409,7 @@ def fit_async(trainer: Fittable, *, poll_interval: float = DEFAULT_POLL_INTERVAL
     if env:
         options["runtime_env"] = {"env_vars": env}
     runner = _runner_class().options(**options).remote()
-    label = runner._actor_id.hex()[:8]
+    label = (_ray_compat.actor_id(runner) or os.urandom(4)).hex()[:8]
     try:
         ref = runner.fit.remote(trainer)
     except Exception as e:

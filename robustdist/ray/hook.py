@@ -4,7 +4,7 @@ Use it as ``ray.init(runtime_env={"worker_process_setup_hook": "robustdist.ray.h
 
 Why not :func:`robustdist.bf16.ray_worker_setup`: Ray runs the setup hook while the worker process starts,
 *before* it sets ``OMP_NUM_THREADS``. Ray sets that variable lazily, from the CPUs assigned to the task, when
-the first task executes (``ray._private.utils.set_omp_num_threads_if_unset``, called from ``_raylet``). A hook
+the first task executes (Ray's private ``set_omp_num_threads_if_unset``, called from its raylet). A hook
 that imports torch (``robustdist.bf16`` does) sizes torch's OpenMP pool to every core of the machine, so a
 ``num_cpus=1`` worker runs torch with all cores' threads: it oversubscribes the CPU and its results differ
 in the last bit from the same job without the hook. A hardening library must change neither numerics nor

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["MemoryPlan", "estimate_offload_bytes", "ray_available_memory", "ray_default_object_store",
            "ray_memory_plan", "system_ram"]
 
-# Ray's constants (ray/_private/ray_constants.py), the same names and values.
+# Ray's constants (its private ray_constants module), the same names and values.
 RAY_DEFAULT_FRACTION = 0.3                 # DEFAULT_OBJECT_STORE_MEMORY_PROPORTION
 RAY_MAX_OBJECT_STORE = 200 * 10**9         # DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES
 RAY_MIN_OBJECT_STORE = 75 * 2**20          # OBJECT_STORE_MINIMUM_MEMORY_BYTES
@@ -182,7 +182,7 @@ def ray_default_object_store(total_ram: int | None = None, available_ram: int | 
                              shm_bytes: int | None = None) -> int:
     """The ``object_store_memory`` Ray chooses when it is not given one (Ray 2.x, without importing ray).
 
-    Mirrors ``ray._private.utils.resolve_object_store_memory(estimate_available_memory())``, as Ray's
+    Mirrors Ray's private ``resolve_object_store_memory(estimate_available_memory())``, as Ray's
     ``ResourceAndLabelSpec`` calls it when a node starts: ``DEFAULT_OBJECT_STORE_MEMORY_PROPORTION`` (0.3) of
     the available memory, capped at ``DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES`` (200 GB) and, on Linux, at
     ``max(REQUIRE_SHM_SIZE_THRESHOLD, 0.95 * free /dev/shm)`` (10 GB at least); on macOS at 2 GiB

@@ -18,8 +18,8 @@ already imported in the process (a Ray Train worker always has it), so importing
   its manifest (validated like any checkpoint manifest).
 * :func:`raise_in_training_thread` puts an error on the thread runner's exception queue: the controller then
   reports "rank r: HangError: ..." and ``FailureConfig`` restarts the group, instead of the "SYSTEM_ERROR ...
-  possibly killed by the OOM killer" an exiting worker gets. Internal Ray API (``ray.train.v2._internal``):
-  used only when present, with the exit code as the fallback.
+  possibly killed by the OOM killer" an exiting worker gets. Ray Train V2 internals: used only when present,
+  with the exit code as the fallback.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from robustdist.runtime import _ray_compat
 from robustdist.runtime.log import get_logger
 
 __all__ = ["RayTrain", "checkpoint_step", "current", "json_metrics", "latest_checkpoint", "raise_in_training_thread",
@@ -56,22 +57,11 @@ class RayTrain:
     world_rank: int
 
 
-def _internal_context() -> Any | None:
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-    except ImportError:
-        return None
-    try:
-        return get_train_context()
-    except Exception:  # not initialised: not a Train V2 worker
-        return None
-
-
 def current() -> RayTrain | None:
     """The Ray Train V2 run this process is a worker of, or None (no ray imported, not a worker, Train V1)."""
     if "ray" not in sys.modules:
         return None
-    internal = _internal_context()
+    internal = _ray_compat.train_context()
     if internal is None:
         return None
     try:
@@ -82,7 +72,7 @@ def current() -> RayTrain | None:
     except Exception as e:  # a worker whose public context is not there: treat as outside Ray Train
         log.debug("no Ray Train context: %s", e)
         return None
-    config = getattr(getattr(internal, "train_run_context", None), "train_loop_config", None)
+    config = _ray_compat.train_loop_config(internal)
     return RayTrain(run_name=name, config=fingerprint(config) if config is not None else None, world_rank=rank)
 
 
@@ -212,17 +202,9 @@ def _wait_registered(name: str, timeout: float) -> None:
     files are uploaded, but the controller registers a report only when it next polls the workers (every 2 s by
     default): a worker that dies in between loses it, and ``get_checkpoint()`` after the restart is one
     checkpoint older. ``ray.train.get_all_reported_checkpoints`` (alpha in 2.60) waits for that; without it
-    (older Ray) the gap stays, and resume still takes robustdist's own newer copy."""
+    (older Ray: said once) the gap stays, and resume still takes robustdist's own newer copy."""
     try:
-        import ray.train
-        from ray.train import CheckpointConsistencyMode
-
-        wait = ray.train.get_all_reported_checkpoints
-    except (ImportError, AttributeError):
-        log.debug("this Ray has no get_all_reported_checkpoints: not waiting for the controller to register %s", name)
-        return
-    try:
-        wait(consistency_mode=CheckpointConsistencyMode.COMMITTED, timeout_s=timeout)
+        _ray_compat.wait_reported_checkpoints(timeout)
     except Exception as e:  # a timeout or a controller that is going away: the report itself happened
         log.warning("Ray Train's controller had not registered checkpoint %s after %g s (%s: %s); if this worker "
                     "fails now, Ray's newest checkpoint is the one before it", name, timeout, type(e).__name__, e)
@@ -262,19 +244,21 @@ def checkpoint_step(checkpoint: Any) -> tuple[int | None, str | None]:
 
 def raise_in_training_thread(error: BaseException) -> bool:
     """Make ``error`` this worker's error as Ray Train's controller sees it (the thread runner's exception
-    queue). True when it was handed over; False outside Train V2 or where Ray's internals differ."""
-    internal = _internal_context()
-    runner = getattr(getattr(internal, "execution_context", None), "training_thread_runner", None)
-    queue = getattr(runner, "get_exception_queue", None)
+    queue). True when it was handed over; False outside Train V2 or where Ray's internals differ (said once)."""
+    internal = _ray_compat.train_context()
+    if internal is None:
+        return False
+    queue = _ray_compat.exception_queue(internal)
     if queue is None:
         return False
     try:
-        from ray.train.v2._internal.util import construct_user_exception_with_traceback
-
         try:
             raise error
         except BaseException as e:  # noqa: BLE001 - raised here only to give it a traceback
-            queue().put(construct_user_exception_with_traceback(e))
+            wrapped = _ray_compat.user_exception(e)
+        if wrapped is None:
+            return False
+        queue.put(wrapped)
         return True
     except Exception as e:  # Ray's internals changed: the caller falls back to exiting
         log.warning("could not hand the hang to Ray Train's controller (%s: %s); exiting instead",

@@ -87,10 +87,9 @@ def default_store() -> Any:
     arrive, so its absence only makes those messages less specific."""
     if not is_up():
         return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+    from robustdist.runtime import _torch_compat
+
+    return _torch_compat.default_store()
 
 
 class Collectives:

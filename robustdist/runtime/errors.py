@@ -8,6 +8,7 @@ working::
     └── RobustDistError
         ├── ConfigError (+ ValueError)          a config value, key or file is invalid
         ├── MissingDependencyError (+ ImportError)  an optional extra is not installed
+        ├── UnsupportedVersionError             the installed torch or Ray cannot run what was asked
         ├── TopologyError                       ranks, sizes or devices don't add up
         ├── InitError                           process-group init, barrier or smoke test failed
         ├── CheckpointError
@@ -52,6 +53,7 @@ __all__ = [
     "RobustDistWarning",
     "StateDictMismatchError",
     "TopologyError",
+    "UnsupportedVersionError",
 ]
 
 
@@ -94,6 +96,11 @@ class ConfigError(RobustDistError, ValueError):
 
 class MissingDependencyError(RobustDistError, ImportError):
     """An optional dependency (an extra such as ``robustdist[yaml]`` or ``robustdist[ray]``) is missing."""
+
+
+class UnsupportedVersionError(RobustDistError):
+    """The installed torch or Ray lacks what a feature needs (FSDP2 on CPU/gloo, say); the message names the
+    version that has it (``robustdist doctor`` lists the tested ones)."""
 
 
 class TopologyError(RobustDistError):

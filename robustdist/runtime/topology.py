@@ -6,7 +6,10 @@
 2. the torchrun / torch-elastic env: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
    ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_*``;
 3. the Ray Train context, when this process is a Ray Train worker (ray is never imported here: a worker
-   has imported it already, so it is consulted only when ``ray`` is in ``sys.modules``);
+   has imported ``ray.train`` already, so it is consulted only when ``ray.train`` is in ``sys.modules``).
+   Outside a worker Ray Train V2 raises from ``ray.train.get_context()`` but Train V1 (Ray's default before
+   V2, and ``RAY_TRAIN_V2_ENABLED=0``) returns a stub with a local world size of 0; only a context whose
+   ranks and sizes are all integers, with sizes >= 1, counts as a worker's (anything else is "not Ray Train");
 4. SLURM: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NNODES``, ``SLURM_NODEID``;
 5. otherwise a single process.
 
@@ -28,6 +31,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -100,24 +104,41 @@ def _process_group() -> tuple[int, int] | None:
     return (_dist.rank(), _dist.world_size()) if _dist.is_up() else None
 
 
-def _ray_train_context() -> Any | None:
-    """The Ray Train worker context, or None (outside Ray Train, or ray not imported in this process)."""
-    if "ray" not in sys.modules:
+def _ray_train_context() -> Raw | None:
+    """This Ray Train worker's ranks, or None: ``ray.train`` not imported in this process, or its context is not
+    a worker's (Train V2 raises outside a worker; Train V1 returns a stub whose local world size is 0)."""
+    train = sys.modules.get("ray.train")
+    if train is None:
         return None
     try:
-        import ray.train
-
-        return ray.train.get_context()
-    except Exception:  # not a Ray Train worker: ray raises RuntimeError, older versions other types
+        ctx = train.get_context()
+        with warnings.catch_warnings():  # Train V1's stub warns "meant to only be called inside ..." once per getter
+            warnings.simplefilter("ignore")
+            local_world = ctx.get_local_world_size()  # asked first: a stub answers 0, and nothing else is asked
+            if not _is_size(local_world):
+                log.debug("ray.train.get_context() is not a Ray Train worker's (local world size %r)", local_world)
+                return None
+            raw = _from_ray(ctx, local_world)
+    except Exception as e:  # not a Ray Train worker: V2 raises RuntimeError, other versions other types
+        log.debug("no Ray Train worker context: %s: %s", type(e).__name__, e)
         return None
+    values = (raw.rank, raw.world_size, raw.local_rank, raw.node_rank)
+    if not (all(isinstance(v, int) and not isinstance(v, bool) for v in values) and _is_size(raw.world_size)):
+        log.debug("ray.train.get_context() is not a Ray Train worker's (ranks %s)", raw)
+        return None
+    return raw
 
 
-def _from_ray(ctx: Any) -> Raw:
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _from_ray(ctx: Any, local_world: int) -> Raw:
     return Raw(
         rank=ctx.get_world_rank(),
         world_size=ctx.get_world_size(),
         local_rank=ctx.get_local_rank(),
-        local_world_size=ctx.get_local_world_size(),
+        local_world_size=local_world,
         node_rank=ctx.get_node_rank(),
     )
 
@@ -126,7 +147,7 @@ def _first(*values: Any) -> Any:
     return next((x for x in values if x is not None), None)
 
 
-def _launcher(env: Mapping[str, str], ray_ctx: Any, pg: tuple[int, int] | None) -> str:
+def _launcher(env: Mapping[str, str], ray_ctx: Raw | None, pg: tuple[int, int] | None) -> str:
     if env.get("TORCHELASTIC_RUN_ID") or env.get("TORCHELASTIC_RESTART_COUNT"):
         return "torchrun"
     if ray_ctx is not None:
@@ -174,7 +195,7 @@ def detect_topology(*, environ: Mapping[str, str] | None = None) -> Topology:
     ray_ctx = _ray_train_context()
     launcher = _launcher(env, ray_ctx, pg)
     torch_env = from_torch_env(env)
-    ray_raw = _from_ray(ray_ctx) if ray_ctx is not None else Raw()
+    ray_raw = ray_ctx if ray_ctx is not None else Raw()
     slurm = from_slurm(env) if launcher == "slurm" else Raw()
     _check_agreement(launcher, pg, torch_env, slurm)
 

@@ -163,7 +163,7 @@ def _sharded(rank, directory):
             {k: v.tolist() for k, v in full.items()})
 
 
-def test_fsdp2_state_goes_through_dcp_and_reshards(tmp_path):
+def test_fsdp2_state_goes_through_dcp_and_reshards(fsdp_cpu, tmp_path):
     out = run_ranks(_sharded, 2, args=(str(tmp_path),), timeout=120)
     assert all(model_ok and optim_ok for model_ok, optim_ok, _ in out)
     manifest = json.loads((tmp_path / "step_0000000002" / "manifest.json").read_text())

@@ -70,7 +70,7 @@ def _node_env(world, nodes):
     (4, 1, "FULL_SHARD", (4,), ("shard",)),
     (4, 2, "HYBRID_SHARD", (2, 2), ("replicate", "shard")),
 ])
-def test_strategy_mesh_and_a_training_step_match_the_reference(world, nodes, strategy, shape, names):
+def test_strategy_mesh_and_a_training_step_match_the_reference(fsdp_cpu, world, nodes, strategy, shape, names):
     ref_loss, ref_params = _reference()
     out = run_ranks(_calibrate_and_train, world, args=(nodes,), env=_node_env(world, nodes), timeout=120)
     for got_strategy, got_shape, got_names, num_nodes, local_world, loss, params, fsdp1 in out:
@@ -298,7 +298,7 @@ def policies_and_init():
     return run_ranks(_policies_and_init, 2, timeout=150)
 
 
-def test_per_layer_policies_by_names_callable_classes_and_auto(policies_and_init):
+def test_per_layer_policies_by_names_callable_classes_and_auto(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["names"] == ["", "blocks.0", "blocks.1"]
         assert out["callable"] == ["", "blocks.0.attn", "blocks.1.attn"]
@@ -306,13 +306,13 @@ def test_per_layer_policies_by_names_callable_classes_and_auto(policies_and_init
         assert out["auto"] == ["", "blocks.0", "blocks.1"]
 
 
-def test_meta_model_is_sharded_then_initialised(policies_and_init):
+def test_meta_model_is_sharded_then_initialised(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["init_finite"] and out["freqs"] and out["dtensors"]
         assert out["init_weights"]
 
 
-def test_meta_model_without_an_init_path_is_refused_on_every_rank(policies_and_init):
+def test_meta_model_without_an_init_path_is_refused_on_every_rank(fsdp_cpu, policies_and_init):
     for rank, out in enumerate(policies_and_init):
         assert out["no_init"] == (
             f"[rank {rank}] NoInit was built on the meta device; after to_empty() and its submodules' "
@@ -322,7 +322,7 @@ def test_meta_model_without_an_init_path_is_refused_on_every_rank(policies_and_i
             "place, or give their modules a reset_parameters().")
 
 
-def test_a_root_reset_that_misses_the_blocks_is_completed_with_a_warning(policies_and_init):
+def test_a_root_reset_that_misses_the_blocks_is_completed_with_a_warning(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["gaps_finite"]
         assert len(out["gaps_warning"]) == 1
@@ -330,7 +330,7 @@ def test_a_root_reset_that_misses_the_blocks_is_completed_with_a_warning(policie
         assert "robustdist called reset_parameters() of blocks.0, blocks.1 for them" in out["gaps_warning"][0]
 
 
-def test_already_sharded_is_left_alone_and_sharded_blocks_get_only_the_root(policies_and_init):
+def test_already_sharded_is_left_alone_and_sharded_blocks_get_only_the_root(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["adopted"] == (True, ["", "blocks.0", "blocks.1"], True)
         assert out["root_only"] == (True, ["", "blocks.0", "blocks.1"], True)
@@ -385,7 +385,7 @@ def _reference_step():
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def test_mixed_precision_offload_no_shard_and_a_step_that_matches_one_process():
+def test_mixed_precision_offload_no_shard_and_a_step_that_matches_one_process(fsdp_cpu):
     reference = _reference_step()
     for out in run_ranks(_precision_offload_and_reference, 2, timeout=150):
         assert out["calls"] == [("MixedPrecisionPolicy", torch.bfloat16, torch.float32, "CPUOffloadPolicy", False)] * 3
@@ -412,7 +412,7 @@ def test_one_process_materialises_a_meta_model_unsharded(no_launcher):
     assert torch.equal(model.freqs, Tiny._freqs()) and model(_tokens()).shape == (4, 5, V)
 
 
-def test_fully_shard_gets_the_policies_bottom_up(no_launcher, monkeypatch):
+def test_fully_shard_gets_the_policies_bottom_up(fsdp_cpu, no_launcher, monkeypatch):
     # patch-and-assert: what reaches fully_shard, in which order, without processes
     import torch.distributed.fsdp as fsdp_api
 
@@ -507,3 +507,53 @@ def test_auto_picks_the_outermost_module_lists_only():
         assert [name for name, _ in select_modules(model, predicate)] == ["1.1", "1.0"]  # children first
     predicate, _ = resolve_policy(None, "auto", nn.Sequential(nn.Linear(2, 2)))
     assert select_modules(nn.Sequential(nn.Linear(2, 2)), predicate) == []  # no list: the root only
+
+
+def test_fsdp_on_a_torch_that_cannot_run_it_on_cpu_is_refused_with_the_version(monkeypatch):
+    """torch 2.6's ``torch.cpu.Stream`` has no ``record_event``, which FSDP2's all-gather calls on the CPU: the
+    capability is what is checked (the attribute is removed here to stand for that torch; the lanes run the
+    real FSDP tests on every supported torch)."""
+    from robustdist.parallel import fsdp
+
+    assert fsdp.fsdp2_missing("cpu") is None  # every supported torch runs FSDP2 on the CPU
+    monkeypatch.delattr(torch.cpu.Stream, "record_event")
+    assert "record_event" in fsdp.fsdp2_missing("cpu")
+
+    messages = run_ranks(_wrap_without_record_event, world_size=2, timeout=120)
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank} sharded on a torch without record_event"
+        assert f"[rank {rank}]" in message and "torch >= 2.7" in message and "Fix:" in message
+
+
+def _wrap_without_record_event(rank):
+    from robustdist.parallel import fsdp
+    from robustdist.runtime.errors import UnsupportedVersionError
+
+    del torch.cpu.Stream.record_event  # this process only: stands for torch 2.6
+    try:
+        fsdp.wrap_fsdp(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device="cpu")
+    except UnsupportedVersionError as e:
+        return str(e)
+    return None
+
+
+def _wrap_on_this_torch(rank):
+    from robustdist.parallel import fsdp
+    from robustdist.runtime.errors import UnsupportedVersionError
+
+    try:
+        fsdp.wrap_fsdp(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device="cpu")
+    except UnsupportedVersionError as e:
+        return fsdp.gloo_averages(), str(e)
+    return fsdp.gloo_averages(), None
+
+
+def test_fsdp_is_refused_on_cpu_where_gloo_sums_instead_of_averaging():
+    """torch 2.8's gloo reduce-scatter sums for ReduceOp.AVG (pytorch#162338): FSDP2 on the CPU would train with
+    world-size times the gradient. The probe is real in every lane: refused there, wrapped where gloo averages."""
+    for averages, message in run_ranks(_wrap_on_this_torch, world_size=2, timeout=120):
+        if averages:
+            assert message is None
+        else:
+            assert message is not None and "ReduceOp.AVG" in message and "pytorch/pytorch#162338" in message
+            assert "torch >= 2.13" in message and "Fix:" in message

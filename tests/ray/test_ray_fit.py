@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from robustdist.ray.fit import FitFuture, fit_async
+from robustdist.runtime import _ray_compat
 from robustdist.runtime.errors import ConfigError
 from tests import _procs
 
@@ -128,19 +129,18 @@ def _fit_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("robustdist-fit-")]
 
 
-def _live_actors(*class_names: str) -> dict[str, dict]:
-    """Actors of these classes not yet dead (Ray's GCS table: internal, for debugging, needs no dashboard)."""
-    from ray._private.state import actors
-
-    return {actor_id: a for actor_id, a in actors().items()
-            if a["ActorClassName"] in class_names and a["State"] != "DEAD"}
+def _live_actors(*class_names: str) -> dict[str, _ray_compat.ActorRow]:
+    """Actors of these classes not yet dead (Ray's GCS table, read through robustdist's fence: no dashboard)."""
+    actors, _ = _ray_compat.cluster_tables(None)
+    return {a.actor_id.hex(): a for a in actors if a.class_name in class_names and a.state != "DEAD"}
 
 
 def _placement_groups(ray, state: str) -> list[str]:
     return [pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == state]
 
 
-RUN_CLASSES = ("_FitRunner", "TrainController", "RayTrainWorker", "SynchronizationActor")
+RUN_CLASSES = ("_FitRunner", _ray_compat.TRAIN_CONTROLLER_CLASS, "RayTrainWorker", "SynchronizationActor")
+CLEANER = _ray_compat.PG_CLEANER_CLASS
 
 
 def _assert_all_released(ray, cleaners_before: set[str]) -> None:
@@ -151,14 +151,14 @@ def _assert_all_released(ray, cleaners_before: set[str]) -> None:
     # Actors alive before the test (another test's plain trainer.fit() may leave its controller) do not count.
     _wait_for(lambda: not set(_live_actors(*RUN_CLASSES)) - cleaners_before, RELEASE_BOUND_S,
               f"actors of the run are still alive: {set(_live_actors(*RUN_CLASSES)) - cleaners_before}")
-    _wait_for(lambda: set(_live_actors("PlacementGroupCleaner")) <= cleaners_before, RELEASE_BOUND_S,
+    _wait_for(lambda: set(_live_actors(CLEANER)) <= cleaners_before, RELEASE_BOUND_S,
               "the run's PlacementGroupCleaner is still running")
 
 
 def test_a_running_fit_is_cancelled_and_the_next_fit_gets_the_cluster(ray_by_value, start_fit, tmp_path, caplog):
     ray = ray_by_value
     _wait_for(lambda: _free_cpus(ray) == CLUSTER_CPUS, 60, "the cluster's CPUs were busy before the test")
-    cleaners_before = set(_live_actors("PlacementGroupCleaner", *RUN_CLASSES))  # what other tests left alive
+    cleaners_before = set(_live_actors(CLEANER, *RUN_CLASSES))  # what other tests left alive
     started = time.monotonic()
     future = start_fit(_trainer(tmp_path, "long", hold_s=FIT_TIMEOUT_S))
     assert time.monotonic() - started < 3.0, "fit_async blocked instead of returning the future"
@@ -197,7 +197,7 @@ def test_a_running_fit_is_cancelled_and_the_next_fit_gets_the_cluster(ray_by_val
     # Known leftover: the queued fit's controller was blocked waiting for its placement group, so it could not
     # stop Ray Train's detached cleaner; the warning names it (it holds no CPU, and polls until the cluster stops).
     # The first fit's controller did abort, and stopped its own.
-    leftover = set(_live_actors("PlacementGroupCleaner")) - cleaners_before
+    leftover = set(_live_actors(CLEANER)) - cleaners_before
     assert len(leftover) <= 1 and all(cleaner_id in caplog.text for cleaner_id in leftover), caplog.text
     cleaners_before |= leftover
     _wait_for(lambda: not any(_alive(pid) for pid in pids), RELEASE_BOUND_S,
@@ -220,7 +220,7 @@ def test_a_failing_fit_sets_the_exception_and_releases_the_cluster(ray_by_value,
 
     ray = ray_by_value
     _wait_for(lambda: _free_cpus(ray) == CLUSTER_CPUS, 60, "the cluster's CPUs were busy before the test")
-    cleaners_before = set(_live_actors("PlacementGroupCleaner", *RUN_CLASSES))  # what other tests left alive
+    cleaners_before = set(_live_actors(CLEANER, *RUN_CLASSES))  # what other tests left alive
     future = start_fit(_trainer(tmp_path, "failing", fail=True))
     error = future.exception(timeout=FIT_TIMEOUT_S)
     assert isinstance(error, TrainingFailedError), repr(error)
@@ -286,7 +286,9 @@ def test_the_sweep_removes_a_placement_group_whose_creator_was_killed(ray_cluste
     _wait_for(lambda: not _alive(child_pid), RELEASE_BOUND_S, "the child actor outlived its owner")
     time.sleep(1.0)
     assert _free_cpus(ray) == 1.0, "Ray itself freed the placement group: the sweep is no longer needed"
-    held, _ = ray_fit._release(creator._actor_id.binary(), ray.get_runtime_context().get_job_id(), RELEASE_BOUND_S)
+    creator_id = _ray_compat.actor_id(creator)
+    assert creator_id is not None
+    held, _ = ray_fit._release(creator_id, ray.get_runtime_context().get_job_id(), RELEASE_BOUND_S)
     assert held == []
     _wait_for(lambda: _free_cpus(ray) == CLUSTER_CPUS, RELEASE_BOUND_S, "the placement group was not removed")
 

@@ -184,8 +184,8 @@ def test_the_old_hook_string_runs_the_hook_when_warnings_are_errors():
 def test_hooked_worker_matches_a_worker_without_the_hook_bit_for_bit(ray_cluster):
     """The session cluster's job runs the new hook; a second driver runs the identical task without a hook, then
     with the old hook (the bug), then with the hook's pre-1.0 string (``robustdist.ray_setup.worker_setup``).
-    New hook: same thread count (1) and the same bits as no hook, and the serializers are installed in the
-    worker. Old hook: torch got a thread per core."""
+    New hook: the same thread count and the same bits as no hook, and the serializers are installed in the
+    worker. Old hook: the serializers too (on Ray 2.60 torch also got a thread per core: the bug, not asserted)."""
     ray = ray_cluster
     gcs = ray.get_runtime_context().gcs_address
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -206,22 +206,23 @@ def test_hooked_worker_matches_a_worker_without_the_hook_bit_for_bit(ray_cluster
         f"the hooked worker must send bf16 through robustdist's serializers; it sent {hooked['view_arrived']}"
     assert plain["serializers"] is False and plain["view_arrived"] != ROBUSTDIST_VIEW, \
         f"without the hook the worker must use torch's own reduction; it sent {plain['view_arrived']}"
-    assert (hooked["threads"], hooked["omp"]) == (plain["threads"], plain["omp"]) == (1, "1"), \
-        f"threads/OMP_NUM_THREADS: hooked {hooked['threads']}/{hooked['omp']}, no hook {plain['threads']}/{plain['omp']}"
+    # robustdist's promise is "the same as without the hook"; what Ray itself sets (OMP_NUM_THREADS from the
+    # task's CPUs, and so torch's thread count) is Ray's business and differs between Ray versions.
+    assert (hooked["threads"], hooked["omp"]) == (plain["threads"], plain["omp"]), \
+        f"threads/OMP_NUM_THREADS: hooked {hooked['threads']}/{hooked['omp']}, " \
+        f"no hook {plain['threads']}/{plain['omp']}"
     fingerprint = ("loss", "params", "sum")
     assert {k: hooked[k] for k in fingerprint} == {k: plain[k] for k in fingerprint}, \
         "the hook changed the bits of a computation"
     # The hook's string before the package layout (robustdist.ray_setup.worker_setup) still works, the same way.
     assert moved["serializers"] is True and moved["view_arrived"] == ROBUSTDIST_VIEW, \
         f"the old hook string must still install the serializers; the worker sent {moved['view_arrived']}"
-    assert (moved["threads"], moved["omp"]) == (1, "1") and {k: moved[k] for k in fingerprint} == \
-        {k: plain[k] for k in fingerprint}, "the old hook string must run the new hook (threads and bits untouched)"
+    assert (moved["threads"], moved["omp"]) == (plain["threads"], plain["omp"]) and \
+        {k: moved[k] for k in fingerprint} == {k: plain[k] for k in fingerprint}, \
+        "the old hook string must run the new hook (threads and bits untouched)"
 
-    # The bug the new hook fixes: the old hook imports torch before Ray sets OMP_NUM_THREADS, so torch sized its
-    # pool to every core although the task sees OMP_NUM_THREADS=1 (seen here, 2 cores: 2 threads, and the
-    # 4M-element sum 1 ulp off the other two runs; not asserted, since which bits move depends on the CPU).
-    assert old["serializers"] is True and old["omp"] == "1"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cores > 1:  # OpenMP sizes its pool to the CPUs this process may run on (os.cpu_count() unless pinned)
-        assert old["threads"] == cores, f"expected the old hook to give torch {cores} threads in a 1-CPU " \
-            f"worker (the bug); it got {old['threads']}"
+    # The bug the new hook fixes: the old hook imports torch before Ray sets OMP_NUM_THREADS, so on Ray 2.60 torch
+    # sized its pool to every core although the task sees OMP_NUM_THREADS=1 (seen here, 2 cores: 2 threads, and
+    # the 4M-element sum 1 ulp off the other two runs). Not asserted: when Ray sets the variable, and so whether
+    # the old hook shows the bug, is Ray's incidental behaviour. The old hook still installs the serializers.
+    assert old["serializers"] is True

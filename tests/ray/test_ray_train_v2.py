@@ -22,9 +22,12 @@ import os
 import pytest
 import torch
 
+from robustdist.runtime import _ray_compat
 from tests.clients import ray_train_v2 as client
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420, method="thread")]  # Ray's driver loop can swallow signals
+# Ray's driver loop can swallow signals: thread timeouts. The first test's budget includes the module's reference
+# run (its fixture): two fits on a shared 2-core machine.
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600, method="thread")]
 
 TOTAL, EVERY = 9, 3
 
@@ -87,13 +90,20 @@ def test_a_hung_then_a_killed_worker_resume_bitwise_through_h_resume(ray_v2, ref
     assert "OOM" not in json.dumps(seen[0])
 
     attempts = _resumes(config)
-    assert [r["resumed"] for r in attempts if r["rank"] == 0] == [0, 3, 6]
-    after_hang = [r for r in attempts if r["resumed"] == 3]
-    assert {r["source"] for r in after_hang} == {"durable"}  # robustdist's directory, as new as Ray's
-    # After the kill robustdist's directory was gone: only Ray's copy (every rank's files) could give step 6.
-    after_kill = [r for r in attempts if r["resumed"] == 6]
+    resumed = [r["resumed"] for r in attempts if r["rank"] == 0]
+    # Ray 2.60 lets report() wait until the controller registered step 6 (get_all_reported_checkpoints with a
+    # timeout), so the kill at step 7 resumes from it. Older Ray cannot wait with a bound: report() does not wait
+    # (robustdist says so once), and the kill, one step after the report, may come before the controller's next
+    # poll registered step 6; Ray's newest checkpoint is then step 3, as robustdist.ray.train documents.
+    waits = _ray_compat.can_wait_reported_checkpoints()
+    assert (resumed == [0, 3, 6]) if waits else (resumed in ([0, 3, 6], [0, 3, 3])), resumed
+    assert len(attempts) == 6, attempts  # three attempts of two ranks, in order
+    after_hang, after_kill = attempts[2:4], attempts[4:6]
+    assert {r["resumed"] for r in after_hang} == {3} and {r["source"] for r in after_hang} == {"durable"}
+    # After the kill robustdist's directory was gone: only Ray's copy (every rank's files) could resume it.
+    killed_at = resumed[-1]
     assert len(after_kill) == 2 and {r["source"] for r in after_kill} == {"ray"}
-    assert all(r["ray_checkpoint"] and "step_0000000006" in r["ray_checkpoint"] for r in after_kill)
+    assert all(r["ray_checkpoint"] and f"step_{killed_at:010d}" in r["ray_checkpoint"] for r in after_kill)
     assert {"manifest.json", "replicated.pt", "rank_00000.pt", "rank_00001.pt"} <= set(
         os.listdir(after_kill[0]["ray_checkpoint"]))
     assert after_kill[0]["directory"] == os.path.join(config["ckpt"], "faults")  # <checkpoint.dir>/<run name>

@@ -92,7 +92,8 @@ def test_whatever_save_accepts_loads_back_equal(tmp_path_factory, value, blockin
             ckpt.wait()
         except CheckpointError as e:
             assert any(reason in str(e) for reason in ("expected exactly tensors or plain data", "expected str keys or int keys",
-                                                       "an empty bytes value"))
+                                                       "an empty bytes value",
+                                                       "refuses to load with weights_only=True"))
             assert ckpt.steps() == []
             return
         loaded = ckpt.load()
@@ -210,8 +211,15 @@ def test_a_reader_racing_a_rotating_writer_loads_a_committed_step_or_gets_a_retr
                          ids=["expanded", "strided-view", "quantized", "nested", "sparse"])
 def test_async_save_of_unusual_tensors_matches_a_blocking_save(tmp_path, make):
     with AtomicCheckpointer(tmp_path / "a", async_save=True) as a, AtomicCheckpointer(tmp_path / "b") as b:
+        try:
+            b.save(1, {"t": make()})
+        except CheckpointError as e:  # a kind this torch cannot load back (nested on torch >= 2.15)
+            assert "refuses to load with weights_only=True" in str(e)
+            with pytest.raises(CheckpointError, match="refuses to load with weights_only=True"):
+                a.save(1, {"t": make()})
+            assert a.steps() == [] and b.steps() == []
+            return
         a.save(1, {"t": make()})
-        b.save(1, {"t": make()})
         a.wait()
         left, right = a.load().state["t"], b.load().state["t"]
     assert _same(left, right)

@@ -34,7 +34,6 @@ when every rank closes cleanly (a vote in the job's store: a rank leaving on an 
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import threading
@@ -93,10 +92,26 @@ def _nbytes(value: Any) -> int:
     return 64
 
 
+class _Sink:
+    """A write-only file for ``torch.save`` that grows a ``bytearray``. Not ``BytesIO.getbuffer()``: a view of a
+    BytesIO that a garbage-collected cycle outlives crashes CPython 3.12.1 ("deallocated BytesIO object has
+    exported buffers", then a segfault; seen in the version matrix with torch 2.15)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, chunk: Any) -> int:
+        self.data += chunk
+        return len(memoryview(chunk))
+
+    def flush(self) -> None:
+        pass
+
+
 def _serialise(obj: Any) -> memoryview:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getbuffer()  # no copy: the view keeps the buffer alive
+    sink = _Sink()
+    torch.save(obj, sink)
+    return memoryview(sink.data)  # no copy: the view keeps the bytearray alive
 
 
 class LocalTier:

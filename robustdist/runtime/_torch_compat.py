@@ -1,0 +1,301 @@
+"""Every private torch name robustdist uses, fenced here (and nowhere else: ``tests/test_private_api.py``).
+
+Each access is one small function or class below, listed in :data:`PRIVATE_APIS` with the torch versions the
+version matrix ran it on (``docs/status.md``) and, where torch has one in the supported range, the public
+replacement. ``tests/runtime/test_private_api_canaries.py`` resolves every entry on the installed torch and
+fails naming the API and the version when a release moves it.
+
+Where a private name is absent, the function says so and the caller degrades (a less specific message, a
+slower path, a check skipped with a log line); none of them raises a raw error. The DataLoader hooks are the
+exception: robustdist's mid-epoch position rides on them, and the canary is what guards them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from torch.utils.data import dataloader as _loader
+
+from robustdist.runtime.errors import CheckpointError
+from robustdist.runtime.private_api import PrivateAPI
+
+__all__ = ["PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPILED_KEY_SEGMENT", "BaseDataLoaderIter", "LoaderHooks",
+           "MultiProcessingDataLoaderIter", "SingleProcessDataLoaderIter", "batch_norm_base", "compiled_inner",
+           "dcp_storage_info_type", "default_store", "has_python_state", "has_storage", "innermost_store",
+           "live_iterator", "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
+           "sparse_values", "tensor_version", "torch_save_code", "module_buffers"]
+
+_VERIFIED = "torch 2.8.0, 2.13.0, 2.14.1, 2.15.0"
+_MAX_STORE_LAYERS = 8  # a group's store is PrefixStore(<group>, PrefixStore("default_pg", <the store>))
+
+# ------------------------------------------------------------------------------------------- distributed
+
+
+def default_store() -> Any:
+    """The default group's c10d store, or None (no group, or a torch without the private getter)."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except Exception:  # no default group, or the group has no store
+        return None
+
+
+def innermost_store(store: Any) -> Any:
+    """The store under every ``PrefixStore`` layer of ``store`` (``PrefixStore.underlying_store``)."""
+    for _ in range(_MAX_STORE_LAYERS):
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:
+            break
+        store = inner
+    return store
+
+
+# -------------------------------------------------------------------------------------------- tensors
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` has a storage (``torch._C._has_storage``); True where torch lacks the probe."""
+    probe = getattr(torch._C, "_has_storage", None)
+    return True if probe is None else bool(probe(t))
+
+
+def has_python_state(t: torch.Tensor) -> bool:
+    """Whether ``t`` carries Python attributes that a pickle would keep (``torch._utils._get_obj_state``);
+    conservatively True where torch lacks the helper."""
+    getter = getattr(torch._utils, "_get_obj_state", None)
+    return True if getter is None else bool(getter(t))
+
+
+@functools.cache
+def torch_save_code() -> frozenset[Any]:
+    """The code objects of ``torch.save``'s pickling functions (``torch.serialization._save``,
+    ``_legacy_save``): a reducer called from them must leave torch's own format alone."""
+    import torch.serialization as ser
+
+    return frozenset(f.__code__ for f in (getattr(ser, "_save", None), getattr(ser, "_legacy_save", None))
+                     if f is not None)
+
+
+def non_finite_check_and_unscale_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> bool:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` (GradScaler's fused check); False where this torch
+    has no such op, so the caller takes its slower public path."""
+    op = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    if op is None:
+        return False
+    op(grads, found, inv_scale)
+    return True
+
+
+def sparse_values(grad: torch.Tensor) -> torch.Tensor:
+    """A sparse COO tensor's values without coalescing (``Tensor._values``; ``.values()`` requires coalesced)."""
+    return grad._values()
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The in-place version counter of ``t`` (``Tensor._version``)."""
+    return int(t._version)
+
+
+def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """A module's own buffer dict, assignable in place (``Module._buffers``)."""
+    return module._buffers
+
+
+def compiled_inner(model: Any) -> Any:
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), or None for anything else."""
+    if type(model).__name__ != "OptimizedModule":
+        return None
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+# The segment torch.compile's wrapper adds to state-dict keys (its attribute holding the wrapped module).
+COMPILED_KEY_SEGMENT = "_orig_mod"
+
+
+def norm_base() -> type:
+    """The base of every BatchNorm and InstanceNorm module (``torch.nn.modules.batchnorm._NormBase``)."""
+    return torch.nn.modules.batchnorm._NormBase
+
+
+def batch_norm_base() -> type:
+    """The base of the BatchNorm modules, SyncBatchNorm and the lazy ones (``_BatchNorm``)."""
+    return torch.nn.modules.batchnorm._BatchNorm
+
+
+# A module's state dict carries its per-module versions in this attribute (read by load_state_dict).
+STATE_DICT_METADATA = "_metadata"
+
+# ---------------------------------------------------------------------------------------------- DataLoader
+
+BaseDataLoaderIter: type = _loader._BaseDataLoaderIter
+
+
+class _Counting:
+    """torch's ``_next_data`` with a hook after each batch: ``rd_batch(finished)`` (False after a batch, True when
+    the iterator runs out)."""
+
+    def rd_batch(self, finished: bool) -> None:  # overridden by robustdist.data.epochs
+        pass
+
+    def _next_data(self) -> Any:
+        try:
+            data = super()._next_data()  # type: ignore[misc]
+        except StopIteration:
+            self.rd_batch(True)
+            raise
+        self.rd_batch(False)
+        return data
+
+
+# Under torch's class names: the profiler's record names use them.
+class SingleProcessDataLoaderIter(_Counting, _loader._SingleProcessDataLoaderIter):
+    """torch's single-process iterator, with the batch hook."""
+
+
+class MultiProcessingDataLoaderIter(_Counting, _loader._MultiProcessingDataLoaderIter):
+    """torch's worker-process iterator, with the batch hook."""
+
+
+SingleProcessDataLoaderIter.__name__ = SingleProcessDataLoaderIter.__qualname__ = "_SingleProcessDataLoaderIter"
+MultiProcessingDataLoaderIter.__name__ = MultiProcessingDataLoaderIter.__qualname__ = "_MultiProcessingDataLoaderIter"
+
+
+class LoaderHooks:
+    """Mixed in before ``DataLoader``: routes torch's private ``_index_sampler`` and ``_get_iterator`` to
+    ``rd_index_sampler(inner)`` and ``rd_new_iterator()``."""
+
+    def rd_index_sampler(self, inner: Any) -> Any:
+        return inner
+
+    def rd_new_iterator(self) -> Any:
+        return DataLoader._get_iterator(self)  # type: ignore[arg-type]
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self.rd_index_sampler(DataLoader._index_sampler.fget(self))  # type: ignore[attr-defined]
+
+    def _get_iterator(self) -> Any:
+        return self.rd_new_iterator()
+
+
+def live_iterator(loader: DataLoader[Any]) -> Any:
+    """The iterator a persistent-workers loader keeps for its next epoch (``DataLoader._iterator``), or None."""
+    return getattr(loader, "_iterator", None)
+
+
+# -------------------------------------------------------------------------------------------------- DCP
+
+# The private classes and functions DCP's metadata pickles (read off torch 2.13's FileSystemWriter output).
+DCP_PICKLED_PRIVATE = frozenset({("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                                 ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                                 ("torch.serialization", "_get_layout")})
+
+
+def dcp_storage_info_type() -> type:
+    from torch.distributed.checkpoint import filesystem
+
+    return filesystem._StorageInfo
+
+
+def reader_checking_slices(base: type, check: Callable[[Any, Any, Any], None]) -> type:
+    """A subclass of DCP's ``FileSystemReader`` ``base`` that calls ``check(reader, file, storage_info)`` on every
+    slice of a data file before DCP reads it (``FileSystemReader._slice_file``)."""
+
+    if getattr(base, "_slice_file", None) is None:
+        raise CheckpointError(
+            f"this torch ({torch.__version__}) has no FileSystemReader._slice_file, where robustdist checks each "
+            "slice of a sharded data file before DCP unpickles it; refused rather than loading unchecked. Fix: use "
+            "a torch the version matrix tested (robustdist doctor lists them).")
+
+    class CheckingReader(base):  # type: ignore[misc, valid-type]
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            check(self, file, sinfo)
+            return super()._slice_file(file, sinfo)
+
+    return CheckingReader
+
+
+# ----------------------------------------------------------------------------------------------- registry
+
+
+def _attr(obj: Any, name: str) -> Any:
+    return getattr(obj, name, None)
+
+
+def _probe_dcp_slice() -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return _attr(FileSystemReader, "_slice_file")
+
+
+def _probe_compiled() -> Any:
+    # torch.compile() itself may start compile workers (torch 2.8 does): read the wrapper's __init__ instead
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return "_orig_mod" in OptimizedModule.__init__.__code__.co_names or None
+
+
+def _probe_loader_hooks() -> Any:
+    return all(_attr(c, n) is not None for c, n in (
+        (DataLoader, "_get_iterator"), (DataLoader, "_index_sampler"), (_loader._BaseDataLoaderIter, "_next_data"),
+        (_loader, "_SingleProcessDataLoaderIter"), (_loader, "_MultiProcessingDataLoaderIter"))) or None
+
+
+def _probe_live_iterator() -> Any:
+    loader = DataLoader([0, 1], persistent_workers=False)
+    return hasattr(loader, "_iterator") or None
+
+
+PRIVATE_APIS: tuple[PrivateAPI, ...] = (
+    PrivateAPI("torch.distributed.distributed_c10d._get_default_store", "torch",
+               "naming the ranks that did not arrive at a barrier, and counting restart attempts in the job's "
+               "store; without it those messages name fewer ranks", _VERIFIED,
+               lambda: _attr(dist.distributed_c10d, "_get_default_store")),
+    PrivateAPI("torch.distributed.PrefixStore.underlying_store", "torch",
+               "reaching the TCPStore under a group's PrefixStore layers (the watchdog's own connection, the attempt "
+               "counter)", _VERIFIED, lambda: _attr(dist.PrefixStore, "underlying_store")),
+    PrivateAPI("torch._C._has_storage", "torch", "the bf16 pickling patch skips tensors with no storage",
+               _VERIFIED, lambda: _attr(torch._C, "_has_storage")),
+    PrivateAPI("torch._utils._get_obj_state", "torch",
+               "the bf16 pickling patch leaves tensors with Python attributes to torch", _VERIFIED,
+               lambda: _attr(torch._utils, "_get_obj_state")),
+    PrivateAPI("torch.serialization._save", "torch",
+               "the bf16 pickling patch leaves torch.save's own format untouched", _VERIFIED,
+               lambda: _attr(torch.serialization, "_save")),
+    PrivateAPI("torch._amp_foreach_non_finite_check_and_unscale_", "torch",
+               "the step guard's fused finite check; without it a slower per-dtype sum is used", _VERIFIED,
+               lambda: _attr(torch, "_amp_foreach_non_finite_check_and_unscale_")),
+    PrivateAPI("torch.Tensor._values", "torch", "reading a sparse gradient's values without coalescing",
+               _VERIFIED, lambda: _attr(torch.Tensor, "_values"), public="Tensor.values() (needs coalesced)"),
+    PrivateAPI("torch.Tensor._version", "torch", "FSDP's meta-device init tells an integer tensor no init wrote",
+               _VERIFIED, lambda: _attr(torch.Tensor, "_version")),
+    PrivateAPI("torch.nn.Module._buffers", "torch", "moving buffers an init re-created to the compute device",
+               _VERIFIED, lambda: _attr(torch.nn.Linear(1, 1), "_buffers")),
+    PrivateAPI("torch._dynamo.eval_frame.OptimizedModule._orig_mod", "torch",
+               "unwrapping torch.compile's wrapper to find DDP/FSDP inside it", _VERIFIED, _probe_compiled),
+    PrivateAPI("torch.nn.modules.batchnorm._NormBase", "torch",
+               "the step guard restores norm statistics after a skipped step", _VERIFIED, norm_base),
+    PrivateAPI("torch.nn.modules.batchnorm._BatchNorm", "torch",
+               "SyncBatchNorm conversion and FSDP's norm handling find every BatchNorm", _VERIFIED, batch_norm_base),
+    PrivateAPI("torch.utils.data.DataLoader._get_iterator/_index_sampler, _BaseDataLoaderIter._next_data, "
+               "_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter", "torch",
+               "safe_dataloader's mid-epoch position (batches counted, the sampler replayed)", _VERIFIED,
+               _probe_loader_hooks),
+    PrivateAPI("torch.utils.data.DataLoader._iterator", "torch",
+               "telling an abandoned persistent-workers iterator from one a loop is in", _VERIFIED,
+               _probe_live_iterator),
+    PrivateAPI("torch.distributed.checkpoint.filesystem._StorageInfo", "torch",
+               "validating DCP metadata before DCP reads it (untrusted checkpoints)", _VERIFIED,
+               dcp_storage_info_type),
+    PrivateAPI("torch.distributed.checkpoint.FileSystemReader._slice_file", "torch",
+               "checking every slice of a sharded data file before DCP unpickles it (untrusted checkpoints)",
+               _VERIFIED, _probe_dcp_slice),
+)

@@ -1,0 +1,52 @@
+"""One canary per private torch or Ray API robustdist uses (issue #31): each resolves on the installed version,
+or fails with a message naming the API, the installed version and what robustdist needs it for. The version
+matrix (``make test-matrix``) runs these in every lane."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import pytest
+
+from robustdist.runtime.private_api import PrivateAPI, canary
+
+
+def _registry(module: str) -> tuple[PrivateAPI, ...]:
+    return importlib.import_module(f"robustdist.runtime.{module}").PRIVATE_APIS
+
+
+TORCH = _registry("_torch_compat")
+RAY = _registry("_ray_compat") if importlib.util.find_spec("ray") else ()
+
+
+@pytest.mark.parametrize("api", TORCH + RAY, ids=lambda api: api.name[:70])
+def test_private_api_still_resolves(api):
+    problem = canary(api)
+    assert problem is None, problem
+
+
+def test_every_entry_says_what_it_is_for_and_where_it_was_verified():
+    for api in TORCH + RAY:
+        assert api.dependency in ("torch", "ray") and api.used_for and api.verified.startswith(("torch", "Ray")), api
+
+
+def test_a_moved_api_is_named_with_the_installed_version():
+    from importlib import metadata
+
+    gone = PrivateAPI("torch._robustdist_canary_never_exists", "torch", "nothing (a canary's own check)",
+                      "torch 2.13.0", lambda: getattr(__import__("torch"), "_robustdist_canary_never_exists"))
+    message = canary(gone)
+    assert message is not None and "torch._robustdist_canary_never_exists" in message
+    assert metadata.version("torch") in message and "verified on torch 2.13.0" in message
+    assert canary(PrivateAPI("x", "torch", "y", "torch 2.13.0", lambda: None)).startswith("private API x is missing")
+
+
+def test_an_api_newer_than_the_installed_version_is_absent_by_design():
+    from importlib import metadata
+
+    future = PrivateAPI("torch.not_yet", "torch", "a feature newer releases have", "torch 99.0", lambda: None,
+                        since="99.0")
+    assert canary(future) is None
+    past = PrivateAPI("torch.gone", "torch", "a feature", "torch 1.0", lambda: None, since="1.0")
+    assert f"missing in torch {metadata.version('torch')}" in canary(past)
