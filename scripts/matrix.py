@@ -14,7 +14,9 @@ counts, the failures and ``pip freeze``.
 * ``robustdist/runtime/tested_versions.json``: the data that ``robustdist doctor`` and
   :mod:`robustdist.runtime.versions` classify an installed version by, and that ``tests/test_versions.py``
   checks ``pyproject.toml``'s ranges against;
-* the matrix table in ``docs/status.md`` (between its ``matrix`` markers).
+* the matrix table in ``docs/status.md`` (between its ``matrix`` markers);
+* ``pyproject.toml``'s ranges for torch and Ray, ``requires-python`` and the Python classifiers: exactly what the
+  passing lanes ran (a lane that failed or did not run widens nothing).
 
 The pinned lane is the project's ``.venv`` (``constraints.txt``, what ``make test`` and CI run). The machine's
 pip configuration may cap versions (``/etc/xdg/pip``): every pip command here runs with
@@ -226,7 +228,8 @@ def render() -> None:
     for name in LANES:
         path = MATRIX_DIR / name / "result.json"
         res = json.loads(path.read_text()) if path.exists() else None
-        if res is None or res.get("subset"):
+        if res is None or res.get("subset") or not (res["passed"] or res["failed"] or res["errors"]):
+            # no result, a subset, or a run interrupted before pytest wrote its report
             log(f"lane {name} has no whole-suite result: listed as not run (run: python3 scripts/matrix.py {name})")
             not_run.append(name)
             continue
@@ -234,8 +237,9 @@ def render() -> None:
     passing = [r for r in results if r["ok"]]
     if not passing:
         sys.exit("matrix: no lane passed; nothing to render")
-    def floor(dep: str) -> str:
-        return min((r["versions"][dep].split("+")[0] for r in passing), key=lambda v: tuple(map(int, v.split("."))))
+    def floor(dep: str) -> str:  # Python by its minor (3.11), torch and Ray by the release the lane ran
+        found = [_minor(r["versions"][dep]) if dep == "python" else r["versions"][dep].split("+")[0] for r in passing]
+        return min(found, key=lambda v: tuple(map(int, v.split("."))))
     def ceiling(dep: str) -> str:
         return max((_minor(r["versions"][dep]) for r in passing), key=lambda v: tuple(map(int, v.split("."))))
     data = {
@@ -267,7 +271,29 @@ def render() -> None:
     if BEGIN not in doc or END not in doc:
         sys.exit(f"matrix: {STATUS_DOC} lacks the markers {BEGIN!r} ... {END!r}")
     STATUS_DOC.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: table, doc, flags=re.S))
-    log(f"wrote {DATA_FILE.relative_to(ROOT)} and the table in {STATUS_DOC.relative_to(ROOT)}")
+    _write_ranges(sup)
+    log(f"wrote {DATA_FILE.relative_to(ROOT)}, the table in {STATUS_DOC.relative_to(ROOT)} and pyproject.toml's ranges")
+
+
+def _next_minor(version: str) -> str:
+    major, minor = version.split(".")[:2]
+    return f"{major}.{int(minor) + 1}"
+
+
+def _write_ranges(sup: dict) -> None:
+    """pyproject.toml declares exactly what passed: torch's and Ray's ranges (every non-pinned requirement on
+    them), requires-python and the Python classifiers."""
+    path = ROOT / "pyproject.toml"
+    text = path.read_text()
+    floor = lambda dep: ".".join(sup[dep]["min"].split(".")[:2])  # noqa: E731 - 2.8.0 -> 2.8
+    text = re.sub(r'"torch>=[^"]*"', f'"torch>={floor("torch")},<{_next_minor(sup["torch"]["max_minor"])}"', text)
+    text = re.sub(r'"ray\[train,tune\]>=[^"]*"',
+                  f'"ray[train,tune]>={floor("ray")},<{_next_minor(sup["ray"]["max_minor"])}"', text)
+    text = re.sub(r'requires-python = "[^"]*"', f'requires-python = ">={floor("python")}"', text)
+    low, high = int(sup["python"]["min"].split(".")[1]), int(sup["python"]["max_minor"].split(".")[1])
+    classifiers = "".join(f'    "Programming Language :: Python :: 3.{m}",\n' for m in range(low, high + 1))
+    text = re.sub(r'(    "Programming Language :: Python :: 3\.\d+",\n)+', classifiers, text)
+    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:

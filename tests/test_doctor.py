@@ -42,7 +42,8 @@ def _expected_code() -> int:
 
     try:
         verdicts = [versions.classify(f.check.split(".", 1)[1], f.value.split()[0])
-                    for f in doctor.check_versions() if f.value != "not installed"]
+                    for f in doctor.check_versions()
+                    if f.value != "not installed" and f.check.split(".", 1)[1] in versions.DEPENDENCIES]
     except versions.MatrixDataError:
         return 0
     return 1 if any(v.status == "unsupported" for v in verdicts) else 0
