@@ -140,7 +140,10 @@ def _point_at_this_checkout(py: Path) -> None:
     here = f"{ROOT} {hashlib.sha256((ROOT / 'pyproject.toml').read_bytes()).hexdigest()}"
     if marker.exists() and marker.read_text() == here:
         return
-    run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)], env=pip_env())
+    # --ignore-requires-python: the declared range is what the last render found, and a lane outside it is how
+    # the range widens
+    run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--ignore-requires-python",
+         "-e", str(ROOT)], env=pip_env())
     marker.write_text(here)
 
 
@@ -285,7 +288,9 @@ def _write_ranges(sup: dict) -> None:
     them), requires-python and the Python classifiers."""
     path = ROOT / "pyproject.toml"
     text = path.read_text()
-    floor = lambda dep: ".".join(sup[dep]["min"].split(".")[:2])  # noqa: E731 - 2.8.0 -> 2.8
+    # the oldest lane's own release (2.8.0 -> 2.8, 2.52.1 stays: doctor calls 2.52.0 unsupported, and so does pip)
+    floor = lambda dep: re.sub(r"(\.0)+$", "", sup[dep]["min"]) if dep != "python" else \
+        ".".join(sup[dep]["min"].split(".")[:2])  # noqa: E731
     text = re.sub(r'"torch>=[^"]*"', f'"torch>={floor("torch")},<{_next_minor(sup["torch"]["max_minor"])}"', text)
     text = re.sub(r'"ray\[train,tune\]>=[^"]*"',
                   f'"ray[train,tune]>={floor("ray")},<{_next_minor(sup["ray"]["max_minor"])}"', text)

@@ -33,6 +33,9 @@ settings.load_profile("robustdist")
 
 
 def pytest_configure(config):
+    # torch.compile compiles in this process: some torch versions (2.8) otherwise keep a pool of compile worker
+    # processes alive for the session, which the leftover-children check would report as the test's
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     # Ranks fork from a server that imported torch once, instead of importing it each (the suite's main cost).
     from robustdist.testing.ranks import use_forkserver
 
@@ -43,6 +46,7 @@ def pytest_configure(config):
         nodelab.remove_stale()  # namespaces a crashed earlier run left behind
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads xdist_group to pick the worker
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
@@ -162,6 +166,20 @@ def ray_cluster():
             _procs.kill_and_reap(pid)
         if survivors:
             raise RuntimeError(f"ray.shutdown() left Ray processes running (now killed): {survivors}")
+
+
+@pytest.fixture(scope="module")
+def ray_by_value(request, ray_cluster):
+    """The session cluster, with the requesting test module's functions and classes sent to Ray workers by value
+    (the workers import robustdist but maybe not ``tests``)."""
+    from ray import cloudpickle
+
+    module = request.module
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        yield ray_cluster
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
 
 
 @pytest.fixture(autouse=True)

@@ -89,3 +89,19 @@ def test_doctor_reports_the_same_verdicts(monkeypatch):
     assert "use torch" in found["version.torch"].remedy
     assert found["version.ray"].level == "ok" and "tested" in found["version.ray"].value
     assert found["version.python"].level == "ok" and found["version.numpy"].level == "ok"
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"lanes": [], "supported": {"torch": {"min": "2.13"}}}'],
+                         ids=["missing", "corrupt", "no-python-range"])
+def test_broken_matrix_data_is_a_named_error_that_says_reinstall(tmp_path, monkeypatch, content):
+    data = tmp_path / "tested_versions.json"
+    if content is not None:
+        data.write_text(content)
+    monkeypatch.setattr(versions, "DATA", data)
+    versions.matrix.cache_clear()
+    try:
+        with pytest.raises(versions.MatrixDataError) as caught:
+            versions.classify("torch", "2.13.0")
+    finally:
+        versions.matrix.cache_clear()
+    assert str(data) in str(caught.value) and "reinstall robustdist" in str(caught.value)

@@ -45,6 +45,7 @@ class _ShortRepr(reprlib.Repr):
         self.maxtuple = self.maxlist = self.maxset = self.maxfrozenset = self.maxdict = 4
         self.maxstring = 60
         self.maxother = 60
+        self.fillvalue = "..."  # reprlib.Repr has it only from Python 3.11
 
     def repr1(self, x: Any, level: int) -> str:
         if x is None or isinstance(x, (bool, float, complex)):

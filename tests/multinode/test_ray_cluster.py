@@ -108,20 +108,26 @@ def test_a_killed_worker_resumes_bitwise_on_two_ray_nodes_from_every_ranks_files
             assert json.loads((work / f"{name}.result.json").read_text())["metrics"]["step"] == 9, name
         reference = _records(work / "reference" / "resumes.jsonl")
         attempts = _records(work / "faults" / "resumes.jsonl")
-        assert sorted((r["rank"], r["resumed"]) for r in attempts) == [(0, 0), (0, 6), (1, 0), (1, 6)], attempts
+        # The restart resumes from the newest checkpoint Ray registered: step 6 (the last report before the kill
+        # at step 7) where Ray registered it before the worker died, as Ray 2.60 does; Ray 2.52's controller may
+        # not yet have collected that report when the worker is SIGKILLed, and then hands back step 3.
+        again = sorted({r["resumed"] for r in attempts if r["resumed"]})
+        assert len(again) == 1 and again[0] in (3, 6), attempts
+        step = again[0]
+        assert sorted((r["rank"], r["resumed"]) for r in attempts) == [(0, 0), (0, step), (1, 0), (1, step)], attempts
         # One worker per node in every attempt (which rank lands on which node may change with the restart).
         for run in (reference, [r for r in attempts if r["resumed"] == 0], [r for r in attempts if r["resumed"]]):
             assert sorted(r["host"] for r in run) == ["node0", "node1"], run
-        resumed = [r for r in attempts if r["resumed"] == 6]
-        # robustdist's directory was gone: step 6 came from Ray's checkpoint, on both ranks.
+        resumed = [r for r in attempts if r["resumed"] == step]
+        # robustdist's directory was gone: the step came from Ray's checkpoint, on both ranks.
         assert {r["source"] for r in resumed} == {"ray"}, resumed
         ray_ckpt = resumed[0]["ray_checkpoint"]
-        assert ray_ckpt and "step_0000000006" in ray_ckpt and {r["ray_checkpoint"] for r in resumed} == {ray_ckpt}
+        assert ray_ckpt and f"step_{step:010d}" in ray_ckpt and {r["ray_checkpoint"] for r in resumed} == {ray_ckpt}
         assert ray_ckpt.startswith(str(work / "ray" / "faults"))
         assert {"manifest.json", "replicated.pt", "rank_00000.pt", "rank_00001.pt"} <= set(os.listdir(ray_ckpt))
-        # Each rank reported its own files of step 6 from its own node; together they are Ray's checkpoint.
+        # Each rank reported its own files of that step from its own node; together they are Ray's checkpoint.
         sent = {r["rank"]: r for r in _records(work / "faults" / "reports.jsonl")
-                if (r["name"] or "").startswith("step_0000000006")}
+                if (r["name"] or "").startswith(f"step_{step:010d}")}
         assert sorted(sent) == [0, 1] and sent[0]["host"] != sent[1]["host"], sent
         assert "rank_00001.pt" in sent[1]["files"] and "rank_00001.pt" not in sent[0]["files"], sent
         assert "rank_00000.pt" in sent[0]["files"] and "manifest.json" in sent[0]["files"], sent

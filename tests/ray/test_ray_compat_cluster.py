@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 
@@ -28,18 +27,6 @@ class Probe:
 class _Sleeper:
     def fit(self):
         time.sleep(600)
-
-
-@pytest.fixture(scope="module")
-def ray_by_value(ray_cluster):
-    from ray import cloudpickle
-
-    module = sys.modules[__name__]
-    cloudpickle.register_pickle_by_value(module)
-    try:
-        yield ray_cluster
-    finally:
-        cloudpickle.unregister_pickle_by_value(module)
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:

@@ -70,19 +70,6 @@ class _Plain:
         return os.environ.get(self.env) if self.env else self.value
 
 
-@pytest.fixture(scope="module")
-def ray_by_value(ray_cluster):
-    """The Ray workers import robustdist but maybe not ``tests``: send this module's functions by value."""
-    from ray import cloudpickle
-
-    module = sys.modules[__name__]
-    cloudpickle.register_pickle_by_value(module)
-    try:
-        yield ray_cluster
-    finally:
-        cloudpickle.unregister_pickle_by_value(module)
-
-
 @pytest.fixture
 def start_fit(ray_by_value):
     """``start_fit(trainer)`` is ``fit_async(trainer)``; a future still running when the test ends is cancelled."""

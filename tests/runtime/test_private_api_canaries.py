@@ -50,3 +50,25 @@ def test_an_api_newer_than_the_installed_version_is_absent_by_design():
     assert canary(future) is None
     past = PrivateAPI("torch.gone", "torch", "a feature", "torch 1.0", lambda: None, since="1.0")
     assert f"missing in torch {metadata.version('torch')}" in canary(past)
+
+
+def test_a_dcp_reader_without_slice_file_is_refused_not_loaded_unchecked():
+    """If a torch drops ``FileSystemReader._slice_file`` (where robustdist checks each slice before DCP unpickles
+    it), the sharded loader must refuse rather than read the slices unchecked."""
+    from robustdist.runtime import _torch_compat
+    from robustdist.runtime.errors import CheckpointError
+
+    class ReaderWithoutSliceFile:
+        pass
+
+    with pytest.raises(CheckpointError, match="no FileSystemReader._slice_file.*refused rather than loading"):
+        _torch_compat.reader_checking_slices(ReaderWithoutSliceFile, lambda *a: None)
+
+    seen = []
+
+    class Reader:
+        def _slice_file(self, file, sinfo):
+            return (file, sinfo)
+
+    checking = _torch_compat.reader_checking_slices(Reader, lambda reader, file, sinfo: seen.append((file, sinfo)))
+    assert checking()._slice_file("f", "s") == ("f", "s") and seen == [("f", "s")]

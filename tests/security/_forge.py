@@ -86,14 +86,19 @@ def evil_pickle(marker: Path) -> bytes:
 def dotted_name_pickle(marker: Path) -> bytes:
     """A protocol-4 pickle that builds and calls a function using only names *inside* DCP's metadata module:
     ``Metadata.__init__.__code__.__class__`` (CodeType) and ``Metadata.__init__.__class__`` (FunctionType).
-    An allow-list that accepts any dotted name whose result is a type runs it. (CPython 3.11 to 3.13.)"""
+    An allow-list that accepts any dotted name whose result is a type runs it. (CPython 3.10 to 3.13.)"""
     def payload() -> None:
         open(MARKER, "w").close()  # noqa: F821 - MARKER comes from the globals the pickle builds
 
     c = payload.__code__
-    args = (c.co_argcount, c.co_posonlyargcount, c.co_kwonlyargcount, c.co_nlocals, c.co_stacksize, c.co_flags,
-            c.co_code, c.co_consts, c.co_names, c.co_varnames, c.co_filename, c.co_name, c.co_qualname,
-            c.co_firstlineno, c.co_linetable, c.co_exceptiontable, c.co_freevars, c.co_cellvars)
+    if sys.version_info >= (3, 11):  # CodeType's positional signature
+        args = (c.co_argcount, c.co_posonlyargcount, c.co_kwonlyargcount, c.co_nlocals, c.co_stacksize, c.co_flags,
+                c.co_code, c.co_consts, c.co_names, c.co_varnames, c.co_filename, c.co_name, c.co_qualname,
+                c.co_firstlineno, c.co_linetable, c.co_exceptiontable, c.co_freevars, c.co_cellvars)
+    else:
+        args = (c.co_argcount, c.co_posonlyargcount, c.co_kwonlyargcount, c.co_nlocals, c.co_stacksize, c.co_flags,
+                c.co_code, c.co_consts, c.co_names, c.co_varnames, c.co_filename, c.co_name, c.co_firstlineno,
+                c.co_linetable, c.co_freevars, c.co_cellvars)
     module = "torch.distributed.checkpoint.metadata"
 
     def body(obj: Any) -> bytes:  # an object's opcodes without PROTO and STOP (protocol 3: no frames)
