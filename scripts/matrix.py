@@ -289,9 +289,13 @@ def _write_ranges(sup: dict) -> None:
     them), requires-python and the Python classifiers."""
     path = ROOT / "pyproject.toml"
     text = path.read_text()
-    # the oldest lane's own release (2.8.0 -> 2.8, 2.52.1 stays: doctor calls 2.52.0 unsupported, and so does pip)
-    floor = lambda dep: re.sub(r"(\.0)+$", "", sup[dep]["min"]) if dep != "python" else \
-        ".".join(sup[dep]["min"].split(".")[:2])  # noqa: E731
+
+    def floor(dep: str) -> str:
+        """Python's oldest minor; torch's and Ray's oldest lane release itself (2.8.0 -> 2.8; 2.52.1 stays, so
+        pip and doctor agree that 2.52.0 is outside)."""
+        low = sup[dep]["min"]
+        return ".".join(low.split(".")[:2]) if dep == "python" else re.sub(r"(\.0)+$", "", low)
+
     text = re.sub(r'"torch>=[^"]*"', f'"torch>={floor("torch")},<{_next_minor(sup["torch"]["max_minor"])}"', text)
     text = re.sub(r'"ray\[train,tune\]>=[^"]*"',
                   f'"ray[train,tune]>={floor("ray")},<{_next_minor(sup["ray"]["max_minor"])}"', text)
