@@ -70,7 +70,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         UnsupportedVersionError,
     )
     from robustdist.runtime.log import get_logger
-    from robustdist.runtime.topology import Topology, detect_topology
+    from robustdist.runtime.topology import Topology, detect_topology, local_device
     from robustdist.testing.ranks import run_ranks
 
 _LAZY: dict[str, str] = {
@@ -113,6 +113,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["Stateful", "TrainState"], "robustdist.checkpoint.train_state"),
     "Topology": "robustdist.runtime.topology",
     "detect_topology": "robustdist.runtime.topology",
+    "local_device": "robustdist.runtime.topology",
 }
 
 __getattr__, __dir__, _exported = _attach(__name__, _LAZY)

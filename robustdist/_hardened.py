@@ -49,7 +49,7 @@ class Hardened(RayReporting):
     def __init__(self, *, state: TrainState, topology: Topology, init_report: InitReport,
                  checkpointer: AtomicCheckpointer | None, config: HardenConfig,
                  watchdog: Watchdog | None = None, local: LocalTier | None = None,
-                 ray: _ray_train.RayTrain | None = None, identity: RunIdentity | None = None):
+                 ray: _ray_train.RayTrain | None = None, identity: RunIdentity | None = None, scaler: Any = None):
         self.state, self.topology, self.init_report = state, topology, init_report
         self.checkpointer, self.config, self.watchdog = checkpointer, config, watchdog
         self.local, self.ray, self.identity = local, ray, identity
@@ -69,7 +69,10 @@ class Hardened(RayReporting):
         self.guard = StepGuard(health.nan_policy, model=state.model, optimizer=state.optimizer,
                                restore=self._load if checkpointer is not None else None,
                                max_rollbacks=health.max_rollbacks, check_gradients=health.check_gradients,
-                               divergence_interval=health.interval_steps if health.check_divergence and ddp else None)
+                               divergence_interval=health.interval_steps if health.check_divergence and ddp else None,
+                               scaler=scaler, overflow_warn_after=health.scaler_overflow_warn_after)
+        if scaler is not None:  # its scale and growth tracker: a resume without them skips other steps
+            state.extras.setdefault("grad_scaler", scaler)
 
     # ------------------------------------------------------------------ drop-in shape
     def __iter__(self) -> Any:
@@ -116,8 +119,13 @@ class Hardened(RayReporting):
         return self.init_report.attempt
 
     # ------------------------------------------------------------------ per step
-    def step_guard(self, loss: Any, step: int) -> StepDecision:
+    def step_guard(self, loss: Any, step: int, *, scaler: Any = None) -> StepDecision:
         """Call after ``backward()`` and before ``optimizer.step()``; step only if the result is true.
+
+        With fp16 and a ``torch.amp.GradScaler`` (given here or to ``harden``), pass the *unscaled* loss and call
+        ``scaler.step(optimizer)`` when the result is true and ``scaler.update()`` every step: an overflow
+        returns true (``action == "overflow"``) and the scaler skips it; a non-finite loss follows
+        ``health.nan_policy`` (:class:`~robustdist.health.StepGuard`).
 
         Beats the watchdog, checks the loss (and gradients) with ``health.nan_policy`` on every rank, and runs
         the divergence check every ``health.interval_steps`` steps. After a rollback, ``decision.resume_step``
@@ -125,7 +133,7 @@ class Hardened(RayReporting):
         it): the next iteration starts at the checkpoint's position.
         """
         self._beat(step)
-        decision = self.guard(loss, step)
+        decision = self.guard(loss, step, scaler=scaler)
         self._step = decision.resume_step if decision.rolled_back and decision.resume_step is not None else step + 1
         self._beat()
         return decision
@@ -311,6 +319,11 @@ class Hardened(RayReporting):
             destroy_process_group_if_owned(self.init_report)
         if reporting is not None:
             raise reporting
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran."""
+        return self._closed
 
     def __enter__(self) -> Hardened:
         return self

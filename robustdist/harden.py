@@ -50,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,7 +73,9 @@ from robustdist.init.process_group import (
 )
 from robustdist.parallel import fsdp
 from robustdist.parallel.ddp import wrap_ddp
+from robustdist.parallel.state_dict import is_compiled
 from robustdist.ray import train as _ray_train
+from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import ConfigError
 from robustdist.runtime.log import get_logger
@@ -88,7 +91,7 @@ ConfigInput = HardenConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 
 def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
            optimizer: torch.optim.Optimizer | None = None, shard_policy: Any = None,
-           init_weights: Any = None) -> Hardened:
+           init_weights: Any = None, scaler: Any = None) -> Hardened:
     """Harden a training script (see the module docstring).
 
     Args:
@@ -102,9 +105,12 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
             ``module -> bool``); overrides ``fsdp.shard_modules``.
         init_weights: FSDP only: ``init_weights(module)`` initialises a meta-device model after it is
             materialised (default: the model's own ``reset_parameters``).
+        scaler: the fp16 loop's ``torch.amp.GradScaler``: the step guard leaves its overflows to it, and it is
+            checkpointed (as ``grad_scaler``) and restored by ``resume``.
     """
     config = resolve_config(cfg)
     topo = detect_topology()
+    _refuse_wrapped(model, topo)
     report = _init(config, topo)
     checkpointer: AtomicCheckpointer | None = None
     identity: RunIdentity | None = None
@@ -136,7 +142,7 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
                                 ).attach(wrapped)
         hardened = Hardened(state=TrainState(wrapped, optimizer=optimizer, loader=safe), topology=topo,
                             init_report=report, checkpointer=checkpointer, config=config, watchdog=watchdog,
-                            local=local, ray=ray, identity=identity)
+                            local=local, ray=ray, identity=identity, scaler=scaler)
     except BaseException:
         if watchdog is not None:
             watchdog.close()
@@ -146,8 +152,55 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
             checkpointer.close()
         destroy_process_group_if_owned(report)
         raise
+    for module in (model, wrapped):
+        _HARDENED[module] = weakref.ref(hardened)
     log.info("hardened: %s", _describe(hardened))
     return hardened
+
+
+_HARDENED: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[Hardened]] = weakref.WeakKeyDictionary()
+"""Every model harden() was given or returned, to the Hardened that holds it (while both live)."""
+
+
+def _refuse_wrapped(model: Any, topo: Topology) -> None:
+    """A model robustdist hardened (and has not closed), or one another wrapper already wrapped, is refused before
+    anything starts: a second DDP, a second checkpointer and a second watchdog on one model train wrongly, not
+    loudly."""
+    rank = topo.rank if topo.is_distributed else None
+    earlier = _HARDENED.get(model) if isinstance(model, nn.Module) else None
+    holder = earlier() if earlier is not None else None
+    if holder is not None and not holder.closed:
+        raise ConfigError(
+            f"harden() was given {type(model).__name__}, which an earlier harden() call hardened (the model it was "
+            "given or the one it returned) and is still open; expected the bare model, hardened once. Fix: keep "
+            "the first result (h.model, h.loader) and remove the second harden() call, or h.close() the first "
+            "before hardening the model again.", rank=rank)
+    wrapper = _foreign_wrapper(model)
+    if wrapper is not None:
+        raise ConfigError(
+            f"harden() was given a model already wrapped by {wrapper}; expected the bare model: harden() wraps it "
+            "itself (DDP or FSDP), so a second wrapper would average every gradient twice or shard the data twice. "
+            "Fix: remove that wrapping call (ray.train.torch.prepare_model, accelerator.prepare, fabric.setup or "
+            "DDP(...)) and pass the bare module (robustdist.unwrap_model(model) gives it back); see "
+            "docs/porting.md.", rank=rank)
+
+
+def _foreign_wrapper(model: Any) -> str | None:
+    """Who wrapped ``model`` already, in words, or None for a bare module."""
+    kind = type(model)
+    if kind.__module__.startswith(("lightning.fabric", "lightning_fabric")) and kind.__name__ == "_FabricModule":
+        return "Lightning Fabric (fabric.setup)"
+    if not isinstance(model, nn.Module):
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) or (is_compiled(model) and isinstance(
+            _torch_compat.compiled_inner(model), DistributedDataParallel)):
+        return ("DistributedDataParallel (ray.train.torch.prepare_model, accelerator.prepare under a launcher, or "
+                "the script's own DDP(...))")
+    if "_original_forward" in vars(model):
+        return "Accelerate (accelerator.prepare: its mixed-precision forward)"
+    return None
 
 
 def _run_directory(base: str, run_name: str | None,
@@ -215,7 +268,8 @@ def _describe(h: Hardened) -> str:
         parts.append(f"in-memory checkpoints in {h.local.directory} every {cfg.checkpoint.local_every_n_steps} "
                      f"steps ({'a replica on the next node' if any(p is not None for p in h.local.peers) else 'no replica'})")
     parts.append(f"watchdog {cfg.health.hang_timeout:g} s ({cfg.health.hang_action})" if h.watchdog else "watchdog off")
-    parts.append(f"nan_policy {cfg.health.nan_policy} through h.step_guard ({h.guard.agreement} agreement)")
+    parts.append(f"nan_policy {cfg.health.nan_policy} through h.step_guard ({h.guard.agreement} agreement"
+                 f"{'; GradScaler overflows left to the scaler' if h.guard.scaler is not None else ''})")
     if h.guard.divergence_interval:
         parts.append(f"divergence check every {h.guard.divergence_interval} steps")
     return ", ".join(parts)

@@ -9,7 +9,12 @@ Usable alone with an :class:`~robustdist.checkpoint.AtomicCheckpointer`::
     state.save(ckpt, step)                # collective: every rank calls it
     loaded = state.load(ckpt, missing_ok=True)
 
-Every rank saves and loads its own loader position and RNG state (``per_rank``); the rest is saved once.
+Every rank saves and loads its own loader position and RNG state (``per_rank``); the model, optimizer, scheduler
+and stateful extras are saved once (rank 0's; DDP keeps them identical, FSDP's sharded state is saved by every
+rank through DCP). **Plain extras** (data with no ``load_state_dict``: numbers, lists, dicts, tensors) are saved
+by every rank for itself as well, and ``load`` gives each rank its own value back in ``loaded.state[name]``: a
+per-rank counter or a per-rank buffer resumes as that rank left it. A rank that saved nothing (the job resumed
+with more ranks than it saved with) gets rank 0's value, with a warning naming the entries.
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint, LocalSaveInfo, LocalTier
+from robustdist.checkpoint._payload import is_sharded
 from robustdist.data.dataloader import SafeDataLoader
+from robustdist.runtime.log import get_logger
+
+log = get_logger(__name__)
+
+EXTRAS = "extras"
+"""The per-rank entry that holds this rank's own plain extras."""
 
 __all__ = ["Stateful", "TrainState"]
 
@@ -61,15 +73,23 @@ class TrainState:
 
     def save(self, checkpointer: AtomicCheckpointer, step: int, extra: Mapping[str, Any] | None = None,
              **kwargs: Any) -> CheckpointInfo:
-        """Save every entry, plus ``extra`` (stateful objects or plain data), and this rank's loader position."""
-        per_rank = {"loader": self.loader.state_dict()} if isinstance(self.loader, SafeDataLoader) else None
-        return checkpointer.save(step, {**self.entries(), **(extra or {})}, per_rank=per_rank, **kwargs)
+        """Save every entry, plus ``extra`` (stateful objects or plain data), this rank's loader position and
+        this rank's own plain extras."""
+        return checkpointer.save(step, {**self.entries(), **(extra or {})}, per_rank=self._per_rank(extra), **kwargs)
 
     def save_local(self, tier: LocalTier, step: int, extra: Mapping[str, Any] | None = None) -> LocalSaveInfo:
-        """Take an in-memory checkpoint of every entry, ``extra`` and this rank's loader position
+        """Take an in-memory checkpoint of every entry, ``extra``, this rank's loader position and plain extras
         (``LocalTier.save``): the same content as :meth:`save`."""
-        per_rank = {"loader": self.loader.state_dict()} if isinstance(self.loader, SafeDataLoader) else None
-        return tier.save(step, {**self.entries(), **(extra or {})}, per_rank=per_rank)
+        return tier.save(step, {**self.entries(), **(extra or {})}, per_rank=self._per_rank(extra))
+
+    def _per_rank(self, extra: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        out: dict[str, Any] = {}
+        if isinstance(self.loader, SafeDataLoader):
+            out["loader"] = self.loader.state_dict()
+        own = {k: v for k, v in (extra or {}).items() if _plain(v)}
+        if own:
+            out[EXTRAS] = own
+        return out or None
 
     def load(self, checkpointer: AtomicCheckpointer, *, missing_ok: bool = False, local: LocalTier | None = None,
              checkpoint: Any = None, at_least: int | None = None) -> LoadedCheckpoint | None:
@@ -84,5 +104,33 @@ class TrainState:
             floor = max((s for s in (steps[-1] if steps else None, at_least) if s is not None), default=None)
             loaded = local.load(state=self.entries(), per_rank=per_rank, at_least=floor)
             if loaded is not None:
-                return loaded
-        return checkpointer.load(checkpoint, state=self.entries(), per_rank=per_rank, missing_ok=missing_ok)
+                return _own_extras(loaded, checkpointer.rank)
+        loaded = checkpointer.load(checkpoint, state=self.entries(), per_rank=per_rank, missing_ok=missing_ok)
+        return _own_extras(loaded, checkpointer.rank) if loaded is not None else None
+
+
+def _plain(value: Any) -> bool:
+    """A plain extra: saved per rank too (not a module, not stateful, not sharded)."""
+    return not (isinstance(value, nn.Module) or hasattr(value, "load_state_dict") or is_sharded(value))
+
+
+def _own_extras(loaded: LoadedCheckpoint, rank: int) -> LoadedCheckpoint:
+    """Put this rank's own plain extras into ``loaded.state`` (in place of rank 0's)."""
+    own = loaded.per_rank.get(EXTRAS)
+    if isinstance(own, dict):
+        loaded.state.update({k: v for k, v in own.items() if k in loaded.state})
+        return loaded
+    kinds = loaded.manifest.get("entries", {}) if isinstance(loaded.manifest, dict) else {}
+    plain = sorted(k for k, kind in kinds.items() if kind == "data" and k in loaded.state)
+    if plain and rank != 0:
+        log.warning("checkpoint step %d holds no values of this rank's own for the plain extras %s (saved by %s "
+                    "rank(s); %s): this rank gets rank 0's", loaded.step, ", ".join(plain),
+                    loaded.manifest.get("world_size", "?"), _why_missing(loaded, rank), all_ranks=True)
+    return loaded
+
+
+def _why_missing(loaded: LoadedCheckpoint, rank: int) -> str:
+    saved = loaded.manifest.get("world_size")
+    if isinstance(saved, int) and rank >= saved:
+        return "the job now has more ranks"
+    return "written by a robustdist that saved plain extras once"

@@ -164,6 +164,9 @@ class HealthConfig(_Section):
                                "FSDP and one process check only the loss either way.",
                                _switch("give a boolean, not a string or a number: true (the default: read DDP's "
                                        "gradients) or false (check only the losses, one all-reduce per step)"))
+    scaler_overflow_warn_after: int = _f(10, "With a GradScaler given to harden or step_guard: this many optimizer "
+                                         "steps in a row skipped for overflowing gradients log a warning (each "
+                                         "one is logged at INFO).", v.integer(minimum=1))
 
 
 @dataclass(frozen=True, kw_only=True)

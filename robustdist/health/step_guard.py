@@ -55,6 +55,20 @@ the ranks that saw them. Policies, identical on every rank:
   continue from. The same step failing again after ``max_rollbacks`` rollbacks raises instead.
 * ``warn``: log and return a true decision.
 
+**With a GradScaler** (fp16): pass it (``StepGuard(scaler=...)``, ``guard(loss, step, scaler=...)``, or
+``harden(..., scaler=...)``). An overflow is then the scaler's business, not a bad step: non-finite gradients
+while every rank's loss is finite return a true decision with ``action="overflow"``, so the loop calls
+``scaler.step(optimizer)`` (which skips the update) and ``scaler.update()`` (which lowers the scale) as it
+always did. Each overflow is logged at INFO and counted (``overflows``); ``overflow_warn_after`` of them in a
+row log a WARNING (then every that many more). A non-finite *loss* on any rank still follows the policy. The
+agreement costs nothing more on the common path: under ``"gradients"`` every rank sees the same non-finite
+gradients, and only then do the ranks gather their losses to tell an overflow from a NaN loss; under
+``"allreduce"`` and ``"local"`` the loss flags decide and this rank's gradients are also read, once per step,
+for the count (not with ``check_gradients=False``: the scaler then skips its overflows uncounted). Under ``skip`` and ``rollback`` the guard records the bad step with the scaler
+(``scaler.unscale_(optimizer)``, unless the loop already called it) before zeroing the gradients, so the
+loop's ``scaler.update()`` still works and backs the scale off, as it would for an overflow. A disabled scaler
+(``GradScaler(enabled=False)``, e.g. nanoGPT under bf16) counts as none.
+
 With ``divergence_interval`` set, every that many steps (after the finiteness check) the guard runs
 :func:`~robustdist.parallel.consistency.check_consistency` on the parameters; a mismatch rolls back under
 ``rollback``, is logged under ``warn``, and raises :class:`~robustdist.runtime.errors.RankDivergenceError` otherwise.
@@ -71,7 +85,7 @@ import torch.distributed as dist
 from torch import nn
 
 from robustdist.config.validate import show
-from robustdist.health.grad_check import check, finite_loss, finite_number
+from robustdist.health.grad_check import check, finite_loss, finite_number, grads_finite
 from robustdist.health.watchdog import HANG_EXIT_CODE, HangReport, Watchdog
 from robustdist.parallel.consistency import check_consistency
 from robustdist.runtime import _torch_compat
@@ -100,13 +114,13 @@ class StepDecision:
     """What the guard decided for one step. ``bool(decision)`` says whether to call ``optimizer.step()``."""
 
     step: int
-    action: str = "ok"  # ok | skip | rollback | warn
+    action: str = "ok"  # ok | overflow (the GradScaler skips it) | skip | rollback | warn
     ranks: tuple[int, ...] = ()
     resume_step: int | None = None
     reason: str = ""
 
     def __bool__(self) -> bool:
-        return self.action in ("ok", "warn")
+        return self.action in ("ok", "overflow", "warn")
 
     @property
     def rolled_back(self) -> bool:
@@ -147,12 +161,16 @@ class StepGuard:
             also catches an overflow whose loss is finite). False: decide from the losses alone with one
             all-reduce per step ("allreduce"), which lets such an overflow reach ``optimizer.step()``. Other
             models check only the loss either way.
+        scaler: a ``torch.amp.GradScaler`` (or one with its API, e.g. FSDP's ``ShardedGradScaler``) whose
+            overflows are its own business (see the module docstring); ``guard(..., scaler=...)`` overrides it.
+        overflow_warn_after: GradScaler overflows in a row before a WARNING.
     """
 
     def __init__(self, nan_policy: str = "raise", *, model: nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, checkpointer: AtomicCheckpointer | None = None,
                  restore: Callable[[], int | None] | None = None, group: Any = None, agreement: str = "auto",
-                 max_rollbacks: int = 3, divergence_interval: int | None = None, check_gradients: bool = True):
+                 max_rollbacks: int = 3, divergence_interval: int | None = None, check_gradients: bool = True,
+                 scaler: Any = None, overflow_warn_after: int = 10):
         if nan_policy not in POLICIES:
             raise ConfigError(f"nan_policy={nan_policy!r}; expected one of {POLICIES}. Fix: pass one of those.")
         if agreement not in AGREEMENTS:
@@ -167,6 +185,13 @@ class StepGuard:
         if nan_policy == "rollback" and checkpointer is None and restore is None:
             raise ConfigError("nan_policy='rollback' needs a checkpoint to roll back to; expected checkpointer= or "
                               "restore=. Fix: pass the AtomicCheckpointer you save with (or use harden()).")
+        if not isinstance(overflow_warn_after, int) or isinstance(overflow_warn_after, bool) or overflow_warn_after < 1:
+            raise ConfigError(f"overflow_warn_after is {show(overflow_warn_after)}; expected an integer >= 1. Fix: "
+                              "pass one (with harden(), health.scaler_overflow_warn_after).")
+        self.scaler = _check_scaler(scaler)
+        self.overflow_warn_after = overflow_warn_after
+        self.overflows = 0  # GradScaler overflows seen (steps the scaler skipped)
+        self._overflow_streak = 0
         self.nan_policy, self.model, self.optimizer, self.group = nan_policy, model, optimizer, group
         self.checkpointer, self._restore_fn, self.max_rollbacks = checkpointer, restore, max_rollbacks
         self.divergence_interval, self.check_gradients = divergence_interval, check_gradients
@@ -208,24 +233,67 @@ class StepGuard:
             self._snapshot = _Snapshot.of(self.model)
 
     # ------------------------------------------------------------------ the per-step hook
-    def __call__(self, loss: Any, step: int) -> StepDecision:
-        """Check ``loss`` (a tensor or a float) for step ``step``; act by the policy; see the module docstring."""
-        local_bad, bad, ranks = self._agree(loss)
+    def __call__(self, loss: Any, step: int, *, scaler: Any = None) -> StepDecision:
+        """Check ``loss`` (a tensor or a float) for step ``step``; act by the policy; see the module docstring.
+        ``scaler``: this step's GradScaler (default: the one given at construction)."""
+        scaler = _active(_check_scaler(scaler) if scaler is not None else self.scaler)
+        if scaler is None:
+            local_bad, bad, ranks = self._agree(loss)
+            overflow = False
+        else:
+            local_bad, bad, ranks, overflow = self._agree_scaled(loss)
         if not bad:
             if local_bad:
                 log.warning("step %d: the loss is %s on this rank but every gradient is finite after DDP's "
                             "all-reduce, so no parameter is affected; continuing", step, _value(loss), all_ranks=True)
             if self._failing is not None and step > self._failing[0]:
                 self._failing = None
+            self._count_overflow(step, scaler, overflow)
             decision = self._check_divergence(step)
             if decision is None:
                 self._take_snapshot()  # the state after this good step is the one a skip returns to
-                decision = StepDecision(step)
+                decision = StepDecision(step, "overflow", reason="gradient overflow under GradScaler") if overflow \
+                    else StepDecision(step)
         else:
             ranks, values = self._name(local_bad, loss, ranks)
-            decision = self._act(step, ranks, self._describe(step, ranks, values))
+            decision = self._act(step, ranks, self._describe(step, ranks, values), scaler)
         self.last = decision
         return decision
+
+    def _agree_scaled(self, loss: Any) -> tuple[bool, bool, tuple[int, ...] | None, bool]:
+        """With a GradScaler: (this rank's loss is non-finite, the ranks agree the step is bad, the ranks named
+        when known, the gradients overflowed while every loss was finite). See the module docstring."""
+        if self.agreement == "gradients":
+            loss_finite, grads_ok = check(loss, self._params)
+            if grads_ok:  # no rank's loss was non-finite: it would have reached every gradient
+                return not loss_finite, False, None, False
+            # every rank sees the same non-finite gradients (DDP averaged them): all look at the losses together
+            values: list[Any] = [None] * self.world_size
+            dist.all_gather_object(values, _value(loss), group=self.group)
+            named = tuple(r for r, v in enumerate(values) if not finite_number(v))
+            return not loss_finite, bool(named), named, not named
+        local_bad, bad, named = self._agree(loss)
+        grads = [p for p in self._params if p.grad is not None]
+        overflow = not bad and self.check_gradients and bool(grads) and not grads_finite(grads)
+        return local_bad, bad, named, overflow
+
+    def _count_overflow(self, step: int, scaler: Any, overflow: bool) -> None:
+        if not overflow:
+            self._overflow_streak = 0
+            return
+        self.overflows += 1
+        self._overflow_streak += 1
+        scale = _scale_of(scaler)
+        streak, every = self._overflow_streak, self.overflow_warn_after
+        if streak >= every and (streak - every) % every == 0:
+            log.warning("step %d: %d optimizer steps in a row skipped by the GradScaler for overflowing gradients "
+                        "(scale now %s, %d overflows in all); expected an occasional one. Fix: look for exploding "
+                        "activations or gradients (a lower learning rate, gradient clipping after "
+                        "scaler.unscale_), or train in bf16, which needs no scaler", step, streak, scale,
+                        self.overflows)
+        else:
+            log.info("step %d: gradients overflowed at GradScaler scale %s while every loss was finite: the scaler "
+                     "skips this optimizer step and lowers the scale (%d in a row)", step, scale, streak)
 
     def _agree(self, loss: Any) -> tuple[bool, bool, tuple[int, ...] | None]:
         """(this rank's loss is non-finite, the ranks agree the step is bad, the ranks named when known)."""
@@ -263,22 +331,42 @@ class StepGuard:
         return f"step {step}: {what}"
 
     # ------------------------------------------------------------------ policies
-    def _act(self, step: int, ranks: tuple[int, ...], what: str) -> StepDecision:
+    def _act(self, step: int, ranks: tuple[int, ...], what: str, scaler: Any = None) -> StepDecision:
         fix = ("Fix: find the batch or the operation that produced it (torch.autograd.set_detect_anomaly(True) "
                "names the backward op), lower the learning rate or clip gradients; health.nan_policy='skip' "
                "or 'rollback' lets training continue past it.")
+        if not ranks and scaler is None:  # the gradients alone: the usual cause in fp16 is the scaler's overflow
+            fix += (" If you train with torch.amp.GradScaler (fp16), pass it (h.step_guard(loss, step, "
+                    "scaler=scaler), or harden(..., scaler=scaler)): its overflows are then skipped by the scaler, "
+                    "not treated as a bad step.")
         if self.nan_policy == "raise":
             raise NonFiniteLossError(f"{what}; expected finite values on every rank. {fix}", rank=self.err_rank,
                                      ranks=ranks)
         if self.nan_policy == "warn":
             log.warning("%s; nan_policy='warn': stepping anyway", what)
             return StepDecision(step, "warn", ranks, reason=what)
+        if scaler is not None:
+            self._record_with(scaler)
         self._zero_grad()
         if self.nan_policy == "skip":
             self._snapshot.restore()
             log.warning("%s; nan_policy='skip': gradients zeroed, optimizer step skipped", what)
             return StepDecision(step, "skip", ranks, reason=what)
         return self._rollback(step, ranks, what)
+
+    def _record_with(self, scaler: Any) -> None:
+        """Let the GradScaler see this step's gradients before they are zeroed (``unscale_`` records its
+        non-finite check), so that the loop's ``scaler.update()``, called without ``scaler.step()``, finds a
+        check and backs the scale off instead of failing with "No inf checks were recorded"."""
+        if self.optimizer is None:
+            raise ConfigError(f"nan_policy={self.nan_policy!r} with a GradScaler needs the optimizer, to record the "
+                              "skipped step with the scaler (scaler.unscale_(optimizer)) before the gradients are "
+                              "zeroed; expected optimizer= (or harden(..., optimizer=...), or h.optimizer = ...). "
+                              "Fix: pass it.", rank=self.err_rank)
+        try:
+            scaler.unscale_(self.optimizer)
+        except RuntimeError:  # the loop already called unscale_ this step (to clip): the check is recorded
+            pass
 
     def _zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -326,6 +414,30 @@ class StepGuard:
                 return None
             raise RankDivergenceError(f"step {step}: {e.message}", rank=self.err_rank, ranks=e.ranks) from e
         return None
+
+
+def _check_scaler(scaler: Any) -> Any:
+    if scaler is None:
+        return None
+    missing = [m for m in ("is_enabled", "unscale_", "get_scale", "step", "update")
+               if not callable(getattr(scaler, m, None))]
+    if missing:
+        raise ConfigError(f"scaler= is {show(scaler)}, which has no {', '.join(missing)}; expected a "
+                          "torch.amp.GradScaler (or one with its API, such as FSDP's ShardedGradScaler). Fix: pass "
+                          "the GradScaler your loop calls scaler.step() on, or none.", rank=_dist.error_rank())
+    return scaler
+
+
+def _active(scaler: Any) -> Any:
+    """The scaler, or None when there is none or it is disabled (``GradScaler(enabled=False)``)."""
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def _scale_of(scaler: Any) -> str:
+    try:
+        return f"{float(scaler.get_scale()):g}"
+    except Exception:  # a scaler before its first scale() call, or one with another API: only the log loses it
+        return "unknown"
 
 
 def _value(loss: Any) -> Any:

@@ -32,7 +32,7 @@ from robustdist.parallel.state_dict import is_compiled
 from robustdist.parallel.syncbn import convert_batchnorm_for
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
-from robustdist.runtime.errors import RobustDistError
+from robustdist.runtime.errors import ConfigError, RobustDistError
 from robustdist.runtime.log import get_logger, warn
 from robustdist.runtime.topology import detect_topology
 
@@ -101,10 +101,11 @@ def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = No
         ddp_kwargs: passed to DDP, overriding the config.
     """
     if _contains_ddp(model):
-        raise RobustDistError(
-            f"{type(model).__name__} is already wrapped in DistributedDataParallel; expected a bare module. "
-            "Fix: call wrap_ddp once, on the unwrapped model (robustdist.unwrap_model(model) gives it back)."
-        )
+        raise ConfigError(
+            f"{type(model).__name__} is already wrapped in DistributedDataParallel (by an earlier wrap_ddp, "
+            "ray.train.torch.prepare_model, accelerator.prepare or the script's own DDP(...)); expected a bare "
+            "module. Fix: wrap it once: remove the other wrapping call, or pass the unwrapped model "
+            "(robustdist.unwrap_model(model) gives it back).", rank=_dist.error_rank())
     config = section_of(cfg, DistributedConfig, "wrap_ddp")
     target = torch.device(device) if device is not None and not isinstance(device, int) else (
         torch.device("cuda", device) if isinstance(device, int) else detect_topology().device)

@@ -43,7 +43,7 @@ from robustdist.runtime.errors import TopologyError
 from robustdist.runtime.launcher_env import Raw, from_slurm, from_torch_env, shown
 from robustdist.runtime.log import get_logger, warn
 
-__all__ = ["Topology", "detect_topology", "parse_visible_devices"]
+__all__ = ["Topology", "detect_topology", "local_device", "parse_visible_devices"]
 
 log = get_logger(__name__)
 
@@ -186,6 +186,19 @@ def _check_agreement(launcher: str, pg: tuple[int, int] | None, torch_env: Raw, 
                     f"`srun --ntasks-per-node=1 torchrun ...` so torchrun sets the ranks.",
                     rank=torch_env.rank,
                 )
+
+
+def local_device(*, set_current: bool = True) -> torch.device:
+    """The device this process trains on, the one ``harden()`` will use: ``cuda:<local rank>`` under a launcher
+    (the first visible GPU in a Ray Train worker or alone), else ``cpu``. For the lines a script runs before
+    ``harden``: ``model.to(device)``, a fused AdamW, ``torch.autocast(device.type)``. On CUDA, unless
+    ``set_current=False``, it also makes it the current device (``torch.cuda.set_device``), as ``harden`` does
+    before creating the process group, so nothing lands on GPU 0 by default. Raises what
+    :func:`detect_topology` raises (a LOCAL_RANK past the visible GPUs, say)."""
+    device = detect_topology().device
+    if set_current and device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def detect_topology(*, environ: Mapping[str, str] | None = None) -> Topology:

@@ -43,7 +43,7 @@ def test_defaults_match_the_documented_values():
                        "local_keep_last": 1, "replicas": 1, "run_name": None},
         "health": {"interval_steps": 300, "hang_timeout": 600.0, "nan_policy": "raise", "check_divergence": True,
                    "hang_action": "dump", "max_rollbacks": 3, "dump_dir": None,
-                   "max_restarts_without_progress": 3, "check_gradients": True},
+                   "max_restarts_without_progress": 3, "check_gradients": True, "scaler_overflow_warn_after": 10},
         "fsdp": {"shard_modules": "auto", "sharding": "auto", "mixed_precision": None, "cpu_offload": False,
                  "reshard_after_forward": True},
     }
@@ -366,4 +366,4 @@ def test_config_reference_lists_every_field_with_its_doc():
     table = config_reference()
     assert "| `distributed.timeout` | `1800.0` | `ROBUSTDIST_DISTRIBUTED_TIMEOUT` | Collective timeout in seconds" in table
     assert "| `checkpoint.dir` | `null` | `ROBUSTDIST_CHECKPOINT_DIR` |" in table
-    assert table.count("\n") + 1 == 2 + 10 + 5 + 10 + 9 + 5
+    assert table.count("\n") + 1 == 2 + 10 + 5 + 10 + 10 + 5

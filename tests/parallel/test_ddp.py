@@ -11,7 +11,7 @@ from torch import nn
 
 from robustdist.parallel.ddp import reducer_parameter_names, wrap_ddp
 from robustdist.parallel.syncbn import SyncBatchNorm
-from robustdist.runtime.errors import RobustDistError, RobustDistWarning
+from robustdist.runtime.errors import ConfigError, RobustDistError, RobustDistWarning
 from robustdist.testing.ranks import run_ranks
 
 
@@ -74,17 +74,19 @@ def _double_wrap(rank):
     for candidate in (model, nn.Sequential(model), torch.compile(model)):
         try:
             wrap_ddp(candidate)
-        except RobustDistError as e:
+        except ConfigError as e:
             messages.append(str(e))
     return messages
 
 
 def test_refuses_to_wrap_twice():
-    for messages in run_ranks(_double_wrap, 2, timeout=60):
+    for rank, messages in enumerate(run_ranks(_double_wrap, 2, timeout=60)):
         assert len(messages) == 3
-        assert messages[0] == ("DistributedDataParallel is already wrapped in DistributedDataParallel; expected a "
-                               "bare module. Fix: call wrap_ddp once, on the unwrapped model "
-                               "(robustdist.unwrap_model(model) gives it back).")
+        assert messages[0] == (f"[rank {rank}] DistributedDataParallel is already wrapped in DistributedDataParallel "
+                               "(by an earlier wrap_ddp, ray.train.torch.prepare_model, accelerator.prepare or the "
+                               "script's own DDP(...)); expected a bare module. Fix: wrap it once: remove the other "
+                               "wrapping call, or pass the unwrapped model (robustdist.unwrap_model(model) gives it "
+                               "back).")
 
 
 def _compiled(rank):

@@ -154,6 +154,24 @@ def test_cuda_device_is_the_local_rank(clean_env, monkeypatch):
     assert detect_topology().device == torch.device("cuda", 3)
 
 
+def test_local_device_is_harden_s_device_and_becomes_the_current_one(clean_env, monkeypatch):
+    from robustdist import local_device
+
+    assert local_device() == torch.device("cpu")  # one process, no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)  # the one call that needs a real GPU
+    _set(clean_env, RANK=5, WORLD_SIZE=8, LOCAL_RANK=1, LOCAL_WORLD_SIZE=4, TORCHELASTIC_RUN_ID="x")
+    assert local_device() == detect_topology().device == torch.device("cuda", 1)
+    assert chosen == [torch.device("cuda", 1)]
+    assert local_device(set_current=False) == torch.device("cuda", 1) and len(chosen) == 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    _set(clean_env, LOCAL_RANK=2, CUDA_VISIBLE_DEVICES="0,1")
+    with pytest.raises(TopologyError, match=r"^\[rank 5\] LOCAL_RANK=2 but only 2 CUDA device\(s\) are visible"):
+        local_device()
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
