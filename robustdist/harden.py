@@ -59,7 +59,7 @@ from torch import nn
 
 from robustdist._hardened import Hardened
 from robustdist.checkpoint import AtomicCheckpointer, LocalTier
-from robustdist.checkpoint._run_owner import RunIdentity, claim
+from robustdist.checkpoint._run_owner import TUNE_TRIAL_SOURCE, RunIdentity, claim
 from robustdist.checkpoint.local.tier import lineage_of
 from robustdist.checkpoint.train_state import TrainState
 from robustdist.config.schema import HardenConfig, resolve_config
@@ -207,9 +207,19 @@ def _run_directory(base: str, run_name: str | None,
                    ray: _ray_train.RayTrain | None) -> tuple[str, RunIdentity]:
     """Where this run's checkpoints go, and who it is. Inside Ray Train: ``<base>/<run>`` (the run is
     ``checkpoint.run_name``, else Ray's ``RunConfig.name``), so Tune trials never share a directory; its
-    identity adds the ``train_loop_config`` fingerprint. Elsewhere: ``base``, and ``checkpoint.run_name``."""
+    identity adds the ``train_loop_config`` fingerprint. In a Ray Tune function trainable's trial:
+    ``<base>/<experiment>/<trial id>``, or ``<base>/<run_name>`` owned by that trial alone. Elsewhere: ``base``,
+    and ``checkpoint.run_name``."""
     if ray is None:
-        return base, RunIdentity(run=run_name)
+        trial = _ray_train.current_trial()
+        if trial is None:
+            return base, RunIdentity(run=run_name)
+        source = f"{TUNE_TRIAL_SOURCE} {trial.trial_id} of experiment {trial.experiment!r}"
+        if run_name is not None:  # one name for every trial: the first trial owns it, the others are refused
+            return (os.path.join(base, _safe_component(run_name)),
+                    RunIdentity(run=run_name, config=f"trial {trial.trial_id}", source=source))
+        return (os.path.join(base, _safe_component(trial.experiment), _safe_component(trial.trial_id)),
+                RunIdentity(run=f"{trial.experiment}/{trial.trial_id}"[:400], source=source))
     run = run_name or ray.run_name
     recorded = run if len(run) <= 200 else f"{run[:150]}-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
     return (os.path.join(base, _safe_component(run)),

@@ -32,6 +32,8 @@ __all__ = ["RUN_RECORD", "RunIdentity", "claim"]
 
 log = get_logger(__name__)
 RUN_RECORD = ".robustdist-run.json"
+TUNE_TRIAL_SOURCE = "Ray Tune trial"
+"""How the identity of a Ray Tune function trainable's trial starts its ``source``."""
 _MAX_BYTES = 64 << 10
 _MAX_FIELD = 1024
 
@@ -97,12 +99,17 @@ def _claim(directory: str, identity: RunIdentity) -> str | None:
                                           identity.source))
         return None
     theirs = RunIdentity(recorded.get("run"), recorded.get("config"), str(recorded.get("source", "unknown")))
+    if identity.source.startswith(TUNE_TRIAL_SOURCE):
+        how = ("drop checkpoint.run_name: each Ray Tune trial then gets <checkpoint.dir>/<experiment>/<trial id> "
+               "of its own")
+    else:
+        how = ("give each run its own checkpoint.dir (inside Ray Train robustdist already uses "
+               "<checkpoint.dir>/<RunConfig.name>, so name each Tune trial's run after the trial, e.g. "
+               "RunConfig(name=f\"trial-{tune.get_context().get_trial_id()}\"))")
     return (f"checkpoint directory {directory} belongs to {theirs.describe()}, but this is {identity.describe()} "
             f"(they differ in: {', '.join(clashes)}); expected a directory of this run's own, so another run's "
-            "checkpoints are never resumed from or written over. Fix: give each run its own checkpoint.dir (inside "
-            "Ray Train robustdist already uses <checkpoint.dir>/<RunConfig.name>, so name each Tune trial's run "
-            f"after the trial, e.g. RunConfig(name=f\"trial-{{tune.get_context().get_trial_id()}}\")), or, if the "
-            f"old run is finished with, delete {path} (its checkpoints then count as this run's, and are resumed).")
+            f"checkpoints are never resumed from or written over. Fix: {how}, or, if the old run is finished with, "
+            f"delete {path} (its checkpoints then count as this run's, and are resumed).")
 
 
 def _read(directory: str) -> dict[str, Any] | None:

@@ -39,8 +39,8 @@ from typing import Any
 from robustdist.runtime import _ray_compat
 from robustdist.runtime.log import get_logger
 
-__all__ = ["RayTrain", "checkpoint_step", "current", "json_metrics", "latest_checkpoint", "raise_in_training_thread",
-           "report", "report_metrics"]
+__all__ = ["RayTrain", "TuneTrial", "checkpoint_step", "current", "current_trial", "json_metrics", "latest_checkpoint",
+           "raise_in_training_thread", "report", "report_metrics"]
 
 log = get_logger(__name__)
 STAGE_PREFIX = ".ray-report-"
@@ -74,6 +74,23 @@ def current() -> RayTrain | None:
         return None
     config = _ray_compat.train_loop_config(internal)
     return RayTrain(run_name=name, config=fingerprint(config) if config is not None else None, world_rank=rank)
+
+
+@dataclass(frozen=True)
+class TuneTrial:
+    """The Ray Tune trial this process runs (a function trainable): its experiment's name and its trial id."""
+
+    experiment: str
+    trial_id: str
+
+
+def current_trial() -> TuneTrial | None:
+    """The Ray Tune trial this process runs as a function trainable, or None (Ray Tune not imported, or not in a
+    trial). Ray Train V2 workers are told apart by :func:`current` first."""
+    if "ray.tune" not in sys.modules:
+        return None
+    found = _ray_compat.tune_trial()
+    return TuneTrial(experiment=found[0], trial_id=found[1]) if found is not None else None
 
 
 def fingerprint(config: Any) -> str:

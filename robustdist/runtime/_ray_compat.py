@@ -26,7 +26,7 @@ from robustdist.runtime.private_api import PrivateAPI, installed
 
 __all__ = ["PG_CLEANER_CLASS", "PRIVATE_APIS", "TRAIN_CONTROLLER_CLASS", "ActorRow", "GroupRow", "actor_id",
            "can_wait_reported_checkpoints", "cluster_tables", "controller_abort_supported", "exception_queue",
-           "train_context", "train_loop_config", "user_exception", "wait_reported_checkpoints"]
+           "train_context", "train_loop_config", "tune_trial", "user_exception", "wait_reported_checkpoints"]
 
 log = get_logger(__name__)
 
@@ -206,6 +206,45 @@ def user_exception(error: BaseException) -> Any | None:
     return wrap(error)
 
 
+# --- Ray Tune's function-trainable session ------------------------------------------------------------------
+
+
+def _get_session() -> Callable[[], Any]:
+    from ray.train._internal.session import get_session
+
+    return get_session
+
+
+def tune_trial() -> tuple[str, str] | None:
+    """``(experiment name, trial id)`` of the Ray Tune trial this process runs (a function trainable; Ray Train
+    V1 workers too), or None outside one. Read from the trial's session (``ray.train._internal.session``), which
+    says "no trial" without a warning; where this Ray has no such internal, from ``ray.tune.get_context()``
+    (public; outside a trial it warns once and says None)."""
+    try:
+        get = _get_session()
+    except ImportError as e:
+        _degrade("tune_session", f"Ray has no ray.train._internal.session.get_session ({e}); expected it to tell a "
+                 "Tune trial apart. robustdist asks ray.tune.get_context() instead, which warns once outside a "
+                 "trial. Fix: none needed")
+        return _public_tune_trial()
+    session = get()
+    if session is None:
+        return None
+    experiment, trial = getattr(session, "experiment_name", None), getattr(session, "trial_id", None)
+    return (str(experiment), str(trial)) if trial is not None else None
+
+
+def _public_tune_trial() -> tuple[str, str] | None:
+    try:
+        import ray.tune
+
+        ctx = ray.tune.get_context()
+        trial, experiment = ctx.get_trial_id(), ctx.get_experiment_name()
+    except Exception:  # no Tune, or a context that cannot answer: not a trial
+        return None
+    return (str(experiment), str(trial)) if trial is not None else None
+
+
 def _reported_checkpoints_waiter() -> Callable[[float], Any] | None:
     """``ray.train.get_all_reported_checkpoints`` bound to COMMITTED consistency and a timeout, or None where
     this Ray lacks it, ``CheckpointConsistencyMode.COMMITTED`` or its ``timeout_s`` (never called unbounded)."""
@@ -308,6 +347,17 @@ def _probe_train_loop_config() -> object | None:
     return True if ok else None
 
 
+def _probe_tune_session() -> object | None:
+    import dataclasses
+
+    from ray.train._internal.session import TrialInfo, _TrainSession, get_session
+
+    fields = {f.name for f in dataclasses.fields(TrialInfo)}
+    ok = {"experiment_name", "id"} <= fields and isinstance(getattr(_TrainSession, "trial_id", None), property) \
+        and isinstance(getattr(_TrainSession, "experiment_name", None), property)
+    return get_session if ok else None
+
+
 def _probe_user_exception() -> object | None:
     from ray.train.v2._internal.util import construct_user_exception_with_traceback
 
@@ -365,6 +415,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         dependency="ray", name="ray.train.v2._internal.util.construct_user_exception_with_traceback",
         used_for="wrapping the HangError as Ray wraps a training function's error; as above",
         verified=_ALL_VERIFIED, probe=_probe_user_exception),
+    PrivateAPI(
+        dependency="ray", name="ray.train._internal.session.get_session() (.experiment_name, .trial_id)",
+        used_for="a Tune function trainable's trial gets its own checkpoint namespace; without it robustdist asks "
+                 "ray.tune.get_context() (public), which warns once outside a trial",
+        verified=_ALL_VERIFIED, probe=_probe_tune_session,
+        public="ray.tune.get_context().get_trial_id() (warns outside a trial)"),
     PrivateAPI(
         dependency="ray",
         name="ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED, "
