@@ -26,7 +26,8 @@ from robustdist.runtime.private_api import PrivateAPI, installed
 
 __all__ = ["PG_CLEANER_CLASS", "PRIVATE_APIS", "TRAIN_CONTROLLER_CLASS", "ActorRow", "GroupRow", "actor_id",
            "can_wait_reported_checkpoints", "cluster_tables", "controller_abort_supported", "exception_queue",
-           "train_context", "train_loop_config", "tune_trial", "user_exception", "wait_reported_checkpoints"]
+           "train_context", "train_loop_config", "tune_trial", "user_exception", "wait_reported_checkpoints",
+           "worker_error"]
 
 log = get_logger(__name__)
 
@@ -245,6 +246,23 @@ def _public_tune_trial() -> tuple[str, str] | None:
     return (str(experiment), str(trial)) if trial is not None else None
 
 
+def worker_error(error: BaseException) -> BaseException:
+    """The training function's own exception inside ``error``, a worker failure as Ray Train's controller holds
+    it (``UserExceptionWithTraceback._base_exc``), or ``error`` itself where Ray wraps nothing (or wraps it
+    otherwise: the caller then reads Ray's traceback text)."""
+    inner = getattr(error, "_base_exc", None)
+    return inner if isinstance(inner, BaseException) else error
+
+
+def _probe_worker_error() -> object | None:
+    import inspect as _inspect
+
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    source = _inspect.getsource(UserExceptionWithTraceback.__init__)
+    return UserExceptionWithTraceback if "self._base_exc = exc" in source else None
+
+
 def _reported_checkpoints_waiter() -> Callable[[float], Any] | None:
     """``ray.train.get_all_reported_checkpoints`` bound to COMMITTED consistency and a timeout, or None where
     this Ray lacks it, ``CheckpointConsistencyMode.COMMITTED`` or its ``timeout_s`` (never called unbounded)."""
@@ -421,6 +439,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                  "ray.tune.get_context() (public), which warns once outside a trial",
         verified=_ALL_VERIFIED, probe=_probe_tune_session,
         public="ray.tune.get_context().get_trial_id() (warns outside a trial)"),
+    PrivateAPI(
+        dependency="ray", name="ray.train.v2._internal.exceptions.UserExceptionWithTraceback._base_exc",
+        used_for="robustdist.ray.fail_fast() reads a worker's own exception in Ray Train's controller; without it "
+                 "it reads robustdist's exception name in Ray's traceback text",
+        verified=_ALL_VERIFIED, probe=_probe_worker_error),
     PrivateAPI(
         dependency="ray",
         name="ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED, "
