@@ -72,7 +72,7 @@ class Hardened(RayReporting):
                                divergence_interval=health.interval_steps if health.check_divergence and ddp else None,
                                scaler=scaler, overflow_warn_after=health.scaler_overflow_warn_after)
         if scaler is not None:  # its scale and growth tracker: a resume without them skips other steps
-            state.extras.setdefault("grad_scaler", scaler)
+            state.scaler = scaler
 
     # ------------------------------------------------------------------ drop-in shape
     def __iter__(self) -> Any:

@@ -59,6 +59,7 @@ from torch import nn
 
 from robustdist._hardened import Hardened
 from robustdist.checkpoint import AtomicCheckpointer, LocalTier
+from robustdist.checkpoint._layout import committed_steps
 from robustdist.checkpoint._run_owner import TUNE_TRIAL_SOURCE, RunIdentity, claim
 from robustdist.checkpoint.local.tier import lineage_of
 from robustdist.checkpoint.train_state import TrainState
@@ -73,7 +74,6 @@ from robustdist.init.process_group import (
 )
 from robustdist.parallel import fsdp
 from robustdist.parallel.ddp import wrap_ddp
-from robustdist.parallel.state_dict import is_compiled
 from robustdist.ray import train as _ray_train
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
@@ -167,14 +167,23 @@ def _refuse_wrapped(model: Any, topo: Topology) -> None:
     anything starts: a second DDP, a second checkpointer and a second watchdog on one model train wrongly, not
     loudly."""
     rank = topo.rank if topo.is_distributed else None
-    earlier = _HARDENED.get(model) if isinstance(model, nn.Module) else None
-    holder = earlier() if earlier is not None else None
-    if holder is not None and not holder.closed:
-        raise ConfigError(
-            f"harden() was given {type(model).__name__}, which an earlier harden() call hardened (the model it was "
-            "given or the one it returned) and is still open; expected the bare model, hardened once. Fix: keep "
-            "the first result (h.model, h.loader) and remove the second harden() call, or h.close() the first "
-            "before hardening the model again.", rank=rank)
+    inner = _torch_compat.compiled_inner(model)  # torch.compile(m) of a model harden holds is that model too
+    for candidate in (model, inner):
+        earlier = _HARDENED.get(candidate) if isinstance(candidate, nn.Module) else None
+        holder = earlier() if earlier is not None else None
+        if holder is None:
+            continue
+        if not holder.closed:
+            raise ConfigError(
+                f"harden() was given {type(model).__name__}, which an earlier harden() call hardened (the model it "
+                "was given or the one it returned) and is still open; expected the bare model, hardened once. Fix: "
+                "keep the first result (h.model, h.loader) and remove the second harden() call, or h.close() the "
+                "first before hardening the model again.", rank=rank)
+        if candidate is holder.model and _foreign_wrapper(candidate) is not None:
+            raise ConfigError(
+                f"harden() was given the {type(candidate).__name__} a closed harden() call returned (its wrapper); "
+                "expected the bare model. Fix: pass robustdist.unwrap_model(h.model), or the model you first "
+                "gave harden().", rank=rank)
     wrapper = _foreign_wrapper(model)
     if wrapper is not None:
         raise ConfigError(
@@ -190,14 +199,19 @@ def _foreign_wrapper(model: Any) -> str | None:
     kind = type(model)
     if kind.__module__.startswith(("lightning.fabric", "lightning_fabric")) and kind.__name__ == "_FabricModule":
         return "Lightning Fabric (fabric.setup)"
+    if kind.__module__.startswith("deepspeed") and kind.__name__ == "DeepSpeedEngine":
+        return "DeepSpeed (deepspeed.initialize)"
     if not isinstance(model, nn.Module):
         return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel) or (is_compiled(model) and isinstance(
-            _torch_compat.compiled_inner(model), DistributedDataParallel)):
-        return ("DistributedDataParallel (ray.train.torch.prepare_model, accelerator.prepare under a launcher, or "
-                "the script's own DDP(...))")
+    for candidate in (model, _torch_compat.compiled_inner(model)):
+        if isinstance(candidate, DistributedDataParallel):
+            return ("DistributedDataParallel (ray.train.torch.prepare_model, accelerator.prepare under a launcher, "
+                    "or the script's own DDP(...))")
+        if isinstance(candidate, FullyShardedDataParallel):
+            return "FSDP1 (FullyShardedDataParallel(...), or accelerator.prepare with an FSDP plugin)"
     if "_original_forward" in vars(model):
         return "Accelerate (accelerator.prepare: its mixed-precision forward)"
     return None
@@ -218,8 +232,12 @@ def _run_directory(base: str, run_name: str | None,
         if run_name is not None:  # one name for every trial: the first trial owns it, the others are refused
             return (os.path.join(base, _safe_component(run_name)),
                     RunIdentity(run=run_name, config=f"trial {trial.trial_id}", source=source))
-        return (os.path.join(base, _safe_component(trial.experiment), _safe_component(trial.trial_id)),
-                RunIdentity(run=f"{trial.experiment}/{trial.trial_id}"[:400], source=source))
+        directory = os.path.join(base, _safe_component(trial.experiment), _safe_component(trial.trial_id))
+        if committed_steps(base):  # written there by a robustdist that gave Tune trials no directories of their own
+            log.warning("%s holds checkpoints of its own, but this Ray Tune trial now checkpoints in %s (one directory "
+                        "per trial, so trials never resume each other's); they are not resumed from. Fix: to resume "
+                        "them, move that trial's step directories into %s", base, directory, directory)
+        return directory, RunIdentity(run=f"{trial.experiment}/{trial.trial_id}"[:400], source=source)
     run = run_name or ray.run_name
     recorded = run if len(run) <= 200 else f"{run[:150]}-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
     return (os.path.join(base, _safe_component(run)),
@@ -231,7 +249,7 @@ def _safe_component(name: str) -> str:
     """``name`` as one directory name: letters, digits and ``._=-`` kept, anything else ``_``, at most 100
     characters (a hash of the original keeps changed or shortened names apart)."""
     kept = re.sub(r"[^A-Za-z0-9._=-]", "_", name)
-    if kept != name or len(kept) > 100 or kept in (".", ".."):
+    if kept != name or len(kept) > 100 or kept in ("", ".", ".."):
         kept = f"{kept.strip('.')[:80]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
     return kept
 

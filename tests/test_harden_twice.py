@@ -4,6 +4,7 @@ the script's DDP, Accelerate's prepare, Lightning Fabric's setup), before it sta
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -39,7 +40,10 @@ def test_a_second_harden_of_an_open_one_is_refused_and_a_closed_one_may_be_harde
         assert again.model is model
     with pytest.raises(ConfigError, match="bad_section"):  # a harden that failed holds nothing
         harden(model, None, {"bad_section": {}})
-    harden(model, None, OFF).close()
+    held = harden(model, None, OFF)
+    with pytest.raises(ConfigError, match=r"^harden\(\) was given OptimizedModule, which an earlier harden\(\) call"):
+        harden(torch.compile(model), None, OFF)  # the same model, compiled
+    held.close()
 
 
 def _twice(rank):
@@ -53,12 +57,19 @@ def _twice(rank):
         except ConfigError as e:
             out.append((str(e), dist.is_initialized() == groups))
     h.close()
+    try:
+        harden(h.model, None, OFF)  # closed, but what it returned is robustdist's DDP: not a bare model
+    except ConfigError as e:
+        out.append((str(e), True))
     return out
 
 
 def test_two_ranks_name_the_rank_and_refuse_before_init():
     for rank, out in enumerate(run_ranks(_twice, 2, init=False, timeout=120)):
-        assert len(out) == 3 and all(unchanged for _, unchanged in out)
+        assert len(out) == 4 and all(unchanged for _, unchanged in out)
+        assert out[3][0] == (f"[rank {rank}] harden() was given the DistributedDataParallel a closed harden() call "
+                             "returned (its wrapper); expected the bare model. Fix: pass "
+                             "robustdist.unwrap_model(h.model), or the model you first gave harden().")
         assert out[0][0].startswith(f"[rank {rank}] harden() was given Sequential, which an earlier harden() call "
                                     "hardened")
         assert out[1][0].startswith(f"[rank {rank}] harden() was given DistributedDataParallel, which an earlier "

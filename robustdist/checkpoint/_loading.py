@@ -169,7 +169,7 @@ def _check_live(where: str, live: Any, saved: Any, kind: str) -> None:
         _live.check_module(where, live, saved)
     elif isinstance(live, torch.optim.Optimizer):
         _live.check_optimizer(where, live, saved)
-    elif isinstance(live, _live.DICT_UPDATERS):
+    elif isinstance(live, _live.DICT_UPDATERS) and not _payload.scaler_skips(live, saved):
         _live.check_same_keys(where, live, saved)
 
 
@@ -178,10 +178,7 @@ def _check(rank: int, step: int | None, step_dir: str, state: dict[str, Any], pe
     manifest = _layout.read_manifest(step_dir, step)
     kinds: dict[str, str] = manifest.get("entries", {})
     where = f"checkpoint step {manifest['step']}"
-    for name in state:
-        if name not in kinds:
-            raise CheckpointError(f"state[{name!r}] is not in {where} (it holds {sorted(kinds)}); expected the "
-                                  "same entries as when saving. Fix: drop it or load a checkpoint that has it.")
+    state = _restore.present(state, kinds, where)
     replicated, mine, dcp_metadata = {}, None, None
     if _layout.REPLICATED in manifest["files"]:
         payload = _load_payload(step_dir, _layout.REPLICATED, manifest, map_location)

@@ -255,11 +255,19 @@ def entry_state(name: str, value: Any) -> tuple[str, Any]:
     return "data", value
 
 
+def scaler_skips(live: Any, saved: Any) -> bool:
+    """A ``GradScaler`` with nothing to restore: a disabled live scaler (its load is a no-op), or a saved state of
+    ``{}`` (saved disabled: bf16 then, fp16 now), which torch's load refuses. The live scaler keeps its state."""
+    return isinstance(live, torch.amp.GradScaler) and (not live.is_enabled() or saved == {})
+
+
 def restore_entry(name: str, live: Any, saved: Any, kind: str) -> None:
     """Load ``saved`` into the live object ``live`` (modules prefix-tolerantly)."""
     if kind == "module":
         load_model_state_dict(live, saved)
     elif kind == "stateful":
+        if scaler_skips(live, saved):
+            return
         live.load_state_dict(saved)
     # plain data has no live object to restore into: it is returned in LoadedCheckpoint.state
 

@@ -52,6 +52,27 @@ class Plan:
         return bool(self.unchecked or self.sharded)
 
 
+@dataclass(frozen=True)
+class IfSaved:
+    """A live object to restore only when the checkpoint holds its entry: ``state={"grad_scaler":
+    IfSaved(scaler)}`` loads a checkpoint written before the entry existed, leaving the object as it is."""
+
+    obj: Any
+
+
+def present(state: dict[str, Any], kinds: dict[str, str], where: str) -> dict[str, Any]:
+    """``state`` with :class:`IfSaved` entries unwrapped, or dropped when ``where`` lacks them; any other entry
+    the checkpoint lacks is a :class:`CheckpointError`."""
+    out = {}
+    for name, live in state.items():
+        if name in kinds:
+            out[name] = live.obj if isinstance(live, IfSaved) else live
+        elif not isinstance(live, IfSaved):
+            raise CheckpointError(f"state[{name!r}] is not in {where} (it holds {sorted(kinds)}); expected the same "
+                                  "entries as when saving. Fix: drop it or load a checkpoint that has it.")
+    return out
+
+
 def plan(kinds: dict[str, str], saved: dict[str, Any], state: dict[str, Any], saved_per_rank: dict[str, Any],
          per_rank: dict[str, Any]) -> Plan:
     """Sort the restores of one checked candidate (kinds and live types were checked in step 2)."""

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedCheckpoint, LocalSaveInfo, LocalTier
 from robustdist.checkpoint._payload import is_sharded
+from robustdist.checkpoint._restore import IfSaved
 from robustdist.data.dataloader import SafeDataLoader
 from robustdist.runtime.log import get_logger
 
@@ -35,6 +36,8 @@ log = get_logger(__name__)
 
 EXTRAS = "extras"
 """The per-rank entry that holds this rank's own plain extras."""
+SCALER = "grad_scaler"
+"""The entry of :attr:`TrainState.scaler`."""
 
 __all__ = ["Stateful", "TrainState"]
 
@@ -55,6 +58,10 @@ class TrainState:
     scheduler: Stateful | None = None
     extras: dict[str, Stateful] = field(default_factory=dict)
     loader: Any = None
+    scaler: Any = None
+    """An fp16 loop's ``torch.amp.GradScaler``: saved as ``grad_scaler``; restored when the checkpoint holds it
+    (one written before the scaler was given loads too, the scaler keeping its state), and not from a scaler
+    saved disabled, nor into a disabled one."""
 
     def remember(self, *, optimizer: Optimizer | None = None, scheduler: Stateful | None = None,
                  extra: Mapping[str, Any] | None = None) -> None:
@@ -66,9 +73,12 @@ class TrainState:
             self.scheduler = scheduler
         self.extras.update({k: v for k, v in (extra or {}).items() if hasattr(v, "load_state_dict")})
 
-    def entries(self) -> dict[str, Any]:
-        """The replicated/sharded entries, by name: ``model``, ``optimizer``, ``scheduler`` (when set), extras."""
+    def entries(self, *, loading: bool = False) -> dict[str, Any]:
+        """The replicated/sharded entries, by name: ``model``, ``optimizer``, ``scheduler``, ``grad_scaler`` (when
+        set), extras. ``loading``: the scaler as an entry restored only if the checkpoint holds it."""
         live = {k: v for k, v in (("optimizer", self.optimizer), ("scheduler", self.scheduler)) if v is not None}
+        if self.scaler is not None:
+            live[SCALER] = IfSaved(self.scaler) if loading else self.scaler
         return {"model": self.model, **live, **self.extras}
 
     def save(self, checkpointer: AtomicCheckpointer, step: int, extra: Mapping[str, Any] | None = None,
@@ -102,11 +112,14 @@ class TrainState:
         if local is not None:
             steps = checkpointer.steps() if checkpointer.rank == 0 else []
             floor = max((s for s in (steps[-1] if steps else None, at_least) if s is not None), default=None)
-            loaded = local.load(state=self.entries(), per_rank=per_rank, at_least=floor)
+            loaded = local.load(state=self.entries(loading=True), per_rank=per_rank, at_least=floor)
             if loaded is not None:
-                return _own_extras(loaded, checkpointer.rank)
-        loaded = checkpointer.load(checkpoint, state=self.entries(), per_rank=per_rank, missing_ok=missing_ok)
-        return _own_extras(loaded, checkpointer.rank) if loaded is not None else None
+                return _own_extras(loaded, checkpointer.rank, checkpointer.world_size, set(self.entries()))
+        loaded = checkpointer.load(checkpoint, state=self.entries(loading=True), per_rank=per_rank,
+                                   missing_ok=missing_ok)
+        if loaded is None:
+            return None
+        return _own_extras(loaded, checkpointer.rank, checkpointer.world_size, set(self.entries()))
 
 
 def _plain(value: Any) -> bool:
@@ -114,18 +127,23 @@ def _plain(value: Any) -> bool:
     return not (isinstance(value, nn.Module) or hasattr(value, "load_state_dict") or is_sharded(value))
 
 
-def _own_extras(loaded: LoadedCheckpoint, rank: int) -> LoadedCheckpoint:
-    """Put this rank's own plain extras into ``loaded.state`` (in place of rank 0's)."""
+def _own_extras(loaded: LoadedCheckpoint, rank: int, world_size: int, live: set[str]) -> LoadedCheckpoint:
+    """Put this rank's own plain extras into ``loaded.state`` (in place of rank 0's). Only names the checkpoint
+    holds as plain data (not a live entry: ``live``) are taken: a rank file is input and may be forged."""
+    kinds = loaded.manifest.get("entries", {}) if isinstance(loaded.manifest, dict) else {}
+    plain = {k for k in loaded.state if k not in live and kinds.get(k, "data") == "data"}
     own = loaded.per_rank.get(EXTRAS)
     if isinstance(own, dict):
-        loaded.state.update({k: v for k, v in own.items() if k in loaded.state})
-        return loaded
-    kinds = loaded.manifest.get("entries", {}) if isinstance(loaded.manifest, dict) else {}
-    plain = sorted(k for k, kind in kinds.items() if kind == "data" and k in loaded.state)
-    if plain and rank != 0:
+        loaded.state.update({k: v for k, v in own.items() if k in plain})
+    elif plain and rank != 0 and kinds:
         log.warning("checkpoint step %d holds no values of this rank's own for the plain extras %s (saved by %s "
-                    "rank(s); %s): this rank gets rank 0's", loaded.step, ", ".join(plain),
+                    "rank(s); %s): this rank gets rank 0's", loaded.step, ", ".join(sorted(plain)),
                     loaded.manifest.get("world_size", "?"), _why_missing(loaded, rank), all_ranks=True)
+    saved = loaded.manifest.get("world_size") if isinstance(loaded.manifest, dict) else None
+    if plain and rank == 0 and isinstance(saved, int) and saved > world_size:
+        log.warning("checkpoint step %d was saved by %d ranks and is loaded by %d: the plain extras %s of ranks "
+                    "%d to %d are not restored (no rank here has their number)", loaded.step, saved, world_size,
+                    ", ".join(sorted(plain)), world_size, saved - 1)
     return loaded
 
 

@@ -57,6 +57,16 @@ def grads_finite(params: list[torch.Tensor], *, method: str | None = None) -> bo
     return check(0.0, params, method=method)[1]
 
 
+def tensors_finite(grads: list[torch.Tensor]) -> bool:
+    """True when every element of these gradient tensors is finite (by the method :func:`check` picks for their
+    device); True for none."""
+    if not grads:
+        return True
+    if all(g.is_cpu for g in grads):
+        return math.isfinite(_per_tensor_total(grads))
+    return not _fused_flag([_plain(g) for g in grads]).item()
+
+
 def _fused_flag(grads: list[torch.Tensor]) -> torch.Tensor:
     """A one-element float32 tensor on the first gradient's device: nonzero when some element is NaN or Inf.
     Only device work: the caller reads it back."""

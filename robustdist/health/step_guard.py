@@ -76,6 +76,7 @@ With ``divergence_interval`` set, every that many steps (after the finiteness ch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,7 +86,7 @@ import torch.distributed as dist
 from torch import nn
 
 from robustdist.config.validate import show
-from robustdist.health.grad_check import check, finite_loss, finite_number, grads_finite
+from robustdist.health.grad_check import check, finite_loss, finite_number, tensors_finite
 from robustdist.health.watchdog import HANG_EXIT_CODE, HangReport, Watchdog
 from robustdist.parallel.consistency import check_consistency
 from robustdist.runtime import _torch_compat
@@ -192,6 +193,7 @@ class StepGuard:
         self.overflow_warn_after = overflow_warn_after
         self.overflows = 0  # GradScaler overflows seen (steps the scaler skipped)
         self._overflow_streak = 0
+        self._scaler_agreed: bool | None = None  # every rank passes an enabled scaler, or none (first call)
         self.nan_policy, self.model, self.optimizer, self.group = nan_policy, model, optimizer, group
         self.checkpointer, self._restore_fn, self.max_rollbacks = checkpointer, restore, max_rollbacks
         self.divergence_interval, self.check_gradients = divergence_interval, check_gradients
@@ -236,46 +238,98 @@ class StepGuard:
     def __call__(self, loss: Any, step: int, *, scaler: Any = None) -> StepDecision:
         """Check ``loss`` (a tensor or a float) for step ``step``; act by the policy; see the module docstring.
         ``scaler``: this step's GradScaler (default: the one given at construction)."""
-        scaler = _active(_check_scaler(scaler) if scaler is not None else self.scaler)
+        scaler = self._scaler_for(_active(_check_scaler(scaler) if scaler is not None else self.scaler))
+        values: list[Any] | None = None
         if scaler is None:
             local_bad, bad, ranks = self._agree(loss)
             overflow = False
         else:
-            local_bad, bad, ranks, overflow = self._agree_scaled(loss)
+            local_bad, bad, ranks, overflow, values = self._agree_scaled(loss, scaler)
+        if overflow == "exhausted":  # agreed on every rank: some rank's scale fell below MIN_SCALE
+            bad, ranks = True, ()
+            values = values if values is not None else [_value(loss)]
         if not bad:
             if local_bad:
                 log.warning("step %d: the loss is %s on this rank but every gradient is finite after DDP's "
                             "all-reduce, so no parameter is affected; continuing", step, _value(loss), all_ranks=True)
             if self._failing is not None and step > self._failing[0]:
                 self._failing = None
-            self._count_overflow(step, scaler, overflow)
+            self._count_overflow(step, scaler, bool(overflow))
             decision = self._check_divergence(step)
             if decision is None:
                 self._take_snapshot()  # the state after this good step is the one a skip returns to
                 decision = StepDecision(step, "overflow", reason="gradient overflow under GradScaler") if overflow \
                     else StepDecision(step)
         else:
-            ranks, values = self._name(local_bad, loss, ranks)
-            decision = self._act(step, ranks, self._describe(step, ranks, values), scaler)
+            if values is None:
+                ranks, values = self._name(local_bad, loss, ranks)
+            what = self._describe(step, ranks or (), values)
+            if overflow == "exhausted":
+                what = (f"step {step}: gradients still non-finite at GradScaler scale {_scale_text(scaler)}, below "
+                        f"{MIN_SCALE:g}, after {self._overflow_streak} overflows in a row, with every loss finite: not "
+                        "an fp16 overflow the scaler can fix (a NaN in an earlier micro-step, or one backward made)")
+            decision = self._act(step, ranks or (), what, scaler)
         self.last = decision
         return decision
 
-    def _agree_scaled(self, loss: Any) -> tuple[bool, bool, tuple[int, ...] | None, bool]:
+    def _scaler_for(self, scaler: Any) -> Any:
+        """The step's active scaler, checked once against every rank's: the ranks must all pass an enabled scaler,
+        or none, since they decide an overflow differently (one gather, at the first call only)."""
+        active = scaler is not None
+        if self._scaler_agreed is None:
+            flags = [active]
+            if self.distributed:
+                flags = [None] * self.world_size
+                dist.all_gather_object(flags, active, group=self.group)
+            if len(set(flags)) > 1:
+                mine = [r for r, f in enumerate(flags) if f]
+                raise ConfigError(f"the step guard was given an enabled GradScaler on {ranks_phrase(mine)} but not "
+                                  "on the others; expected the same on every rank (each decides an overflow "
+                                  "differently without one). Fix: pass the same scaler= on every rank, enabled alike.",
+                                  rank=self.err_rank)
+            self._scaler_agreed = active
+        elif active != self._scaler_agreed:
+            raise ConfigError(f"the step guard was {'given' if active else 'not given'} an enabled GradScaler at this "
+                              f"step but {'was not' if active else 'was'} at its first; expected the same every step "
+                              "(every rank must decide alike). Fix: pass scaler= on every call, or give it once to "
+                              "harden() or StepGuard().", rank=self.err_rank)
+        return scaler
+
+    def _agree_scaled(self, loss: Any, scaler: Any
+                      ) -> tuple[bool, bool, tuple[int, ...] | None, bool | str, list[Any] | None]:
         """With a GradScaler: (this rank's loss is non-finite, the ranks agree the step is bad, the ranks named
-        when known, the gradients overflowed while every loss was finite). See the module docstring."""
+        when known, the overflow verdict, every rank's loss value when gathered). The overflow verdict is False,
+        True (non-finite gradients while every loss was finite), or ``"exhausted"`` (so, with some rank's scale
+        already below :data:`MIN_SCALE`). The same answers on every rank; see the module docstring."""
         if self.agreement == "gradients":
             loss_finite, grads_ok = check(loss, self._params)
             if grads_ok:  # no rank's loss was non-finite: it would have reached every gradient
-                return not loss_finite, False, None, False
+                return not loss_finite, False, None, False, None
             # every rank sees the same non-finite gradients (DDP averaged them): all look at the losses together
-            values: list[Any] = [None] * self.world_size
-            dist.all_gather_object(values, _value(loss), group=self.group)
+            rows: list[Any] = [None] * self.world_size
+            dist.all_gather_object(rows, (_value(loss), _scale_value(scaler) < MIN_SCALE), group=self.group)
+            values = [row[0] for row in rows]
             named = tuple(r for r, v in enumerate(values) if not finite_number(v))
-            return not loss_finite, bool(named), named, not named
-        local_bad, bad, named = self._agree(loss)
-        grads = [p for p in self._params if p.grad is not None]
-        overflow = not bad and self.check_gradients and bool(grads) and not grads_finite(grads)
-        return local_bad, bad, named, overflow
+            verdict: bool | str = False if named else ("exhausted" if any(row[1] for row in rows) else True)
+            return not loss_finite, bool(named), named, verdict, values
+        local_bad = not finite_loss(loss)
+        grads = [_local(p.grad) for p in self._params if p.grad is not None]
+        grads_bad = self.check_gradients and not tensors_finite(grads)
+        if not self.distributed:
+            overflow = grads_bad and not local_bad
+            verdict = ("exhausted" if _scale_value(scaler) < MIN_SCALE else True) if overflow else False
+            return local_bad, local_bad, ((0,) if local_bad else ()), verdict, None
+        flags = torch.zeros(2 * self.world_size, dtype=torch.float32, device=self._device())
+        flags[self.rank], flags[self.world_size + self.rank] = float(local_bad), float(grads_bad)
+        dist.all_reduce(flags, group=self.group)  # one all-reduce, as without a scaler: losses and shards agreed
+        read = flags.tolist()
+        named = tuple(r for r in range(self.world_size) if read[r])
+        verdict = not named and any(read[self.world_size:])
+        if verdict:  # a rare step, the same on every rank: one more all-reduce agrees on the scale's floor
+            low = torch.tensor([float(_scale_value(scaler) < MIN_SCALE)], device=self._device())
+            dist.all_reduce(low, group=self.group)
+            verdict = "exhausted" if low.item() else True
+        return local_bad, bool(named), named, verdict, None
 
     def _count_overflow(self, step: int, scaler: Any, overflow: bool) -> None:
         if not overflow:
@@ -283,14 +337,14 @@ class StepGuard:
             return
         self.overflows += 1
         self._overflow_streak += 1
-        scale = _scale_of(scaler)
+        scale = _scale_text(scaler)
         streak, every = self._overflow_streak, self.overflow_warn_after
         if streak >= every and (streak - every) % every == 0:
             log.warning("step %d: %d optimizer steps in a row skipped by the GradScaler for overflowing gradients "
-                        "(scale now %s, %d overflows in all); expected an occasional one. Fix: look for exploding "
-                        "activations or gradients (a lower learning rate, gradient clipping after "
-                        "scaler.unscale_), or train in bf16, which needs no scaler", step, streak, scale,
-                        self.overflows)
+                        "(scale %s before this step's update; %d overflows in all); expected an occasional one. Fix: "
+                        "look for exploding activations or gradients (a lower learning rate, gradient clipping after "
+                        "scaler.unscale_), or train in bf16, which needs no scaler. Below scale %g the step guard "
+                        "treats them as bad steps (health.nan_policy)", step, streak, scale, self.overflows, MIN_SCALE)
         else:
             log.info("step %d: gradients overflowed at GradScaler scale %s while every loss was finite: the scaler "
                      "skips this optimizer step and lowers the scale (%d in a row)", step, scale, streak)
@@ -363,10 +417,19 @@ class StepGuard:
                               "skipped step with the scaler (scaler.unscale_(optimizer)) before the gradients are "
                               "zeroed; expected optimizer= (or harden(..., optimizer=...), or h.optimizer = ...). "
                               "Fix: pass it.", rank=self.err_rank)
+        unscaled = _torch_compat.scaler_unscaled(scaler, self.optimizer)
+        if unscaled:
+            return  # the loop called unscale_ this step (to clip): the check is recorded
         try:
             scaler.unscale_(self.optimizer)
-        except RuntimeError:  # the loop already called unscale_ this step (to clip): the check is recorded
-            pass
+        except RuntimeError:
+            if unscaled is None:  # this torch hides the stage: unscale_'s refusal to run twice is the answer
+                return
+            raise
+        except AssertionError as e:  # torch's own check: no scale() call yet
+            raise ConfigError(f"the GradScaler given to the step guard has not scaled a loss ({e}); expected "
+                              "scaler.scale(loss).backward() before step_guard. Fix: scale the loss with the scaler "
+                              "you pass, or pass none.", rank=self.err_rank) from e
 
     def _zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -433,11 +496,26 @@ def _active(scaler: Any) -> Any:
     return scaler if scaler is not None and scaler.is_enabled() else None
 
 
-def _scale_of(scaler: Any) -> str:
+MIN_SCALE = 1.0
+"""Below this GradScaler scale, non-finite gradients with finite losses are no longer treated as an overflow."""
+
+
+def _scale_value(scaler: Any) -> float:
     try:
-        return f"{float(scaler.get_scale()):g}"
-    except Exception:  # a scaler before its first scale() call, or one with another API: only the log loses it
-        return "unknown"
+        return float(scaler.get_scale())
+    except Exception:  # a scaler with another API: never below the floor by this reading
+        return math.inf
+
+
+def _scale_text(scaler: Any) -> str:
+    value = _scale_value(scaler)
+    return f"{value:g}" if math.isfinite(value) else "unknown"
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (a DTensor's local shard: reading it needs no collective)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
 
 
 def _value(loss: Any) -> Any:

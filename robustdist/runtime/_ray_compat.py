@@ -232,7 +232,7 @@ def tune_trial() -> tuple[str, str] | None:
     if session is None:
         return None
     experiment, trial = getattr(session, "experiment_name", None), getattr(session, "trial_id", None)
-    return (str(experiment), str(trial)) if trial is not None else None
+    return (str(experiment or "unnamed"), str(trial)) if trial else None
 
 
 def _public_tune_trial() -> tuple[str, str] | None:
@@ -243,7 +243,7 @@ def _public_tune_trial() -> tuple[str, str] | None:
         trial, experiment = ctx.get_trial_id(), ctx.get_experiment_name()
     except Exception:  # no Tune, or a context that cannot answer: not a trial
         return None
-    return (str(experiment), str(trial)) if trial is not None else None
+    return (str(experiment or "unnamed"), str(trial)) if trial else None
 
 
 def worker_error(error: BaseException) -> BaseException:

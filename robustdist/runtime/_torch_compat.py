@@ -24,7 +24,7 @@ from torch.utils.data import dataloader as _loader
 from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.private_api import PrivateAPI
 
-__all__ = ["PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPILED_KEY_SEGMENT", "BaseDataLoaderIter", "LoaderHooks",
+__all__ = ["scaler_unscaled", "PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPILED_KEY_SEGMENT", "BaseDataLoaderIter", "LoaderHooks",
            "MultiProcessingDataLoaderIter", "SingleProcessDataLoaderIter", "batch_norm_base", "compiled_inner",
            "dcp_storage_info_type", "default_store", "has_python_state", "has_storage", "innermost_store",
            "live_iterator", "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
@@ -118,6 +118,29 @@ def compiled_inner(model: Any) -> Any:
 
 # The segment torch.compile's wrapper adds to state-dict keys (its attribute holding the wrapped module).
 COMPILED_KEY_SEGMENT = "_orig_mod"
+
+
+def scaler_unscaled(scaler: Any, optimizer: Any) -> bool | None:
+    """Whether ``scaler.unscale_(optimizer)`` already ran since the last ``update()``
+    (``GradScaler._per_optimizer_states[id(optimizer)]["stage"]``); None where the scaler does not say."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        return None
+    entry = states.get(id(optimizer))  # .get: the defaultdict must not grow an entry here
+    if entry is None:
+        return False
+    stage = entry.get("stage") if isinstance(entry, dict) else None
+    return None if stage is None else getattr(stage, "name", None) == "UNSCALED"
+
+
+def _probe_scaler_stage() -> Any:
+    param = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(param.sum()).backward()
+    before = scaler_unscaled(scaler, opt)
+    scaler.unscale_(opt)
+    return (before is False and scaler_unscaled(scaler, opt) is True) or None
 
 
 def norm_base() -> type:
@@ -292,6 +315,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.utils.data.DataLoader._iterator", "torch",
                "telling an abandoned persistent-workers iterator from one a loop is in", _VERIFIED,
                _probe_live_iterator),
+    PrivateAPI("torch.amp.GradScaler._per_optimizer_states[id(optimizer)]['stage']", "torch",
+               "the step guard's skip/rollback records the bad step with the scaler only if the loop did not call "
+               "unscale_ already; without it, unscale_'s own refusal (a RuntimeError) is taken as the answer",
+               _VERIFIED, _probe_scaler_stage),
     PrivateAPI("torch.distributed.checkpoint.filesystem._StorageInfo", "torch",
                "validating DCP metadata before DCP reads it (untrusted checkpoints)", _VERIFIED,
                dcp_storage_info_type),

@@ -62,7 +62,16 @@ def test_each_rank_resumes_its_own_plain_extras_from_the_in_memory_tier(tmp_path
         assert x == [rank, rank] and seen["rank"] == rank and buf == [float(rank)] * 3
 
 
-def _resume_logged(rank: int, root: str) -> tuple:
+def _resume_x(rank: int, root: str) -> list:
+    model = _model()
+    h = harden(model, None, _cfg(root), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    h.resume()
+    x = h.last_loaded.state["X"]
+    h.close()
+    return x
+
+
+def _resume_logged(rank: int, root: str, only_x: bool = False) -> tuple:
     records: list[str] = []
 
     class Keep(logging.Handler):
@@ -72,7 +81,8 @@ def _resume_logged(rank: int, root: str) -> tuple:
     handler = Keep(level=logging.WARNING)
     logging.getLogger("robustdist").addHandler(handler)
     try:
-        return _resume(rank, root, False)[2], [m for m in records if "plain extras" in m]
+        got = _resume_x(rank, root) if only_x else _resume(rank, root, False)[2]
+        return got, [m for m in records if "plain extras" in m]
     finally:
         logging.getLogger("robustdist").removeHandler(handler)
 
@@ -85,3 +95,35 @@ def test_a_rank_that_saved_nothing_gets_rank_0s_values_and_a_warning(tmp_path):
     (warning,) = out[2][1]
     assert warning == ("[rank 2/3] checkpoint step 2 holds no values of this rank's own for the plain extras X, buf, "
                        "same, seen (saved by 2 rank(s); the job now has more ranks): this rank gets rank 0's")
+
+
+def test_a_forged_rank_file_cannot_replace_a_live_entry_or_an_entry_saved_as_state():
+    from robustdist.checkpoint import LoadedCheckpoint
+    from robustdist.checkpoint.train_state import _own_extras
+
+    loaded = LoadedCheckpoint(step=4, path="/x", state={"model": {"w": 1}, "optimizer": {"s": 2}, "ema": {"e": 3},
+                                                        "counter": 0},
+                              per_rank={"extras": {"model": "forged", "optimizer": "pwned", "ema": "forged",
+                                                   "counter": 7, "new": 1}},
+                              metadata={}, manifest={"entries": {"model": "module", "optimizer": "stateful",
+                                                                 "ema": "stateful", "counter": "data"},
+                                                     "world_size": 2})
+    _own_extras(loaded, 1, 2, {"model", "optimizer"})
+    assert loaded.state == {"model": {"w": 1}, "optimizer": {"s": 2}, "ema": {"e": 3}, "counter": 7}
+
+
+def _save_three(rank: int, root: str) -> None:
+    model = _model()
+    h = harden(model, None, _cfg(root), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    h.save(2, X=[rank])
+    h.close()
+
+
+def test_fewer_ranks_on_resume_warn_that_the_missing_ranks_values_are_not_restored(tmp_path):
+    run_ranks(_save_three, 3, args=(str(tmp_path),), init=False, timeout=120)
+    out = run_ranks(_resume_logged, 2, args=(str(tmp_path), True), init=False, timeout=120)
+    assert [x for x, _ in out] == [[0], [1]]
+    assert out[1][1] == []
+    (warning,) = out[0][1]
+    assert warning == ("[rank 0/2] checkpoint step 2 was saved by 3 ranks and is loaded by 2: the plain extras X of "
+                       "ranks 2 to 2 are not restored (no rank here has their number)")

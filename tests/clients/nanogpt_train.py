@@ -174,16 +174,18 @@ def main() -> None:
                     h.save(iter_num, force=True, best_val_loss=best_val_loss, X=X, Y=Y)  # every rank
         if iter_num == args.kill_at and rank == 1 and h.attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+        total = torch.zeros(())  # every micro-step's loss, so that a NaN in any of them reaches the guard
         for micro_step in range(grad_accum):
             model.require_backward_grad_sync = micro_step == grad_accum - 1
             with ctx:
                 _, loss = model(X, Y)
                 loss = loss / grad_accum
+            total += loss.detach().float()
             X, Y = get_batch("train")  # the prefetch
             scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        decision = h.step_guard(loss, iter_num)
+        decision = h.step_guard(total, iter_num)
         if decision:
             scaler.step(optimizer)
         scaler.update()

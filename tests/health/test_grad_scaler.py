@@ -93,7 +93,7 @@ def test_an_overflow_is_left_to_the_scaler_and_the_run_equals_the_plain_loop_bit
     overflowed = [step for step, action, _ in trace if action == "overflow"]
     assert len(overflowed) == backoffs == h.guard.overflows
     assert all(a in ("ok", "overflow") for _, a, _ in trace)
-    logged = [_text(r) for r in caplog.records if "GradScaler" in r.getMessage()]
+    logged = [_text(r) for r in caplog.records if "in a row" in r.getMessage()]
     assert len(logged) == backoffs  # one line per overflow: INFO, or the WARNING of a long streak
     assert logged[0].startswith(f"step 0: gradients overflowed at GradScaler scale {HUGE:g} while every loss was "
                                 "finite: the scaler skips this optimizer step and lowers the scale (1 in a row)")
@@ -286,3 +286,82 @@ def test_without_the_scaler_a_ddp_overflow_is_a_bad_step_and_the_error_says_to_p
         assert kind == "raised" and ranks == ()
         assert message.startswith(f"[rank {rank}] step 0: non-finite gradients while every rank's loss was finite")
         assert "pass it (h.step_guard(loss, step, scaler=scaler), or harden(..., scaler=scaler))" in message
+
+
+def test_non_finite_gradients_past_the_scale_floor_are_a_bad_step_not_an_overflow(single_process):
+    """A NaN in an earlier micro-step (the guard sees the last micro-step's finite loss) looks like an overflow;
+    once the scale is below 1 no overflow explains it, and nan_policy applies."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = _scaler(init_scale=4.0)
+    guard = StepGuard(model=model, optimizer=opt, scaler=scaler)
+    data = list(_loader())
+    actions = []
+    with pytest.raises(NonFiniteLossError) as exc:
+        for step in range(8):
+            for micro, (x, y) in enumerate(data[2 * step:2 * step + 2]):
+                if micro == 0:
+                    x = _poison_at(0)(0, x)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x), y) / 2
+                scaler.scale(loss).backward()
+            decision = guard(loss, step)
+            actions.append(decision.action)
+            if decision:
+                scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    assert actions == ["overflow"] * 3  # scales 4, 2, 1: the scaler's business; then 0.5 is below the floor
+    assert str(exc.value).startswith("step 3: gradients still non-finite at GradScaler scale 0.5, below 1, after 3 "
+                                     "overflows in a row, with every loss finite: not an fp16 overflow")
+
+
+def test_a_scaler_that_never_scaled_is_a_config_error_under_skip(single_process):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = StepGuard("skip", model=model, optimizer=opt, scaler=_scaler())
+    x, y = next(iter(_loader()))
+    loss = nn.functional.cross_entropy(model(_poison_at(0)(0, x)), y)
+    loss.backward()  # not scaler.scale(loss): the scaler never saw this step
+    with pytest.raises(ConfigError, match=r"has not scaled a loss .*expected scaler.scale\(loss\).backward\(\)"):
+        guard(loss, 0)
+
+
+@pytest.mark.parametrize(("before", "after"), [(None, True), (False, True), (True, False)],
+                         ids=["no-scaler-then-fp16", "bf16-then-fp16", "fp16-then-bf16"])
+def test_a_checkpoint_without_a_usable_scaler_state_resumes_and_the_scaler_keeps_its_own(single_process, tmp_path,
+                                                                                          before, after):
+    cfg = {"health": {"hang_timeout": None}, "checkpoint": {"dir": str(tmp_path)}}
+    model = _model()
+    scaler = None if before is None else _scaler(init_scale=2.0 ** 5, enabled=before)
+    h = harden(model, None, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), scaler=scaler)
+    h.save(3, force=True)
+    h.close()
+    model2 = _model()
+    scaler2 = _scaler(init_scale=2.0 ** 9, enabled=after)
+    h2 = harden(model2, None, cfg, optimizer=torch.optim.SGD(model2.parameters(), lr=0.05), scaler=scaler2)
+    assert h2.resume() == 3
+    h2.close()
+    if after:
+        assert scaler2.get_scale() == 2.0 ** 9  # nothing usable was saved: the live scaler keeps its scale
+
+
+def _mixed_scalers(rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model())
+    guard = StepGuard(model=model, scaler=_scaler() if rank == 0 else None)
+    x, y = next(iter(_loader()))
+    nn.functional.cross_entropy(model(x), y).backward()
+    try:
+        guard(torch.tensor(1.0), 0)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_scaler_on_some_ranks_only_is_refused_on_every_rank_at_the_first_step():
+    for rank, message in enumerate(run_ranks(_mixed_scalers, 2, timeout=60)):
+        assert message == (f"[rank {rank}] the step guard was given an enabled GradScaler on rank 0 but not on the "
+                           "others; expected the same on every rank (each decides an overflow differently without "
+                           "one). Fix: pass the same scaler= on every rank, enabled alike.")

@@ -38,12 +38,26 @@ def trial_fn(config: dict) -> None:
     ckpt = {"dir": config["dir"], "every_n_steps": 1}
     if config.get("run_name"):
         ckpt["run_name"] = config["run_name"]
-    h = harden(model, None, {"checkpoint": ckpt, "health": {"hang_timeout": None}}, optimizer=opt)
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    keep = Keep(logging.WARNING)
+    logging.getLogger("robustdist").addHandler(keep)
+    try:
+        h = harden(model, None, {"checkpoint": ckpt, "health": {"hang_timeout": None}}, optimizer=opt)
+    finally:
+        logging.getLogger("robustdist").removeHandler(keep)
     start = h.resume() or 0
     out = Path(config["out"])
     trial = ray.tune.get_context().get_trial_id()
     with open(out / f"{trial}.jsonl", "a") as fh:
-        fh.write(json.dumps({"start": start, "dir": h.checkpointer.directory, "lr": config["lr"]}) + "\n")
+        fh.write(json.dumps({"start": start, "dir": h.checkpointer.directory, "lr": config["lr"],
+                             "warned": [m for m in seen if "holds checkpoints of its own" in m]}) + "\n")
     for step in range(start, TOTAL):
         _train_steps(model, opt, step, step + 1)
         h.save(step + 1)
@@ -78,6 +92,11 @@ def test_each_trial_has_its_own_namespace_and_resumes_only_its_own_checkpoints(r
     out = tmp_path / "out"
     out.mkdir()
     base = tmp_path / "ckpt"
+    from robustdist.checkpoint import AtomicCheckpointer
+
+    old = AtomicCheckpointer(base)  # as an older robustdist left it: every trial's checkpoints in the base
+    old.save(5, {"model": nn.Linear(4, 1)})
+    old.close()
     space = {"lr": tune.grid_search([0.01, 0.05]), "dir": str(base), "out": str(out)}
     results = _tuner(tmp_path, "exp", space, max_failures=1).fit()
     assert results.num_errors == 0, [str(e)[:2000] for e in results.errors]
@@ -87,6 +106,7 @@ def test_each_trial_has_its_own_namespace_and_resumes_only_its_own_checkpoints(r
     for trial in trials:
         attempts = [json.loads(line) for line in (out / f"{trial}.jsonl").read_text().splitlines()]
         assert [a["start"] for a in attempts] == [0, CRASH_AT]  # fresh, then its own step 4 after Tune's restart
+        assert all(len(a["warned"]) == 1 and str(base) in a["warned"][0] for a in attempts)  # the base's step 5
         assert {a["dir"] for a in attempts} == {os.path.realpath(base / "exp" / trial)}
         record = json.loads((base / "exp" / trial / ".robustdist-run.json").read_text())
         assert record["run"] == f"exp/{trial}"

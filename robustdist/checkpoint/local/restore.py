@@ -314,9 +314,7 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     try:
         if problem is not None:
             raise _Skip
-        for name in state:
-            if name not in kinds:
-                raise CheckpointError(f"state[{name!r}] is not in in-memory step {step} (it holds {sorted(kinds)})")
+        state = _restore.present(state, kinds, f"in-memory step {step}")
         saved_per_rank = own.get("per_rank", {})
         check_entries(where, kinds, replicated, state, saved_per_rank, per_rank)
         checked = (replicated, own, payload["shards"], _restore.plan(kinds, replicated, state, saved_per_rank,
