@@ -60,11 +60,16 @@ the ranks that saw them. Policies, identical on every rank:
 while every rank's loss is finite return a true decision with ``action="overflow"``, so the loop calls
 ``scaler.step(optimizer)`` (which skips the update) and ``scaler.update()`` (which lowers the scale) as it
 always did. Each overflow is logged at INFO and counted (``overflows``); ``overflow_warn_after`` of them in a
-row log a WARNING (then every that many more). A non-finite *loss* on any rank still follows the policy. The
-agreement costs nothing more on the common path: under ``"gradients"`` every rank sees the same non-finite
-gradients, and only then do the ranks gather their losses to tell an overflow from a NaN loss; under
-``"allreduce"`` and ``"local"`` the loss flags decide and this rank's gradients are also read, once per step,
-for the count (not with ``check_gradients=False``: the scaler then skips its overflows uncounted). Under ``skip`` and ``rollback`` the guard records the bad step with the scaler
+row log a WARNING (then every that many more). Once the scale is below :data:`MIN_SCALE` (1), non-finite
+gradients are no overflow the scaler can fix (a NaN in an earlier micro-step, one that backward made) and
+follow the policy. A non-finite *loss* on any rank always follows the policy. Every rank decides alike: the
+first call gathers once whether each rank has an enabled scaler (a mismatch is a ``ConfigError`` everywhere);
+under ``"gradients"`` every rank sees the same non-finite gradients, and only then do the ranks gather their
+losses (and whether their scale is below the floor); under ``"allreduce"`` the one all-reduce carries each
+rank's loss flag and the flag of its gradient shard (a DTensor's local part: no collective to read it), and
+only an agreed overflow adds a second one for the floor (not with ``check_gradients=False``: the losses alone
+decide, and the scaler skips its overflows uncounted). Under ``skip`` and ``rollback`` the guard records the
+bad step with the scaler
 (``scaler.unscale_(optimizer)``, unless the loop already called it) before zeroing the gradients, so the
 loop's ``scaler.update()`` still works and backs the scale off, as it would for an overflow. A disabled scaler
 (``GradScaler(enabled=False)``, e.g. nanoGPT under bf16) counts as none.
