@@ -31,7 +31,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from robustdist.init import reach as _reach
@@ -39,9 +38,8 @@ from robustdist.runtime import netenv, versions
 
 __all__ = ["Finding", "collect_findings", "run_doctor"]
 
-# numpy's (supported: outside is an error; tested: outside is a warning). Python, torch and Ray are judged by
-# the version matrix's data (robustdist.runtime.versions): tested, untested inside the range, or unsupported.
-RANGES = {"numpy": (">=1.24", "==2.*")}
+# Python, torch, Ray and numpy are judged by the version matrix's data (robustdist.runtime.versions): tested,
+# untested inside the range, or unsupported (numpy: tested, or untested; pyproject leaves it to torch).
 _LEVELS = {"tested": "ok", "untested": "warn", "unsupported": "error"}
 SHM_WARN_BYTES = 1 << 30
 NOFILE_WARN = 4096
@@ -66,36 +64,47 @@ def _installed(name: str) -> str | None:
 
 def check_versions() -> list[Finding]:
     out = []
+    found_all: dict[str, str] = {}
     for name in versions.DEPENDENCIES:
         found = _installed(name)
         if found is None:
             out.append(Finding(f"version.{name}", "ok", "not installed", "optional: pip install 'robustdist[ray]'"))
             continue
+        found_all[name] = found
         try:
             verdict = versions.classify(name, found)
-        except versions.MatrixDataError as e:
-            out.append(Finding(f"version.{name}", "warn", found, str(e)))
+        except versions.MatrixDataError as e:  # a damaged install: no verdict can be trusted
+            out.append(Finding(f"version.{name}", "error", found, str(e)))
             continue
         out.append(Finding(f"version.{name}", _LEVELS[verdict.status], f"{found} ({verdict.status})",
                            "" if verdict.status == "tested" else verdict.message))
-    for name, (supported, tested) in RANGES.items():
-        found = _installed(name)
-        if found is None:
-            out.append(Finding(f"version.{name}", "ok", "not installed", "optional: pip install 'robustdist[ray]'"))
-            continue
+    if len(found_all) == len(versions.DEPENDENCIES):
         try:
-            version = Version(found)
-        except InvalidVersion:
-            out.append(Finding(f"version.{name}", "warn", found, "unparseable version; cannot check the range"))
-            continue
-        public = Version(version.public)
-        if public not in SpecifierSet(supported):
-            out.append(Finding(f"version.{name}", "error", found, f"robustdist supports {name}{supported}; upgrade"))
-        elif public not in SpecifierSet(tested):
-            out.append(Finding(f"version.{name}", "warn", found, f"supported, but CI tests {name}{tested}"))
-        else:
-            out.append(Finding(f"version.{name}", "ok", found))
+            lane = versions.combination(found_all)
+        except versions.MatrixDataError:
+            lane = None
+        shown = ", ".join(f"{k} {v}" for k, v in found_all.items())
+        out.append(Finding("version.combination", "ok", f"tested together (matrix lane {lane})" if lane else
+                           "not a matrix lane", "" if lane else f"{shown}: each version is judged above on its own; "
+                           "no lane ran these minors together (docs/status.md lists the lanes)"))
+    out.append(_numpy_finding())
     return out
+
+
+def _numpy_finding() -> Finding:
+    found = _installed("numpy")
+    if found is None:
+        return Finding("version.numpy", "error", "not installed", "pip install numpy (a robustdist dependency)")
+    try:
+        minor = Version(found).release[:2]
+        tested = sorted({str(lane["numpy"]) for lane in versions.matrix()["lanes"]
+                         if lane["ok"] and isinstance(lane.get("numpy"), str)}, key=Version)
+    except (InvalidVersion, versions.MatrixDataError) as e:
+        return Finding("version.numpy", "warn", found, f"cannot check it against the tested matrix ({e})")
+    if any(Version(t).release[:2] == minor for t in tested):
+        return Finding("version.numpy", "ok", f"{found} (tested)")
+    return Finding("version.numpy", "warn", f"{found} (untested)",
+                   f"no matrix lane ran numpy {minor[0]}.{minor[1]} (tested: {', '.join(tested)})")
 
 
 def check_cuda() -> list[Finding]:

@@ -205,6 +205,8 @@ def run_lane(name: str, pytest_args: list[str]) -> dict:
            "--ignore=tests/gpu", "--ignore=tests/test_versions.py", f"--junitxml={junit}", *pytest_args]
     env = {**os.environ, "PATH": f"{py.parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "VIRTUAL_ENV": str(py.parent.parent), "ROBUSTDIST_OTHER_LANES": _other_lanes(name)}
+    if env.pop("PYTEST_ADDOPTS", ""):  # it would select a subset unseen: the lane runs the whole suite
+        log("ignoring PYTEST_ADDOPTS for the lane (use --pytest-args, which marks the result a subset)")
     log(f"lane {name}: {versions}; $ {' '.join(cmd)}")
     start = time.monotonic()
     with open(out_dir / "pytest.log", "w") as sink:
@@ -214,12 +216,30 @@ def run_lane(name: str, pytest_args: list[str]) -> dict:
                             text=True, env=pip_env()).stdout.split()
     result = {"lane": name, "why": lane["why"], "versions": versions,
               "date": _dt.date.today().isoformat(), "duration_s": round(time.monotonic() - start),
-              "subset": bool(pytest_args), "pytest_args": pytest_args, "returncode": rc,
+              "subset": bool(pytest_args), "pytest_args": pytest_args, "returncode": rc, **_provenance(),
               "ok": rc == 0 and counts["failed"] == 0 and counts["errors"] == 0, **counts, "freeze": freeze}
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     log(f"lane {name}: {'PASS' if result['ok'] else 'FAIL'}: {counts['passed']} passed, {counts['failed']} failed, "
         f"{counts['errors']} errors, {counts['skipped']} skipped in {result['duration_s']} s")
     return result
+
+
+def _provenance() -> dict:
+    """The commit the lane ran, and whether the product or its tests had uncommitted changes."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+    status = git("status", "--porcelain", "--", "robustdist", "tests", "pyproject.toml")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def _release(v: str) -> tuple[int, ...]:
+    """The numeric release of a version (2.15.0rc1 -> (2, 15, 0)), for ordering lanes."""
+    found = re.match(r"\d+(?:\.\d+)*", v)
+    return tuple(int(x) for x in found.group(0).split(".")) if found else (0,)
 
 
 def _minor(v: str) -> str:
@@ -243,28 +263,33 @@ def render() -> None:
         sys.exit("matrix: no lane passed; nothing to render")
     def floor(dep: str) -> str:  # Python by its minor (3.11), torch and Ray by the release the lane ran
         found = [_minor(r["versions"][dep]) if dep == "python" else r["versions"][dep].split("+")[0] for r in passing]
-        return min(found, key=lambda v: tuple(map(int, v.split("."))))
+        return min(found, key=_release)
     def ceiling(dep: str) -> str:
-        return max((_minor(r["versions"][dep]) for r in passing), key=lambda v: tuple(map(int, v.split("."))))
+        return max((_minor(r["versions"][dep]) for r in passing), key=_release)
     data = {
         "generated_by": "scripts/matrix.py --render",
-        "date": max(r["date"] for r in results),
+        "date": max(r["date"] for r in passing),
         "lanes": [{"lane": r["lane"], "python": _minor(r["versions"]["python"]), "torch": r["versions"]["torch"],
                    "ray": r["versions"]["ray"], "numpy": r["versions"]["numpy"], "passed": r["passed"],
                    "failed": r["failed"], "errors": r["errors"], "skipped": r["skipped"], "ok": r["ok"],
-                   "date": r["date"]} for r in results],
+                   "date": r["date"], "commit": r.get("commit")} for r in results],
         "not_run": [{"lane": n, **{k: LANES[n][k] for k in ("python", "torch", "ray")}} for n in not_run],
         "supported": {dep: {"min": floor(dep), "max_minor": ceiling(dep)} for dep in ("python", "torch", "ray")},
     }
     DATA_FILE.write_text(json.dumps(data, indent=1) + "\n")
-    rows = ["| lane | Python | torch | Ray | numpy | result | date |", "|---|---|---|---|---|---|---|"]
-    for r in data["lanes"]:
+    head = _provenance()["commit"]
+    rows = ["| lane | Python | torch | Ray | numpy | result | date | commit |", "|---|---|---|---|---|---|---|---|"]
+    for r, res in zip(data["lanes"], results):
         verdict = (f"{r['passed']} passed, {r['skipped']} skipped" if r["ok"] else
                    f"**{r['failed']} failed, {r['errors']} errors**, {r['passed']} passed")
+        commit = (r["commit"] or "unrecorded")[:10] + (" (uncommitted changes)" if res.get("dirty") else "")
         rows.append(f"| {r['lane']} | {r['python']} | {r['torch']} | {r['ray']} | {r['numpy']} | {verdict} | "
-                    f"{r['date']} |")
+                    f"{r['date']} | {commit} |")
+        if r["commit"] != head:
+            log(f"lane {r['lane']} ran commit {r['commit'] or '(unrecorded)'}, not HEAD {head}: rerun it to render "
+                "this checkout's result")
     for lane in data["not_run"]:
-        rows.append(f"| {lane['lane']} | {lane['python']} | {lane['torch']} | {lane['ray']} | | not run yet | |")
+        rows.append(f"| {lane['lane']} | {lane['python']} | {lane['torch']} | {lane['ray']} | | not run yet | | |")
     sup = data["supported"]
     table = "\n".join([BEGIN, *rows, "",
                        f"Supported: Python {sup['python']['min']} to {sup['python']['max_minor']}, torch "

@@ -23,7 +23,7 @@ MEMBER_NAMES = frozenset({
     "_amp_foreach_non_finite_check_and_unscale_", "_foreach_norm", "_connect_and_get_accessor",
     "_BaseDataLoaderIter", "_SingleProcessDataLoaderIter", "_MultiProcessingDataLoaderIter", "_BatchNorm",
     "_NormBase", "_MEM_FORMAT_ENCODING", "_get_layout", "_rebuild_nested_tensor", "_internal", "_private",
-    "_per_optimizer_states",
+    "_per_optimizer_states", "_schedulers",
 })
 
 # torch's private methods a subclass could override (robustdist's own functions may share other names above).

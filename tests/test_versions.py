@@ -4,6 +4,7 @@ and ``robustdist doctor`` agree."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -91,8 +92,65 @@ def test_doctor_reports_the_same_verdicts(monkeypatch):
     assert found["version.python"].level == "ok" and found["version.numpy"].level == "ok"
 
 
-@pytest.mark.parametrize("content", [None, "{not json", '{"lanes": [], "supported": {"torch": {"min": "2.13"}}}'],
-                         ids=["missing", "corrupt", "no-python-range"])
+def test_classify_follows_pip_at_the_edges_and_never_calls_a_pre_release_tested():
+    low, (major, minor) = versions.supported_range("torch")
+    floor = f"{low.major}.{low.minor}.{low.micro}"
+    for found in (f"{floor}rc1", f"{floor}.dev20250601", f"{floor}a0+5228986c39.nv25.06"):  # pip: not >= floor
+        assert versions.classify("torch", found).status == "unsupported", found
+    for found in (f"{major}.{minor + 1}.0rc1", f"{major}.{minor + 1}.0.dev0", "1!2.0"):  # pip: not < ceiling
+        assert versions.classify("torch", found).status == "unsupported", found
+    lane = next(lane for lane in versions.matrix()["lanes"] if lane["ok"])
+    tested = Version(str(lane["torch"]))
+    pre = versions.classify("torch", f"{tested.major}.{tested.minor}.{tested.micro + 1}rc1")
+    assert pre.status == "untested" and "pre-release or development build" in pre.message
+    assert versions.classify("torch", f"{tested.base_version}.post1").status == "tested"
+    low_py, (pmaj, pmin) = versions.supported_range("python")
+    newer = versions.classify("python", f"{pmaj}.{pmin + 1}.0")  # requires-python has no upper bound
+    assert newer.status == "untested" and "newer than any tested Python" in newer.message
+    assert versions.classify("python", f"{low_py.major}.{low_py.minor - 1}.9").status == "unsupported"
+
+
+def test_combination_names_the_lane_that_ran_these_minors_together():
+    lane = next(lane for lane in versions.matrix()["lanes"] if lane["ok"])
+    installed = {dep: str(lane[dep]) + (".1" if dep == "python" else "") for dep in versions.DEPENDENCIES}
+    assert versions.combination(installed) == lane["lane"]
+    assert versions.combination({**installed, "torch": "1.0.0"}) is None
+    assert versions.combination({"python": "3.11"}) is None
+
+
+_GOOD = json.dumps({"date": "2026-12-02", "lanes": [{"lane": "x", "ok": True, "python": "3.11", "torch": "2.13.0",
+                                                      "ray": "2.60.0"}],
+                    "supported": {d: {"min": v, "max_minor": v} for d, v in
+                                  (("python", "3.11"), ("torch", "2.13.0"), ("ray", "2.60.0"))}})
+_DAMAGED = {
+    "missing": None, "corrupt": "{not json", "no-python-range": '{"lanes": [], "supported": {"torch": {"min": "2.13"}}}',
+    "range-a-string": _GOOD.replace('"torch": {"min": "2.13.0", "max_minor": "2.13.0"}', '"torch": "2.13"'),
+    "max-minor-garbage": _GOOD.replace('"max_minor": "2.13.0"', '"max_minor": "abc"'),
+    "max-minor-a-number": _GOOD.replace('"max_minor": "2.13.0"', '"max_minor": 2.13'),
+    "min-missing": _GOOD.replace('"min": "2.13.0", ', ""),
+    "lane-without-ok": _GOOD.replace('"ok": true, ', ""),
+    "lane-an-int": _GOOD.replace('"lanes": [{', '"lanes": [7, {'),
+    "lane-torch-garbage": _GOOD.replace('"torch": "2.13.0",\n', "").replace('"torch": "2.13.0", "ray"',
+                                                                            '"torch": "garbage", "ray"'),
+    "no-date": _GOOD.replace('"date": "2026-12-02", ', ""),
+    "no-lanes": _GOOD.replace('"lanes": [{"lane": "x", "ok": true, "python": "3.11", "torch": "2.13.0", '
+                              '"ray": "2.60.0"}]', '"lanes": []'),
+    "no-lane-passed": _GOOD.replace('"ok": true', '"ok": false'),
+}
+
+
+def test_the_good_fixture_is_good(tmp_path, monkeypatch):
+    data = tmp_path / "tested_versions.json"
+    data.write_text(_GOOD)
+    monkeypatch.setattr(versions, "DATA", data)
+    versions.matrix.cache_clear()
+    try:
+        assert versions.classify("torch", "2.13.0").status == "tested"
+    finally:
+        versions.matrix.cache_clear()
+
+
+@pytest.mark.parametrize("content", list(_DAMAGED.values()), ids=list(_DAMAGED))
 def test_broken_matrix_data_is_a_named_error_that_says_reinstall(tmp_path, monkeypatch, content):
     data = tmp_path / "tested_versions.json"
     if content is not None:
@@ -105,3 +163,15 @@ def test_broken_matrix_data_is_a_named_error_that_says_reinstall(tmp_path, monke
     finally:
         versions.matrix.cache_clear()
     assert str(data) in str(caught.value) and "reinstall robustdist" in str(caught.value)
+
+
+def test_doctor_calls_damaged_matrix_data_an_error(tmp_path, monkeypatch):
+    data = tmp_path / "tested_versions.json"
+    data.write_text(_DAMAGED["max-minor-garbage"])
+    monkeypatch.setattr(versions, "DATA", data)
+    versions.matrix.cache_clear()
+    try:
+        found = {f.check: f for f in doctor.check_versions()}
+    finally:
+        versions.matrix.cache_clear()
+    assert found["version.torch"].level == "error" and "reinstall robustdist" in found["version.torch"].remedy

@@ -35,6 +35,7 @@ from torch import nn
 
 from robustdist.checkpoint._schema import overlapping
 from robustdist.parallel.state_dict import load_model_state_dict, unwrap_model
+from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, StateDictMismatchError
 
 __all__ = ["check_module", "check_optimizer", "check_same_keys", "validated"]
@@ -246,7 +247,7 @@ def check_same_keys(where: str, live: Any, saved: Any) -> None:
         raise _bad(where, f"does not have the keys of a {type(live).__name__} state dict"
                           + (f" (unexpected: {', '.join(extra)[:200]})" if extra else ""))
     for key, value in saved.items():
-        if key in ("lr_lambdas", "_schedulers"):
+        if key in ("lr_lambdas", _torch_compat.SCHEDULERS_KEY):
             continue  # checked below
         problem = mismatch(value, current[key], key)
         if problem:
@@ -258,10 +259,10 @@ def check_same_keys(where: str, live: Any, saved: Any) -> None:
                         for a, b in zip(lambdas, live_lambdas))):
             raise _bad(where, "lr_lambdas does not match the live scheduler's (it may only restore attributes "
                               "its callable objects have)")
-    inner = getattr(live, "_schedulers", None)  # SequentialLR, ChainedScheduler: one state per inner scheduler
-    if "_schedulers" in saved:
-        if not (isinstance(inner, list) and isinstance(saved["_schedulers"], list)
-                and len(saved["_schedulers"]) == len(inner)):
+    inner = _torch_compat.inner_schedulers(live)  # SequentialLR, ChainedScheduler: one state per inner scheduler
+    key = _torch_compat.SCHEDULERS_KEY
+    if key in saved:
+        if not (isinstance(inner, list) and isinstance(saved[key], list) and len(saved[key]) == len(inner)):
             raise _bad(where, f"holds a different number of inner schedulers than the live {type(live).__name__}")
-        for i, (child, child_saved) in enumerate(zip(inner, saved["_schedulers"])):
+        for i, (child, child_saved) in enumerate(zip(inner, saved[key])):
             check_same_keys(f"{where} inner scheduler {i}", child, child_saved)

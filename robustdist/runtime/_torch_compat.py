@@ -24,7 +24,8 @@ from torch.utils.data import dataloader as _loader
 from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.private_api import PrivateAPI
 
-__all__ = ["scaler_unscaled", "PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPILED_KEY_SEGMENT", "BaseDataLoaderIter", "LoaderHooks",
+__all__ = ["PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPILED_KEY_SEGMENT", "SCHEDULERS_KEY",
+           "inner_schedulers", "scaler_unscaled", "BaseDataLoaderIter", "LoaderHooks",
            "MultiProcessingDataLoaderIter", "SingleProcessDataLoaderIter", "batch_norm_base", "compiled_inner",
            "dcp_storage_info_type", "default_store", "has_python_state", "has_storage", "innermost_store",
            "live_iterator", "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
@@ -141,6 +142,26 @@ def _probe_scaler_stage() -> Any:
     before = scaler_unscaled(scaler, opt)
     scaler.unscale_(opt)
     return (before is False and scaler_unscaled(scaler, opt) is True) or None
+
+
+# The state-dict key (and attribute) under which SequentialLR and ChainedScheduler keep their inner schedulers.
+SCHEDULERS_KEY = "_schedulers"
+
+
+def inner_schedulers(scheduler: Any) -> list[Any] | None:
+    """The schedulers a ``SequentialLR``/``ChainedScheduler`` chains (``._schedulers``), or None for any other."""
+    inner = getattr(scheduler, SCHEDULERS_KEY, None)
+    return inner if isinstance(inner, list) else None
+
+
+def _probe_inner_schedulers() -> Any:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    chained = torch.optim.lr_scheduler.ChainedScheduler([torch.optim.lr_scheduler.StepLR(opt, 1)])
+    return (inner_schedulers(chained) is not None and SCHEDULERS_KEY in chained.state_dict()) or None
+
+
+def _probe_state_dict_metadata() -> Any:
+    return hasattr(torch.nn.Linear(1, 1).state_dict(), STATE_DICT_METADATA) or None
 
 
 def norm_base() -> type:
@@ -319,6 +340,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the step guard's skip/rollback records the bad step with the scaler only if the loop did not call "
                "unscale_ already; without it, unscale_'s own refusal (a RuntimeError) is taken as the answer",
                _VERIFIED, _probe_scaler_stage),
+    PrivateAPI("torch.optim.lr_scheduler.SequentialLR/ChainedScheduler._schedulers (and its state-dict key)",
+               "torch", "checking a checkpoint's chained-scheduler state against the live inner schedulers before it "
+               "is restored (untrusted checkpoints)", _VERIFIED, _probe_inner_schedulers),
+    PrivateAPI("the state dict's _metadata attribute (Module.state_dict())", "torch",
+               "model_state_dict keeps the per-module version metadata when it strips wrapper prefixes", _VERIFIED,
+               _probe_state_dict_metadata),
     PrivateAPI("torch.distributed.checkpoint.filesystem._StorageInfo", "torch",
                "validating DCP metadata before DCP reads it (untrusted checkpoints)", _VERIFIED,
                dcp_storage_info_type),

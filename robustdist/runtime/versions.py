@@ -5,10 +5,15 @@ last run of every lane (``make test-matrix``); ``docs/status.md`` shows the same
 ``tests/test_versions.py`` checks that ``pyproject.toml``'s ranges agree with it. :func:`classify` gives
 ``robustdist doctor`` its verdict for an installed version:
 
-* ``tested``: a lane ran the whole suite on this minor version and passed;
+* ``tested``: a lane ran the whole suite on this minor version (a final release) and passed;
 * ``untested``: inside the supported range (from the oldest lane's version to the newest lane's minor), but no
-  lane ran it;
-* ``unsupported``: outside the range; the verdict names the version to use.
+  lane ran it, or a pre-release or development build of a tested minor; and a Python newer than any lane's
+  (``requires-python`` has no upper bound, as is usual: a warning, not an error);
+* ``unsupported``: outside the range (what pip refuses too: ``torch>=2.8`` excludes ``2.8.0rc1``, ``<2.14``
+  excludes ``2.14.0rc1``); the verdict names the version to use.
+
+"Tested" is per dependency: each version ran in some lane that passed, not necessarily together with the
+other two; :func:`combination` says whether the installed combination itself was a lane.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-__all__ = ["DEPENDENCIES", "MatrixDataError", "Verdict", "classify", "matrix", "supported_range"]
+__all__ = ["DEPENDENCIES", "MatrixDataError", "Verdict", "classify", "combination", "matrix", "supported_range"]
 
 DEPENDENCIES = ("python", "torch", "ray")
 DATA = Path(__file__).with_name("tested_versions.json")
@@ -43,15 +48,42 @@ class MatrixDataError(RuntimeError):
 
 @functools.cache
 def matrix() -> dict[str, Any]:
-    """The last matrix run: ``{"date", "lanes": [...], "supported": {dep: {"min", "max_minor"}}}``."""
+    """The last matrix run: ``{"date", "lanes": [...], "supported": {dep: {"min", "max_minor"}}}``, validated:
+    anything else is a :class:`MatrixDataError` (a damaged install), never a raw error later."""
     try:
         data = json.loads(DATA.read_text())
-        if not isinstance(data.get("lanes"), list) or not all(data["supported"].get(d) for d in DEPENDENCIES):
-            raise ValueError("lanes or supported ranges missing")
+        _validate(data)
         return data
-    except (OSError, ValueError, KeyError, AttributeError) as e:
-        raise MatrixDataError(f"robustdist's version-matrix data {DATA} is unreadable ({e}); expected the file "
-                              "scripts/matrix.py --render writes. Fix: reinstall robustdist.") from e
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, InvalidVersion, RecursionError) as e:
+        raise MatrixDataError(f"robustdist's version-matrix data {DATA} is unreadable ({type(e).__name__}: "
+                              f"{str(e)[:200]}); expected the file scripts/matrix.py --render writes. Fix: reinstall "
+                              "robustdist.") from e
+
+
+def _validate(data: Any) -> None:
+    if not isinstance(data, dict) or not isinstance(data.get("date"), str):
+        raise ValueError("expected an object with a 'date' string")
+    lanes, supported = data.get("lanes"), data.get("supported")
+    if not isinstance(lanes, list) or not lanes or not isinstance(supported, dict):
+        raise ValueError("expected a non-empty 'lanes' list and a 'supported' object")
+    for lane in lanes:
+        if not isinstance(lane, dict) or not isinstance(lane.get("lane"), str) or type(lane.get("ok")) is not bool:
+            raise ValueError(f"a lane is not an object with a 'lane' name and an 'ok' flag: {str(lane)[:80]}")
+        for dep in DEPENDENCIES:
+            Version(_text(lane.get(dep), f"lane {lane['lane']}'s {dep}"))
+    if not any(lane["ok"] for lane in lanes):
+        raise ValueError("no lane passed")
+    for dep in DEPENDENCIES:
+        entry = supported.get(dep)
+        if not isinstance(entry, dict):
+            raise ValueError(f"no supported range for {dep}")
+        Version(_text(entry.get("min"), f"{dep}'s min")), Version(_text(entry.get("max_minor"), f"{dep}'s max_minor"))
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} is {value!r:.40}; expected a version string")
+    return value
 
 
 def _minor(version: Version) -> tuple[int, int]:
@@ -70,24 +102,46 @@ def classify(dependency: str, found: str) -> Verdict:
     if dependency not in DEPENDENCIES:
         raise ValueError(f"unknown dependency {dependency!r}; expected one of {DEPENDENCIES}")
     try:
-        version = Version(Version(found).base_version)  # 2.13.0+cpu and 2.15.0rc1 count as their release
+        version = Version(found)
     except InvalidVersion:
         return Verdict(dependency, found, "untested", f"{dependency} {found}: an unparseable version; cannot check it "
                        "against the tested matrix")
     low, high = supported_range(dependency)
     top = f"{high[0]}.{high[1]}"
-    if version < low or _minor(version) > high:
-        use = str(low) if version < low else f"{top}.x"
+    release = Version(version.base_version)  # 2.13.0+cpu -> 2.13.0; 2.14.0rc1 -> 2.14.0; the epoch is kept
+    below = Version(version.public) < low  # as pip compares: 2.8.0rc1 and 2.8.0.dev1 are below >=2.8
+    above = release >= Version(f"{high[0]}.{high[1] + 1}")  # as pip's <2.14: 2.14.0rc1 is above too
+    if above and dependency == "python" and not below:
+        return Verdict(dependency, found, "untested",
+                       f"python {found} is newer than any tested Python (up to {top}); requires-python allows it, "
+                       f"but no matrix lane ran it. Fix: none needed to try it; python {top} is tested")
+    if below or above:
+        use = str(low) if below else f"{top}.x"
         return Verdict(dependency, found, "unsupported",
                        f"{dependency} {found} is outside robustdist's supported range ({low} to {top}.x); "
                        f"use {dependency} {use}")
     lanes = [lane for lane in matrix()["lanes"] if lane["ok"]]
-    hits = [lane["lane"] for lane in lanes if _minor(Version(Version(str(lane[dependency])).base_version))
-            == _minor(version)]
-    if hits:
+    hits = [lane["lane"] for lane in lanes if _minor(Version(str(lane[dependency]))) == _minor(release)]
+    if hits and not (version.is_prerelease or version.is_devrelease):
         return Verdict(dependency, found, "tested", f"{dependency} {found}: tested (matrix lane "
                        f"{', '.join(hits)}, {matrix()['date']})")
     tested = sorted({str(lane[dependency]) for lane in lanes}, key=Version)
+    if hits:
+        return Verdict(dependency, found, "untested",
+                       f"{dependency} {found} is a pre-release or development build of a tested minor; no matrix "
+                       f"lane ran it (tested: {', '.join(tested)})")
     return Verdict(dependency, found, "untested",
                    f"{dependency} {found} is inside the supported range ({low} to {top}.x) but no matrix lane ran it "
                    f"(tested: {', '.join(tested)})")
+
+
+def combination(installed: dict[str, str]) -> str | None:
+    """The passing lane that ran exactly these minor versions of Python, torch and Ray together, or None."""
+    try:
+        wanted = {dep: _minor(Version(installed[dep])) for dep in DEPENDENCIES}
+    except (KeyError, InvalidVersion):
+        return None
+    for lane in matrix()["lanes"]:
+        if lane["ok"] and all(_minor(Version(str(lane[dep]))) == wanted[dep] for dep in DEPENDENCIES):
+            return str(lane["lane"])
+    return None
