@@ -10,6 +10,7 @@ attribute chain with a ``_`` name rooted at a name bound to a torch or Ray impor
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "robustdist"
@@ -32,6 +33,10 @@ OVERRIDES = frozenset({"_next_data", "_get_iterator", "_index_sampler", "_slice_
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
+
+
+# a dotted path into a private part of torch or Ray, in a string (importlib.import_module("torch.distributed._x"))
+_PRIVATE_PATH = re.compile(r"\b(?:torch|ray)(?:\.\w+)*\._[A-Za-z]")
 
 
 def _violations(path: Path) -> list[str]:
@@ -64,9 +69,14 @@ def _violations(path: Path) -> list[str]:
                 out.append(f"{node.lineno}: .{node.attr}")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in OVERRIDES:
             out.append(f"{node.lineno}: def {node.name}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2 and isinstance(
+                node.args[0], ast.Name) and node.args[0].id in bound and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _private(node.args[1].value):
+            out.append(f"{node.lineno}: {ast.unparse(node)}")  # getattr(torch, "_C")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                node.value in MEMBER_NAMES or any(f"{d}._" in node.value or f"._{p}" in node.value
-                                                   for d in DEPENDENCIES for p in ("internal", "private"))):
+                node.value in MEMBER_NAMES or _PRIVATE_PATH.search(node.value) or any(
+                    f"._{p}" in node.value for p in ("internal", "private"))):
             if not _docstring(tree, node):
                 out.append(f"{node.lineno}: {node.value!r:.80}")
     return sorted(set(out), key=lambda s: int(s.split(":")[0]))
@@ -97,10 +107,12 @@ def test_the_check_finds_each_kind_of_access(tmp_path):
         "from ray._private.state import state\n"
         "x = dist.distributed_c10d._get_default_group()\ny = torch._C\nz = loader._iterator\n"
         "def _next_data(self):\n    return getattr(s, '_num_samples')\n"
-        "from ray.train.v2._internal.util import f\n")
+        "from ray.train.v2._internal.util import f\n"
+        "a = getattr(torch, '_dynamo')\nb = importlib.import_module('torch.distributed._tensor')\n")
     found = "\n".join(_violations(sample))
     for expected in ("3: from torch.utils.data.dataloader", "4: from ray._private.state", "5: dist.distributed_c10d",
-                     "6: torch._C", "7: ._iterator", "8: def _next_data", "9: '_num_samples'", "10: from ray.train"):
+                     "6: torch._C", "7: ._iterator", "8: def _next_data", "9: '_num_samples'", "10: from ray.train",
+                     "11: getattr(torch, '_dynamo')", "12: 'torch.distributed._tensor'"):
         assert expected in found, (expected, found)
     clean = tmp_path / "clean.py"
     clean.write_text('"""Mentions torch._C in a docstring only."""\nimport torch\nself._pos = torch.ones(1)\n')
