@@ -65,6 +65,7 @@ from robustdist.checkpoint.local.tier import lineage_of
 from robustdist.checkpoint.train_state import TrainState
 from robustdist.config.schema import HardenConfig, resolve_config
 from robustdist.data.dataloader import safe_dataloader
+from robustdist.frameworks import accelerate as _accelerate
 from robustdist.health.step_guard import Watchdog
 from robustdist.init.process_group import (
     InitReport,
@@ -110,15 +111,28 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
     """
     config = resolve_config(cfg)
     topo = detect_topology()
-    _refuse_wrapped(model, topo)
+    accelerate = _refuse_wrapped(model, topo)
+    if accelerate:
+        _refuse_fsdp_under_accelerate(config, topo)
     report = _init(config, topo)
     checkpointer: AtomicCheckpointer | None = None
     identity: RunIdentity | None = None
     local: LocalTier | None = None
     watchdog: Watchdog | None = None
     try:
-        wrapped = _wrap(model, config, topo, report, optimizer, shard_policy, init_weights)
-        safe = safe_dataloader(loader, config.data) if loader is not None else None
+        if accelerate:  # Accelerate keeps its DDP (and its sampler, for a loader it prepared)
+            wrapped = model
+            scaler = scaler if scaler is not None else _accelerate.prepared_scaler(optimizer)
+        else:
+            wrapped = _wrap(model, config, topo, report, optimizer, shard_policy, init_weights)
+        if loader is None or (accelerate and _accelerate.is_prepared_loader(loader)):
+            safe = loader
+            if loader is not None and config.checkpoint.dir is not None:
+                log.warning("the loader is one accelerator.prepare returned: robustdist's checkpoints (h.save) do not "
+                            "hold its position. Resume it with accelerator.skip_first_batches(loader, n), or "
+                            "checkpoint with robustdist.frameworks.accelerate.save_state (docs/porting.md)")
+        else:
+            safe = safe_dataloader(loader, config.data)
         ckpt = config.checkpoint
         ray = _ray_train.current() if topo.launcher == "ray_train" else None
         if ckpt.dir is not None:
@@ -162,10 +176,11 @@ _HARDENED: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[Hardened]]
 """Every model harden() was given or returned, to the Hardened that holds it (while both live)."""
 
 
-def _refuse_wrapped(model: Any, topo: Topology) -> None:
+def _refuse_wrapped(model: Any, topo: Topology) -> bool:
     """A model robustdist hardened (and has not closed), or one another wrapper already wrapped, is refused before
     anything starts: a second DDP, a second checkpointer and a second watchdog on one model train wrongly, not
-    loudly."""
+    loudly. Returns True when an Accelerator is in charge and harden composes with it (see
+    :func:`_accelerate_verdict`)."""
     rank = topo.rank if topo.is_distributed else None
     inner = _torch_compat.compiled_inner(model)  # torch.compile(m) of a model harden holds is that model too
     for candidate in (model, inner):
@@ -185,6 +200,9 @@ def _refuse_wrapped(model: Any, topo: Topology) -> None:
                 "expected the bare model. Fix: pass robustdist.unwrap_model(h.model), or the model you first "
                 "gave harden().", rank=rank)
     wrapper = _foreign_wrapper(model)
+    processes = _accelerate.in_charge()
+    if processes is not None:
+        return _accelerate_verdict(model, wrapper, processes, rank)
     if wrapper is not None:
         raise ConfigError(
             f"harden() was given a model already wrapped by {wrapper}; expected the bare model: harden() wraps it "
@@ -192,6 +210,37 @@ def _refuse_wrapped(model: Any, topo: Topology) -> None:
             "Fix: remove that wrapping call (ray.train.torch.prepare_model, accelerator.prepare, fabric.setup or "
             "DDP(...)) and pass the bare module (robustdist.unwrap_model(model) gives it back); see "
             "docs/porting.md.", rank=rank)
+
+
+def _accelerate_verdict(model: Any, wrapper: str | None, processes: int, rank: int | None) -> bool:
+    """An Accelerator exists in this process: it owns DDP and the data sharding, and harden composes with it (keeps
+    the model as prepared, adds the watchdog, step guard and checkpoints). A bare model under several processes
+    has not been prepared yet (prepare wraps it in DDP there), and a model another framework wrapped is refused."""
+    if wrapper is None:
+        if processes > 1:
+            raise ConfigError(
+                f"harden() was given a bare {type(model).__name__} while an Accelerator of {processes} processes is "
+                "in charge of this process: accelerator.prepare would then wrap harden's DDP in a second one and "
+                "shard its loader again (each rank trains on half its data). Expected the model accelerator.prepare "
+                "returned. Fix: model, optimizer, loader = accelerator.prepare(model, optimizer, loader) first, then "
+                "h = harden(model, loader, cfg, optimizer=optimizer): harden keeps Accelerate's DDP and sampler and "
+                "adds the watchdog, the step guard and checkpoints (docs/porting.md, Accelerate).", rank=rank)
+        return True
+    if wrapper.startswith(("DistributedDataParallel", "Accelerate")):
+        return True
+    raise ConfigError(
+        f"harden() was given a model wrapped by {wrapper} while an Accelerator is in charge of this process; "
+        "expected the model accelerator.prepare returned (DDP, or the bare model on one process). Fix: prepare it "
+        "with Accelerate alone (docs/porting.md, Accelerate).", rank=rank)
+
+
+def _refuse_fsdp_under_accelerate(config: HardenConfig, topo: Topology) -> None:
+    if config.distributed.strategy == "fsdp":
+        raise ConfigError(
+            "distributed.strategy is 'fsdp' while an Accelerator is in charge of this process: Accelerate owns the "
+            "model's wrapping (its FSDP plugin), robustdist would shard it a second time; expected strategy 'ddp' "
+            "(harden then keeps what Accelerate prepared). Fix: set distributed.strategy: ddp, or drop Accelerate "
+            "and let harden shard the model.", rank=topo.rank if topo.is_distributed else None)
 
 
 def _foreign_wrapper(model: Any) -> str | None:
@@ -285,6 +334,8 @@ def _wrap(model: nn.Module, config: HardenConfig, topo: Topology, report: InitRe
 def _describe(h: Hardened) -> str:
     cfg, r = h.config, h.init_report
     parts = [f"launcher {h.topology.launcher}", f"{r.world_size} rank(s)"]
+    if _accelerate.in_charge() is not None:
+        parts.append("composed with Accelerate (its DDP and sampler kept)")
     if r.distributed:
         parts.append(f"backend {r.backend}{' (created here)' if r.created else ' (existing group)'}")
         parts.append(f"model {type(h.model).__name__}")

@@ -66,7 +66,7 @@ def test_importing_everything_changes_no_global_state():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
 
 
-PACKAGES = ["runtime", "config", "init", "parallel", "data", "health", "ray", "testing"]
+PACKAGES = ["runtime", "config", "init", "parallel", "data", "health", "ray", "frameworks", "testing"]
 
 
 def test_importing_a_package_imports_none_of_its_modules():

@@ -355,7 +355,9 @@ def _adopt(dcfg: DistributedConfig, fingerprint: str, topo: Topology) -> InitRep
                    "agent's store across restarts, so after a worker fails the restarted dist.init_process_group "
                    "finds the previous attempt's keys and the job does not recover. robustdist cannot protect a group "
                    "it did not create. Fix: remove dist.init_process_group(...) and let harden() create the group, "
-                   "or call robustdist.safe_init_process_group() in its place (it gives each attempt a fresh store).")
+                   "or call robustdist.safe_init_process_group() in its place (it gives each attempt a fresh store); with "
+                   "Accelerate, call robustdist.safe_init_process_group() before Accelerator(), which then uses that "
+                   "group.")
         report.warnings.append(message)
         log.warning("%s", message, all_ranks=True)
         warn(message, once="adopted-group-restarts", stacklevel=user_stacklevel())

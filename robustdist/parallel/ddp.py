@@ -19,6 +19,7 @@ is the sync point), and ``state_dict()`` keeps its ``module.`` prefix; use
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from typing import Any
@@ -55,9 +56,13 @@ def reducer_parameter_names(module: nn.Module, ignored: set[str] | frozenset[str
 
 
 class DistributedDataParallel(_TorchDDP):
-    """torch's ``DistributedDataParallel``, plus an unused-parameter error that names the parameters."""
+    """torch's ``DistributedDataParallel``, plus an unused-parameter error that names the parameters, and a
+    refusal, at its first forward, of a second data-parallel wrapper around it (see :func:`_outer_wrapper`)."""
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not self.__dict__.get("_robustdist_outer_checked"):
+            self.__dict__["_robustdist_outer_checked"] = True
+            torch.compiler.disable(_refuse_outer_wrapper)(self)  # not traced; applied here, not at import
         try:
             return super().forward(*inputs, **kwargs)
         except RuntimeError as e:
@@ -81,6 +86,44 @@ class DistributedDataParallel(_TorchDDP):
             "parameters part of the loss (or set requires_grad=False on them).",
             rank=rank,
         )
+
+
+def _outer_wrapper(module: nn.Module, owner: object) -> str | None:
+    """What ``owner`` (the ``self`` of a frame above ``module``'s forward) is, when it is a data-parallel wrapper
+    other than ``module``: the second wrapper of a model robustdist already wrapped."""
+    if owner is module or owner is None:
+        return None
+    kind = type(owner)
+    if kind.__name__ == "_FabricModule" and kind.__module__.startswith(("lightning", "lightning_fabric")):
+        return "Lightning Fabric (fabric.setup)"
+    if kind.__name__ == "DeepSpeedEngine" and kind.__module__.startswith("deepspeed"):
+        return "DeepSpeed (deepspeed.initialize)"
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(owner, (_TorchDDP, FullyShardedDataParallel)):
+        return (f"a second {type(owner).__name__} (accelerator.prepare, ray.train.torch.prepare_model or DDP(...) "
+                "applied to the model robustdist returned)")
+    return None
+
+
+def _refuse_outer_wrapper(module: nn.Module) -> None:
+    """At the first forward of robustdist's DDP: if a wrapper called it (another DDP: ``accelerator.prepare(h.model)``,
+    ``prepare_model``, ``fabric.setup``), every gradient would be averaged twice and, with that framework's loader,
+    the data sharded twice. Every rank runs its first forward, so every rank raises the same error: no hang."""
+    frame = inspect.currentframe()
+    depth = 0
+    while frame is not None and depth < 200:
+        if "self" in frame.f_code.co_varnames[:frame.f_code.co_argcount]:
+            found = _outer_wrapper(module, frame.f_locals.get("self"))
+            if found is not None:
+                raise ConfigError(
+                    f"the model robustdist wrapped in DDP (harden or wrap_ddp) was called through {found}; expected "
+                    "it to be called directly: two data-parallel wrappers average every gradient twice, and the "
+                    "framework's loader shards the data a second time. Fix: remove the later wrapping of h.model, "
+                    "or, with Accelerate, call accelerator.prepare(model, optimizer, loader) first and harden() on "
+                    "what it returns (docs/porting.md).", rank=_dist.error_rank())
+        frame = frame.f_back
+        depth += 1
 
 
 def _contains_ddp(model: nn.Module) -> bool:

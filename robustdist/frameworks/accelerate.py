@@ -1,0 +1,337 @@
+"""``Accelerator.save_state``/``load_state``, atomic and verified.
+
+Accelerate writes a checkpoint straight into its final folder, file by file: a job killed inside
+``save_state`` leaves a newest ``checkpoint_<n>`` without its weights, and ``load_state`` (or a script that
+picks the newest folder) loads it. Here ``save_state(accelerator, directory, step)`` lets Accelerate write
+into a staging folder (``.tmp-checkpoint_<step>-<token>``), then rank 0 records every file's size and CRC-32 in
+``robustdist-manifest.json``, fsyncs, and renames the folder to ``checkpoint_<step>``: a checkpoint is complete
+or absent. ``load_state(accelerator, directory)`` loads the newest ``checkpoint_<step>`` that verifies, and falls
+back to an older one (with a warning naming what was wrong) when the newest is damaged::
+
+    accelerator = Accelerator()
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    h = robustdist.harden(model, loader, cfg, optimizer=optimizer)   # watchdog and step guard; no second wrap
+    step = robustdist.frameworks.accelerate.load_state(accelerator, "ckpt") or 0
+    ...
+    robustdist.frameworks.accelerate.save_state(accelerator, "ckpt", step)
+
+Both are collective (every process calls them, as Accelerate's own). The directory is input: each file is
+opened confined to its checkpoint folder (no links, regular files only, sizes checked first), every torch file
+must be an uncompressed torch zip whose pickle passes robustdist's cost scan, and a file the manifest does not
+list is refused (Accelerate loads ``custom_checkpoint_<i>.pkl`` by listing the folder, and those with
+``weights_only=False``, so they must also load with ``weights_only=True`` here first). Verification is split
+over the ranks (each checks every ``world_size``-th file) and agreed before anything is loaded.
+
+Supported: the DDP and single-process paths Accelerate handles with plain files (``MULTI_CPU``, ``MULTI_GPU``,
+``NO``); ``automatic_checkpoint_naming`` is refused (Accelerate then ignores the folder it is given). The
+directory must be one that every rank sees (Accelerate writes each rank's RNG file there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from robustdist.checkpoint._io import Crc32, checksum_entry, fsync_dir, write_json_atomic
+from robustdist.checkpoint._safeio import check_torch_zip, lexists_dir, open_in, read_in
+from robustdist.runtime import dist as _dist
+from robustdist.runtime.dist import Collectives
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from robustdist.runtime.log import get_logger
+
+__all__ = ["MANIFEST", "committed_states", "in_charge", "is_prepared_loader", "load_state", "prepared_scaler",
+           "save_state"]
+
+log = get_logger(__name__)
+
+MANIFEST = "robustdist-manifest.json"
+FORMAT = "robustdist-accelerate/1"
+_MAX_MANIFEST = 4 << 20
+_MAX_FILES = 10_000
+_DIR_RE = re.compile(r"^checkpoint_(\d{1,18})$")
+_STAGING = ".tmp-checkpoint_"
+_TRASH = ".trash-checkpoint_"
+_CUSTOM = re.compile(r"^custom_checkpoint_\d+\.pkl$")
+_OPS = ("save_state", "load_state")
+
+
+def in_charge() -> int | None:
+    """The number of processes of the Accelerator this process created, or None when there is none (Accelerate
+    not imported, or no ``Accelerator`` yet). Never imports accelerate."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or not state.is_initialized():
+        return None
+    return int(state.AcceleratorState().num_processes)
+
+
+def is_prepared_loader(loader: Any) -> bool:
+    """True for a loader ``accelerator.prepare`` returned (Accelerate's ``DataLoaderShard`` and friends)."""
+    return type(loader).__module__.startswith("accelerate.")
+
+
+def prepared_scaler(optimizer: Any) -> Any:
+    """The GradScaler of an optimizer ``accelerator.prepare`` returned (``mixed_precision="fp16"``), else None."""
+    if optimizer is None or not type(optimizer).__module__.startswith("accelerate."):
+        return None
+    return getattr(optimizer, "scaler", None)
+
+
+def _collectives(timeout: float, arrival_timeout: float, scope: str) -> Collectives:
+    rank, world = (_dist.rank(), _dist.world_size()) if _dist.is_up() else (0, 1)
+    return Collectives(None, rank, world, timeout=timeout, arrival_timeout=arrival_timeout, error=CheckpointError,
+                       scope=scope, noun="checkpoint", owner="Accelerate checkpoint", ops=_OPS,
+                       knob="arrival_timeout=")
+
+
+def _check_accelerator(accelerator: Any, what: str) -> None:
+    config = getattr(accelerator, "project_configuration", None)
+    if config is None or not hasattr(accelerator, "save_state"):
+        raise ConfigError(f"robustdist.frameworks.accelerate.{what} was given {type(accelerator).__name__}; expected "
+                          "an accelerate.Accelerator. Fix: pass the Accelerator the script prepared its objects "
+                          "with.", rank=_dist.error_rank())
+    if getattr(config, "automatic_checkpoint_naming", False):
+        raise ConfigError(
+            f"robustdist.frameworks.accelerate.{what}: the Accelerator has ProjectConfiguration("
+            "automatic_checkpoint_naming=True), under which Accelerate ignores the folder it is given and writes "
+            "checkpoint_<n> in place (not atomically); expected it off. Fix: drop automatic_checkpoint_naming "
+            "(robustdist names the folders checkpoint_<step> and keeps keep_last of them).",
+            rank=_dist.error_rank())
+
+
+def committed_states(directory: str | os.PathLike[str]) -> list[int]:
+    """The steps of the committed checkpoints in ``directory`` (``checkpoint_<step>`` folders, not links, that
+    hold a manifest), oldest first. Staging and trash folders never count."""
+    base = os.fspath(directory)
+    try:
+        names = os.listdir(base)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    steps = []
+    for name in names:
+        match = _DIR_RE.match(name)
+        path = os.path.join(base, name)
+        if match and lexists_dir(path) and os.path.lexists(os.path.join(path, MANIFEST)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def save_state(accelerator: Any, directory: str | os.PathLike[str], step: int, *, keep_last: int | None = 3,
+               timeout: float = 1800.0, arrival_timeout: float = 600.0, **save_kwargs: Any) -> str:
+    """``accelerator.save_state`` into ``<directory>/checkpoint_<step>``, committed atomically (see the module
+    docstring). Collective. Keeps the newest ``keep_last`` committed checkpoints (None keeps all). Returns the
+    committed folder. ``save_kwargs`` go to ``accelerator.save_state`` (e.g. ``safe_serialization``)."""
+    _check_accelerator(accelerator, "save_state")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**18:
+        raise ConfigError(f"save_state(step={step!r}); expected an int in [0, 10**18). Fix: pass the training step.",
+                          rank=_dist.error_rank())
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"save_state(keep_last={keep_last!r}); expected an int >= 1 or None. Fix: pass e.g. 3.",
+                          rank=_dist.error_rank())
+    base = os.fspath(directory)
+    coll = _collectives(timeout, arrival_timeout, "accelerate-save")
+    coll.arrive("save_state")
+    staging = os.path.join(base, f"{_STAGING}{step}-{coll.token}")
+    _agree(coll, "prepare", lambda: _prepare(base, staging) if coll.rank == 0 else None)
+    _agree(coll, "write", lambda: accelerator.save_state(staging, **save_kwargs), cleanup=staging)
+    final = os.path.join(base, f"checkpoint_{step}")
+    _agree(coll, "commit", lambda: _commit(base, staging, final, step, coll.world_size, keep_last)
+           if coll.rank == 0 else None, cleanup=staging)
+    log.info("committed Accelerate checkpoint %s", final)
+    return final
+
+
+def _agree(coll: Collectives, stage: str, fn: Callable[[], Any], *, cleanup: str | None = None) -> None:
+    """Run ``fn`` on this rank, then agree: if any rank failed, every rank raises the same CheckpointError (and
+    rank 0 removes ``cleanup``)."""
+    failure = None
+    try:
+        fn()
+    except Exception as e:  # gathered and re-raised on every rank below, named
+        failure = f"{type(e).__name__}: {str(e)[:400]}"
+    failures = {r: f for r, f in enumerate(coll.all_gather(failure, f"save_state {stage}")) if f is not None}
+    if not failures:
+        return
+    if cleanup is not None and coll.rank == 0:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    shown = "; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items()))
+    doing = {"prepare": "prepared the staging folder for", "write": "wrote", "commit": "committed"}[stage]
+    raise CheckpointError(f"save_state failed while it {doing} the checkpoint "
+                          f"({shown}); nothing was committed, the newest committed checkpoint is unchanged. Fix: "
+                          "see the error above; the next save_state retries.", rank=coll.rank, ranks=failures)
+
+
+def _prepare(base: str, staging: str) -> None:
+    os.makedirs(base, exist_ok=True)
+    if not lexists_dir(base):
+        raise CheckpointError(f"{base}: is not a directory (a link or a file); expected the checkpoint directory. "
+                              "Fix: point save_state at a real directory.")
+    for name in os.listdir(base):  # staging folders of saves that never committed (a crash mid-save)
+        if name.startswith((_STAGING, _TRASH)):
+            _remove(os.path.join(base, name))
+    os.mkdir(staging)
+
+
+def _remove(path: str) -> None:
+    if lexists_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _walk(folder: str) -> tuple[list[str], list[str]]:
+    """(relative names of the regular files under ``folder``, the names of anything else), links not followed."""
+    files, others = [], []
+    pending = [""]
+    while pending:
+        rel = pending.pop()
+        with os.scandir(os.path.join(folder, rel) if rel else folder) as entries:
+            for entry in entries:
+                name = f"{rel}/{entry.name}" if rel else entry.name
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if stat.S_ISDIR(mode):
+                    pending.append(name)
+                elif stat.S_ISREG(mode):
+                    files.append(name)
+                else:
+                    others.append(name)
+                if len(files) + len(others) > _MAX_FILES:
+                    raise CheckpointCorruptError(f"{folder}: holds more than {_MAX_FILES} entries")
+    return sorted(files), sorted(others)
+
+
+def _commit(base: str, staging: str, final: str, step: int, world: int, keep_last: int | None) -> None:
+    files, others = _walk(staging)
+    if others:
+        raise CheckpointError(f"{staging}: Accelerate left {others[0]!r}, which is not a regular file; expected "
+                              "files only")
+    missing = [r for r in range(world) if f"random_states_{r}.pkl" not in files]
+    if missing:
+        raise CheckpointError(
+            f"{staging}: holds no random_states_<rank>.pkl of rank(s) {missing[:8]}; expected one per rank: the "
+            "directory is not one every rank sees. Fix: point save_state at a shared filesystem.")
+    entries = {}
+    for name in files:
+        path = os.path.join(staging, name)
+        with open(path, "rb") as fh:  # the other ranks' files too: fsync makes them durable from here
+            os.fsync(fh.fileno())
+        entries[name] = checksum_entry(path)
+    write_json_atomic(os.path.join(staging, MANIFEST),
+                      {"format": FORMAT, "step": step, "world_size": world, "files": entries})
+    if lexists_dir(final) or os.path.lexists(final):  # a re-save of this step: the new copy replaces it
+        aside = os.path.join(base, f"{_TRASH}{step}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, aside)
+        os.rename(staging, final)
+        _remove(aside)
+    else:
+        os.rename(staging, final)
+    fsync_dir(base)
+    if keep_last is not None:
+        for old in committed_states(base)[:-keep_last]:
+            aside = os.path.join(base, f"{_TRASH}{old}-{uuid.uuid4().hex[:8]}")
+            os.rename(os.path.join(base, f"checkpoint_{old}"), aside)
+            _remove(aside)
+
+
+def load_state(accelerator: Any, directory: str | os.PathLike[str], *, timeout: float = 1800.0,
+               arrival_timeout: float = 600.0, **load_kwargs: Any) -> int | None:
+    """Load the newest committed checkpoint in ``directory`` that verifies into the Accelerator's prepared
+    objects (``accelerator.load_state``); a damaged one is skipped with a warning, falling back to the next older.
+    Collective. Returns its step, or None when ``directory`` holds no committed checkpoint (a fresh start).
+    Raises :class:`~robustdist.runtime.errors.CheckpointCorruptError` when there are some but none verifies."""
+    _check_accelerator(accelerator, "load_state")
+    base = os.fspath(directory)
+    coll = _collectives(timeout, arrival_timeout, "accelerate-load")
+    coll.arrive("load_state")
+    steps = coll.broadcast(committed_states(base)[::-1], "load_state list")
+    refused: list[str] = []
+    for step in steps:
+        folder = os.path.join(base, f"checkpoint_{step}")
+        problem = None
+        try:
+            _verify(folder, step, coll.rank, coll.world_size)
+        except CheckpointCorruptError as e:
+            problem = str(e)
+        problems = [p for p in coll.all_gather(problem, "load_state verify") if p is not None]
+        if not problems:
+            failure = None
+            try:
+                accelerator.load_state(folder, **load_kwargs)
+            except Exception as e:  # agreed below: every rank falls back together
+                failure = f"{type(e).__name__}: {str(e)[:300]}"
+            failures = [f for f in coll.all_gather(failure, "load_state load") if f is not None]
+            if not failures:
+                if refused:
+                    log.warning("loaded %s, an older checkpoint: %s", folder, "; ".join(refused))
+                else:
+                    log.info("loaded Accelerate checkpoint %s", folder)
+                return step
+            problems = [f"accelerator.load_state failed: {failures[0]}"]
+        refused.append(f"checkpoint_{step} refused ({problems[0][:300]})")
+        log.warning("%s: refused (%s); trying an older checkpoint", folder, problems[0][:300])
+    if refused:
+        raise CheckpointCorruptError(
+            f"{base}: none of its {len(refused)} committed checkpoint(s) verifies: {'; '.join(refused)}. Expected at "
+            "least one intact. Fix: restore the folder from a copy, or move it away to start afresh.",
+            rank=coll.rank)
+    return None
+
+
+def _verify(folder: str, step: int, rank: int, world: int) -> None:
+    """Raise CheckpointCorruptError when ``folder`` is not the complete checkpoint its manifest describes; this
+    rank checks the contents of every ``world``-th file."""
+    try:
+        manifest = json.loads(read_in(folder, MANIFEST, max_size=_MAX_MANIFEST))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{folder}/{MANIFEST}: not JSON ({str(e)[:120]})") from None
+    entries = manifest.get("files") if isinstance(manifest, dict) else None
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("step") != step
+            or not isinstance(entries, dict) or len(entries) > _MAX_FILES):
+        raise CheckpointCorruptError(f"{folder}/{MANIFEST}: not a robustdist Accelerate manifest of step {step}")
+    for name, entry in entries.items():
+        if (not isinstance(name, str) or not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
+                or isinstance(entry.get("size"), bool) or not isinstance(entry.get("crc32"), str)):
+            raise CheckpointCorruptError(f"{folder}/{MANIFEST}: a malformed entry ({str(name)[:80]!r})")
+    files, others = _walk(folder)
+    unlisted = [n for n in files + others if n != MANIFEST and n not in entries]
+    if unlisted:
+        raise CheckpointCorruptError(f"{folder}: holds {unlisted[0]!r}, which its manifest does not list (Accelerate "
+                                     "would load it); expected only the files save_state wrote")
+    for i, (name, entry) in enumerate(sorted(entries.items())):
+        if i % world != rank:
+            with open_in(folder, name, size=entry["size"]):  # present, confined, regular, the right size
+                continue
+        _check_file(folder, name, entry)
+
+
+def _check_file(folder: str, name: str, entry: dict[str, Any]) -> None:
+    where = os.path.join(folder, name)
+    crc = Crc32()
+    with open_in(folder, name, size=entry["size"]) as fh:
+        if not name.endswith(".safetensors"):  # Accelerate's other files are torch.save zips
+            check_torch_zip(fh, where)
+        while chunk := fh.read(8 << 20):
+            crc.update(chunk)
+    if crc.hexdigest() != entry["crc32"]:
+        raise CheckpointCorruptError(f"{where}: its CRC-32 differs from the manifest's (the file changed or is "
+                                     "damaged)")
+    if _CUSTOM.match(os.path.basename(name)):  # Accelerate loads these with weights_only=False: code must not run
+        import torch
+
+        try:
+            with open_in(folder, name, size=entry["size"]) as fh:
+                torch.load(fh, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointCorruptError(
+                f"{where}: does not load with weights_only=True ({type(e).__name__}: {str(e)[:160]}); Accelerate "
+                "would unpickle it with weights_only=False, which can run code. Expected plain state (tensors, "
+                "numbers, containers). Fix: make the registered object's state_dict() return plain data.") from None

@@ -1,0 +1,376 @@
+"""robustdist inside Accelerate (issue #32): harden composes with what ``accelerator.prepare`` returned (its DDP and
+its sampler kept, the watchdog and step guard added), refuses the two double-wrap orders with a named error, and
+``robustdist.frameworks.accelerate.save_state``/``load_state`` make Accelerate's checkpoints atomic and verified.
+
+Every Accelerator lives in a process of its own (``run_ranks``): Accelerate keeps process-global state, which
+would leak into the other tests of a pytest worker.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from robustdist.testing.ranks import run_ranks
+from tests import _training as tr
+
+pytest.importorskip("accelerate")
+
+OFF = {"health": {"hang_timeout": None}}
+TIMEOUT = 150
+
+
+def _accelerator(**kwargs):
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True, **kwargs)
+
+
+def _loader(n: int = 32) -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    return DataLoader(TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)),
+                      batch_size=4, shuffle=False)
+
+
+# ---------------------------------------------------------------------------------------------------- composition
+def _compose(rank):
+    import robustdist
+    from robustdist import harden
+    from robustdist.runtime.errors import ConfigError
+
+    robustdist.safe_init_process_group()
+    accelerator = _accelerator()
+    model, optimizer = tr.make_model(), None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, _loader())
+    try:
+        harden(model, loader, {**OFF, "distributed": {"strategy": "fsdp"}}, optimizer=optimizer)
+        fsdp_refusal = None
+    except ConfigError as e:
+        fsdp_refusal = str(e)
+    h = harden(model, loader, {"health": {"hang_timeout": 60.0, "nan_policy": "skip"}}, optimizer=optimizer)
+    seen, actions = [], []
+    for step, (x, y) in enumerate(h.loader):
+        seen.extend(y.tolist())
+        loss = nn.functional.cross_entropy(h.model(x), y)
+        if step == 2:
+            loss = loss * float("nan")
+        accelerator.backward(loss)
+        decision = h.step_guard(loss, step)
+        actions.append(decision.action)
+        if decision:
+            optimizer.step()
+        optimizer.zero_grad()
+    out = {"same_model": h.model is model, "same_loader": h.loader is loader, "batches": len(actions),
+           "labels": seen, "actions": actions, "watchdog": h.watchdog is not None, "fsdp": fsdp_refusal,
+           "ddp_type": type(h.model).__module__ + "." + type(h.model).__name__}
+    h.close()
+    return out
+
+
+def test_harden_after_prepare_keeps_accelerates_ddp_and_sampler_and_adds_the_guards():
+    outs = run_ranks(_compose, 2, init=False, timeout=TIMEOUT)
+    labels = _loader().dataset.tensors[1].tolist()
+    for rank, out in enumerate(outs):
+        assert out["same_model"] and out["same_loader"]  # nothing wrapped twice
+        assert out["ddp_type"] == "torch.nn.parallel.distributed.DistributedDataParallel"  # Accelerate's own
+        assert out["batches"] == 4  # 32 samples, batch 4, 2 ranks: each rank sees its half once, not a quarter
+        assert out["watchdog"]
+        assert out["actions"][2] == "skip" and out["actions"].count("skip") == 1  # the step guard, with nan_policy
+        assert out["fsdp"].startswith(f"[rank {rank}] distributed.strategy is 'fsdp' while an Accelerator is in "
+                                      "charge of this process")
+    assert sorted(outs[0]["labels"] + outs[1]["labels"]) == sorted(labels)  # the two halves make the whole
+
+
+def _harden_first(rank):
+    from robustdist import harden
+    from robustdist.runtime.errors import ConfigError
+
+    _accelerator()
+    try:
+        harden(tr.make_model(), _loader(), OFF)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_harden_before_prepare_is_refused_when_the_accelerator_exists():
+    for rank, message in enumerate(run_ranks(_harden_first, 2, init=False, timeout=TIMEOUT)):
+        assert message is not None and message.startswith(
+            f"[rank {rank}] harden() was given a bare Sequential while an Accelerator of 2 processes is in charge "
+            "of this process: accelerator.prepare would then wrap harden's DDP in a second one")
+        assert "model, optimizer, loader = accelerator.prepare(model, optimizer, loader) first" in message
+
+
+def _prepare_after(rank):
+    from robustdist import harden
+    from robustdist.runtime.errors import ConfigError
+
+    h = harden(tr.make_model(), _loader(), OFF)  # no Accelerator yet: harden wraps and shards
+    accelerator = _accelerator()  # adopts harden's group
+    model, loader = accelerator.prepare(h.model, h.loader)
+    x, y = next(iter(loader))
+    try:
+        model(x)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        h.close()
+    return None
+
+
+def test_prepare_of_a_hardened_model_is_refused_at_its_first_forward():
+    for rank, message in enumerate(run_ranks(_prepare_after, 2, init=False, timeout=TIMEOUT)):
+        assert message is not None and message.startswith(
+            f"[rank {rank}] the model robustdist wrapped in DDP (harden or wrap_ddp) was called through a second "
+            "DistributedDataParallel (accelerator.prepare, ray.train.torch.prepare_model or DDP(...) applied to the "
+            "model robustdist returned)")
+
+
+def _one_process_mixed_precision(rank):
+    from robustdist import harden
+
+    accelerator = _accelerator(mixed_precision="bf16")
+    model = accelerator.prepare(nn.Linear(2, 2))  # one process: no DDP, Accelerate's autocast forward
+    with harden(model, None, OFF) as h:
+        return h.model is model
+
+
+def test_one_process_prepared_model_composes_too():
+    assert run_ranks(_one_process_mixed_precision, 1, init=False, timeout=TIMEOUT,
+                     env={"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "LOCAL_WORLD_SIZE": None,
+                          "MASTER_ADDR": None, "MASTER_PORT": None}) == [True]
+
+
+# ------------------------------------------------------------------------------------------- save_state/load_state
+class _Counter:
+    """An object registered for checkpointing (Accelerate's custom_checkpoint_<i>.pkl)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def _prepared(seed: int = 0):
+    accelerator = _accelerator()
+    model = tr.make_model(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    counter = _Counter()
+    accelerator.register_for_checkpointing(counter)
+    return accelerator, model, optimizer, counter
+
+
+def _weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _save_three(rank, directory):
+    from robustdist.frameworks import accelerate as rda
+
+    accelerator, model, optimizer, counter = _prepared()
+    kept = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(step)
+        counter.value = step
+        rda.save_state(accelerator, directory, step, keep_last=2)
+        kept[step] = _weights(model)
+    return kept, rda.committed_states(directory)
+
+
+def _load(rank, directory):
+    from robustdist.frameworks import accelerate as rda
+
+    accelerator, model, optimizer, counter = _prepared(seed=5)
+    try:
+        step = rda.load_state(accelerator, directory)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return step, _weights(model), counter.value
+
+
+@pytest.fixture
+def three(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    outs = run_ranks(_save_three, 2, init=True, timeout=TIMEOUT, args=(directory,))
+    kept, committed = outs[0]
+    assert committed == [2, 3] and outs[1][1] == [2, 3]  # keep_last=2
+    return Path(directory), kept
+
+
+def _load_all(directory: Path):
+    return run_ranks(_load, 2, init=True, timeout=TIMEOUT, args=(str(directory),))
+
+
+def test_the_newest_checkpoint_loads_bitwise_with_its_registered_objects(three):
+    directory, kept = three
+    names = sorted(p.name for p in (directory / "checkpoint_3").iterdir())
+    assert "robustdist-manifest.json" in names and "random_states_1.pkl" in names and "model.safetensors" in names
+    assert not [p for p in directory.iterdir() if p.name.startswith(".")]  # no staging or trash left behind
+    for step, weights, value in _load_all(directory):
+        assert step == 3 and value == 3
+        assert tr.bitwise_equal({k.removeprefix("module."): v for k, v in weights.items()},
+                                {k.removeprefix("module."): v for k, v in kept[3].items()})
+
+
+def test_an_empty_directory_is_a_fresh_start(tmp_path):
+    assert [out[0] for out in _load_all(tmp_path / "none")] == [None, None]
+
+
+def _damage_truncate(folder: Path) -> None:
+    target = folder / "model.safetensors"
+    target.write_bytes(target.read_bytes()[:-10])
+
+
+def _damage_flip(folder: Path) -> None:
+    target = folder / "optimizer.bin"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+def _damage_unlisted(folder: Path) -> None:
+    (folder / "custom_checkpoint_1.pkl").write_bytes((folder / "custom_checkpoint_0.pkl").read_bytes())
+
+
+def _damage_link(folder: Path) -> None:
+    (folder / "optimizer.bin").unlink()
+    (folder / "optimizer.bin").symlink_to("/etc/hostname")
+
+
+def _damage_manifest(folder: Path) -> None:
+    (folder / "robustdist-manifest.json").write_text("{not json")
+
+
+def _damage_missing(folder: Path) -> None:
+    (folder / "random_states_1.pkl").unlink()
+
+
+class _Runs:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/robustdist-accelerate-pwned",))
+
+
+def _damage_code(folder: Path) -> None:
+    """A custom checkpoint that runs code when unpickled with weights_only=False, its manifest entry updated."""
+    import json
+    import zlib
+
+    target = folder / "custom_checkpoint_0.pkl"
+    torch.save({"value": _Runs()}, target)
+    manifest = json.loads((folder / "robustdist-manifest.json").read_text())
+    data = target.read_bytes()
+    manifest["files"]["custom_checkpoint_0.pkl"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    (folder / "robustdist-manifest.json").write_text(json.dumps(manifest))
+
+
+def _damage_zipbomb(folder: Path) -> None:
+    import json
+    import zlib
+
+    target = folder / "scheduler_like.bin"
+    with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps({}) + b"\0" * (1 << 20))
+    manifest = json.loads((folder / "robustdist-manifest.json").read_text())
+    data = target.read_bytes()
+    manifest["files"]["scheduler_like.bin"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    (folder / "robustdist-manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    (_damage_truncate, r"model\.safetensors: \d+ bytes, expected \d+ \(truncated or extended\)"),
+    (_damage_flip, r"optimizer\.bin: its CRC-32 differs from the manifest's"),
+    (_damage_unlisted, r"holds 'custom_checkpoint_1\.pkl', which its manifest does not list"),
+    (_damage_link, r"optimizer\.bin: .*(link|regular file)"),
+    (_damage_manifest, r"robustdist-manifest\.json: not JSON"),
+    (_damage_missing, r"random_states_1\.pkl"),
+    (_damage_code, r"custom_checkpoint_0\.pkl: does not load with weights_only=True"),
+    (_damage_zipbomb, r"holds compressed members"),
+], ids=["truncated", "bit-flip", "unlisted-file", "symlink", "manifest", "missing-file", "code", "zip-bomb"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(three, damage, why, caplog):
+    directory, kept = three
+    damage(directory / "checkpoint_3")
+    marker = Path("/tmp/robustdist-accelerate-pwned")
+    marker.unlink(missing_ok=True)
+    for step, weights, value in _load_all(directory):
+        assert step == 2 and value == 2  # the older one, whole
+        assert tr.bitwise_equal({k.removeprefix("module."): v for k, v in weights.items()},
+                                {k.removeprefix("module."): v for k, v in kept[2].items()})
+    assert not marker.exists()
+    # the refusal names the file: check it from the library directly, in this process
+    from robustdist.frameworks.accelerate import _verify
+    from robustdist.runtime.errors import CheckpointCorruptError
+
+    with pytest.raises(CheckpointCorruptError, match=why):
+        for rank in range(2):  # each rank checks its share of the files; together they check all
+            _verify(str(directory / "checkpoint_3"), 3, rank, 2)
+
+
+def test_when_no_checkpoint_verifies_the_error_names_each(three):
+    directory, _ = three
+    _damage_flip(directory / "checkpoint_3")
+    _damage_manifest(directory / "checkpoint_2")
+    for name, message in _load_all(directory):
+        assert name == "CheckpointCorruptError"
+        assert "none of its 2 committed checkpoint(s) verifies: checkpoint_3 refused" in message
+        assert "checkpoint_2 refused" in message and "Fix: restore the folder from a copy" in message
+
+
+def test_staging_links_and_foreign_names_are_never_checkpoints(three, tmp_path):
+    directory, _ = three
+    (directory / ".tmp-checkpoint_9-abc").mkdir()  # a save killed before its commit
+    (directory / ".tmp-checkpoint_9-abc" / "model.safetensors").write_bytes(b"half")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (directory / "checkpoint_8").symlink_to(elsewhere)
+    (directory / "checkpoint_x").mkdir()
+    from robustdist.frameworks.accelerate import committed_states
+
+    assert committed_states(directory) == [2, 3]
+    assert [out[0] for out in _load_all(directory)] == [3, 3]
+
+
+def _auto_naming(rank, directory):
+    from accelerate.utils import ProjectConfiguration
+
+    from robustdist.frameworks import accelerate as rda
+    from robustdist.runtime.errors import ConfigError
+
+    accelerator = _accelerator(project_config=ProjectConfiguration(project_dir=directory,
+                                                                   automatic_checkpoint_naming=True))
+    out = []
+    for call in (lambda: rda.save_state(accelerator, directory, 1), lambda: rda.load_state(accelerator, directory),
+                 lambda: rda.save_state(object(), directory, 1), lambda: rda.save_state(_accelerator(), directory, -1)):
+        try:
+            call()
+            out.append(None)
+        except ConfigError as e:
+            out.append(str(e))
+    return out
+
+
+def test_misuse_is_a_named_config_error(tmp_path):
+    (out,) = run_ranks(_auto_naming, 1, init=False, timeout=TIMEOUT, args=(str(tmp_path),),
+                       env={"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "LOCAL_WORLD_SIZE": None,
+                            "MASTER_ADDR": None, "MASTER_PORT": None})
+    assert out[0].startswith("robustdist.frameworks.accelerate.save_state: the Accelerator has ProjectConfiguration("
+                             "automatic_checkpoint_naming=True)")
+    assert out[1].startswith("robustdist.frameworks.accelerate.load_state: the Accelerator has ProjectConfiguration(")
+    assert out[2].startswith("robustdist.frameworks.accelerate.save_state was given object; expected an "
+                             "accelerate.Accelerator")
+    assert out[3].startswith("save_state(step=-1); expected an int in [0, 10**18)")
+    assert not list(tmp_path.iterdir())  # nothing written
