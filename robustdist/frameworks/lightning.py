@@ -1,0 +1,273 @@
+"""robustdist inside a Lightning ``Trainer``: a ``CheckpointIO`` plugin and a ``Callback``.
+
+Lightning owns the loop, the DDP and the sampler; robustdist adds what it lacks, where Lightning users look::
+
+    trainer = L.Trainer(plugins=[robustdist.frameworks.lightning.checkpoint_io()],
+                        callbacks=[robustdist.frameworks.lightning.callback(hang_timeout=600, nan_policy="skip")])
+
+* :func:`checkpoint_io` (a ``CheckpointIO``): each ``.ckpt`` is written to a temporary file beside its final
+  name, fsynced, and renamed over it, then its size and CRC-32 go to ``<name>.ckpt.robustdist.json`` the same way
+  (Lightning's own ``_atomic_save`` writes the bytes without an fsync, so a power loss can leave an empty file
+  under the final name). ``load_checkpoint`` verifies the file against that record and reads it with
+  ``weights_only=True`` unless Lightning asks otherwise; a damaged checkpoint (a record that disagrees, a torch
+  file that is not an uncompressed zip, a pickle past robustdist's cost scan) falls back to the newest intact
+  ``.ckpt`` of the same folder, with a warning, and raises :class:`~robustdist.runtime.errors.CheckpointCorruptError`
+  when there is none. A ``.ckpt`` without a record (written before this plugin) loads, with a warning.
+* :func:`callback` (a ``Callback``): the watchdog on the LightningModule's forward, and ``nan_policy`` checked in
+  ``on_before_optimizer_step`` (after backward, so under DDP on the all-reduced gradients: every rank reaches the
+  same verdict with no extra collective). ``"raise"`` raises :class:`~robustdist.runtime.errors.NonFiniteLossError`
+  naming the step; ``"skip"`` drops this step's gradients (the optimizer skips parameters without one) and counts
+  it.
+
+Lightning is imported when one of them is first called, never at import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+import zlib
+from typing import Any
+
+from robustdist.checkpoint._io import Crc32, fsync_dir
+from robustdist.checkpoint._safeio import check_torch_zip, open_in, read_in
+from robustdist.runtime import dist as _dist
+from robustdist.runtime.errors import CheckpointCorruptError, ConfigError, NonFiniteLossError
+from robustdist.runtime.log import get_logger
+
+__all__ = ["RECORD_SUFFIX", "callback", "checkpoint_io"]
+
+log = get_logger(__name__)
+
+RECORD_SUFFIX = ".robustdist.json"
+_MAX_RECORD = 64 << 10
+_POLICIES = ("raise", "skip")
+_classes: dict[str, type] = {}
+
+
+def checkpoint_io() -> Any:
+    """A Lightning ``CheckpointIO`` that saves atomically and verifies on load (see the module docstring)."""
+    return _class("io")()
+
+
+def callback(*, hang_timeout: float | None = 1800.0, nan_policy: str = "raise", dump_dir: str | None = None) -> Any:
+    """A Lightning ``Callback``: the watchdog (``hang_timeout`` seconds, None for none) and the ``nan_policy``
+    ("raise" or "skip") before each optimizer step (see the module docstring)."""
+    if nan_policy not in _POLICIES:
+        raise ConfigError(f"robustdist.frameworks.lightning.callback(nan_policy={nan_policy!r}); expected one of "
+                          f"{', '.join(_POLICIES)}. Fix: pass one of those ('rollback' needs harden's loop).",
+                          rank=_dist.error_rank())
+    if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float))
+                                     or not hang_timeout > 0):
+        raise ConfigError(f"robustdist.frameworks.lightning.callback(hang_timeout={hang_timeout!r}); expected "
+                          "seconds > 0, or None. Fix: pass e.g. 1800.", rank=_dist.error_rank())
+    return _class("callback")(hang_timeout=hang_timeout, nan_policy=nan_policy, dump_dir=dump_dir)
+
+
+def _class(kind: str) -> type:
+    if kind not in _classes:
+        _classes.update(_build())
+    return _classes[kind]
+
+
+def _build() -> dict[str, type]:
+    import torch
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch.callbacks import Callback
+
+    class RobustCheckpointIO(CheckpointIO):
+        """Atomic, verified ``.ckpt`` files (robustdist.frameworks.lightning)."""
+
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            if storage_options is not None:
+                raise TypeError("robustdist's CheckpointIO takes no storage_options")
+            _save(checkpoint, os.fspath(path))
+
+        def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+            return _load(os.fspath(path), map_location, True if weights_only is None else weights_only)
+
+        def remove_checkpoint(self, path: Any) -> None:
+            for name in (os.fspath(path), os.fspath(path) + RECORD_SUFFIX):
+                try:
+                    os.unlink(name)
+                except FileNotFoundError:
+                    pass
+
+    class RobustCallback(Callback):
+        """The watchdog and the NaN policy (robustdist.frameworks.lightning)."""
+
+        def __init__(self, *, hang_timeout: float | None, nan_policy: str, dump_dir: str | None) -> None:
+            self.hang_timeout, self.nan_policy, self.dump_dir = hang_timeout, nan_policy, dump_dir
+            self.watchdog: Any = None
+            self.skipped = 0
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            if self.hang_timeout is not None and self.watchdog is None:
+                from robustdist.health.watchdog import Watchdog
+
+                self.watchdog = Watchdog(self.hang_timeout, dump_dir=self.dump_dir, rank=trainer.global_rank,
+                                         world_size=trainer.world_size).attach(pl_module)
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            from robustdist.health.grad_check import tensors_finite
+
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if tensors_finite(grads):
+                return
+            step = trainer.global_step
+            if self.nan_policy == "raise":
+                raise NonFiniteLossError(
+                    f"step {step}: non-finite gradients before the optimizer step; expected finite values. Fix: "
+                    "find the batch or the operation that produced them (torch.autograd.set_detect_anomaly(True) "
+                    "names the backward op), lower the learning rate or clip gradients; nan_policy='skip' lets "
+                    "training continue past it.", rank=_dist.error_rank())
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            self.skipped += 1
+            log.warning("step %d: non-finite gradients; this step's update is skipped (%d so far)", step, self.skipped)
+
+        def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+            self._close()
+
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            self._close()
+
+        def _close(self) -> None:
+            if self.watchdog is not None:
+                self.watchdog.close()
+                self.watchdog = None
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"skipped": self.skipped}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.skipped = int(state.get("skipped", 0))
+
+    del torch
+    return {"io": RobustCheckpointIO, "callback": RobustCallback}
+
+
+def _save(checkpoint: dict[str, Any], path: str) -> None:
+    import torch
+
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    token = uuid.uuid4().hex[:8]
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{token}")
+    crc = Crc32()
+    try:
+        with open(tmp, "xb") as fh:
+            torch.save(checkpoint, _Hashing(fh, crc))
+            fh.flush()
+            os.fsync(fh.fileno())
+            size = fh.tell()
+        record = json.dumps({"format": "robustdist-lightning/1", "size": size, "crc32": crc.hexdigest()})
+        tmp_record = tmp + RECORD_SUFFIX
+        with open(tmp_record, "x", encoding="utf-8") as fh:
+            fh.write(record)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)  # a crash between the two renames leaves a record that disagrees: the file is refused
+        os.replace(tmp_record, path + RECORD_SUFFIX)
+        fsync_dir(folder)
+    finally:
+        for leftover in (tmp, tmp + RECORD_SUFFIX):
+            if os.path.lexists(leftover):
+                os.unlink(leftover)
+
+
+class _Hashing:
+    """A write-only file object that feeds what torch.save writes to a CRC."""
+
+    def __init__(self, fh: Any, crc: Crc32) -> None:
+        self.fh, self.crc = fh, crc
+
+    def write(self, data: Any) -> int:
+        self.crc.update(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _load(path: str, map_location: Any, weights_only: bool) -> Any:
+    try:
+        return _load_verified(path, map_location, weights_only)
+    except CheckpointCorruptError as e:
+        fallback = _newest_intact(os.path.dirname(path) or ".", exclude=path)
+        if fallback is None:
+            raise CheckpointCorruptError(f"{e} No other intact .ckpt in {os.path.dirname(path) or '.'} to fall back "
+                                         "to. Fix: restore the file from a copy, or start without ckpt_path.",
+                                         rank=_dist.error_rank()) from None
+        log.warning("%s is refused (%s); loading %s, the newest intact checkpoint beside it", path, e, fallback)
+        return _load_verified(fallback, map_location, weights_only)
+
+
+def _load_verified(path: str, map_location: Any, weights_only: bool) -> Any:
+    import torch
+
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    record = _record(folder, name)
+    with open_in(folder, name, size=record["size"] if record else None,
+                 max_size=None if record else 1 << 40) as fh:
+        check_torch_zip(fh, path)
+        if record is not None:
+            crc = Crc32()
+            while chunk := fh.read(8 << 20):
+                crc.update(chunk)
+            if crc.hexdigest() != record["crc32"]:
+                raise CheckpointCorruptError(f"{path}: its CRC-32 differs from {name}{RECORD_SUFFIX}'s (the file "
+                                             "changed or is damaged)")
+            fh.seek(0)
+        else:
+            log.warning("%s has no %s record (written without robustdist's CheckpointIO): loaded unverified",
+                        path, RECORD_SUFFIX)
+        try:
+            return torch.load(fh, map_location=map_location, weights_only=weights_only)
+        except Exception as e:  # weights_only refusals, a damaged stream
+            raise CheckpointCorruptError(f"{path}: torch.load(weights_only={weights_only}) failed "
+                                         f"({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _record(folder: str, name: str) -> dict[str, Any] | None:
+    record_name = name + RECORD_SUFFIX
+    if not os.path.lexists(os.path.join(folder, record_name)):
+        return None
+    try:
+        record = json.loads(read_in(folder, record_name, max_size=_MAX_RECORD))
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointCorruptError(f"{os.path.join(folder, record_name)}: not JSON") from None
+    if (not isinstance(record, dict) or record.get("format") != "robustdist-lightning/1"
+            or not isinstance(record.get("size"), int) or isinstance(record.get("size"), bool)
+            or not isinstance(record.get("crc32"), str) or not re.fullmatch(r"[0-9a-f]{8}", record["crc32"])):
+        raise CheckpointCorruptError(f"{os.path.join(folder, record_name)}: not a robustdist checkpoint record")
+    return record
+
+
+def _newest_intact(folder: str, *, exclude: str) -> str | None:
+    """The newest (by modification time) ``.ckpt`` in ``folder`` whose record verifies, other than ``exclude``."""
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".ckpt") and not n.startswith(".")]
+    except OSError:
+        return None
+    candidates = []
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.abspath(path) == os.path.abspath(exclude) or os.path.islink(path):
+            continue
+        try:
+            record = _record(folder, name)
+            if record is None:
+                continue
+            with open_in(folder, name, size=record["size"]) as fh:
+                value = 0
+                while chunk := fh.read(8 << 20):
+                    value = zlib.crc32(chunk, value)
+            if f"{value:08x}" == record["crc32"]:
+                candidates.append((os.lstat(path).st_mtime_ns, path))
+        except (CheckpointCorruptError, OSError):
+            continue
+    return max(candidates)[1] if candidates else None

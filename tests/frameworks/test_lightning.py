@@ -1,0 +1,161 @@
+"""robustdist inside a Lightning ``Trainer`` (issue #32): the ``CheckpointIO`` plugin writes ``.ckpt`` files
+atomically with a size/CRC-32 record and, on load, refuses a damaged one and falls back to the newest intact
+checkpoint beside it; the ``Callback`` raises or skips on non-finite gradients and runs the watchdog.
+
+Every Trainer runs in a process of its own (``run_ranks``): Lightning keeps process-global state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from robustdist.testing.ranks import run_ranks
+
+pytest.importorskip("lightning")
+
+TIMEOUT = 180
+ALONE = {"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "LOCAL_WORLD_SIZE": None, "MASTER_ADDR": None,
+         "MASTER_PORT": None}
+
+
+def _module(poison_at: int | None = None):
+    import lightning as L
+
+    class Regressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            if poison_at is not None and self.global_step == poison_at:
+                loss = loss * float("nan")
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    return Regressor()
+
+
+def _data() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def _trainer(directory: str, steps: int, **callback_kwargs):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from robustdist.frameworks import lightning as rdl
+
+    saver = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    guard = rdl.callback(hang_timeout=60.0, **callback_kwargs)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[rdl.checkpoint_io()], callbacks=[saver, guard])
+    return trainer, guard
+
+
+def _fit(rank, directory, steps, resume):
+    from lightning.pytorch.callbacks import Callback
+
+    started = []
+
+    class Start(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append((trainer.global_step, guard.watchdog is not None))
+
+    trainer, guard = _trainer(directory, steps)
+    trainer.callbacks.append(Start())
+    module = _module()
+    trainer.fit(module, _data(), ckpt_path=resume)
+    closed = guard.watchdog is None  # closed at fit end
+    return trainer.global_step, started[0], closed
+
+
+def test_checkpoints_are_atomic_recorded_and_a_damaged_one_falls_back(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    ((step, (start, watching), closed),) = run_ranks(_fit, 1, init=False, timeout=TIMEOUT, args=(directory, 6, None),
+                                                     env=ALONE)
+    assert step == 6 and start == 0 and watching and closed
+    names = sorted(p.name for p in Path(directory).iterdir())
+    assert names == ["step=2.ckpt", "step=2.ckpt.robustdist.json", "step=4.ckpt", "step=4.ckpt.robustdist.json",
+                     "step=6.ckpt", "step=6.ckpt.robustdist.json"]  # no temporary file left
+    record = json.loads((Path(directory) / "step=6.ckpt.robustdist.json").read_text())
+    assert record["size"] == (Path(directory) / "step=6.ckpt").stat().st_size
+    newest = Path(directory) / "step=6.ckpt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    ((step, (start, _), _),) = run_ranks(_fit, 1, init=False, timeout=TIMEOUT, args=(directory, 8, str(newest)),
+                                         env=ALONE)
+    assert start == 4 and step == 8  # resumed from step 4 (the fallback), not the damaged 6, and trained to 8
+
+
+def _load_only(rank, path):
+    from robustdist.frameworks import lightning as rdl
+    from robustdist.runtime.errors import CheckpointCorruptError
+
+    try:
+        rdl.checkpoint_io().load_checkpoint(path)
+    except CheckpointCorruptError as e:
+        return str(e)
+    return None
+
+
+class _Runs:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/robustdist-lightning-pwned",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_else_is_there(tmp_path):
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": _Runs()}, path)
+    marker = Path("/tmp/robustdist-lightning-pwned")
+    marker.unlink(missing_ok=True)
+    (message,) = run_ranks(_load_only, 1, init=False, timeout=TIMEOUT, args=(str(path),), env=ALONE)
+    assert message is not None and "torch.load(weights_only=True) failed" in message
+    assert "No other intact .ckpt" in message
+    assert not marker.exists()
+
+
+def _poisoned(rank, directory, policy):
+    from robustdist.runtime.errors import NonFiniteLossError
+
+    trainer, guard = _trainer(directory, 5, nan_policy=policy)
+    module = _module(poison_at=2)
+    try:
+        trainer.fit(module, _data())
+    except NonFiniteLossError as e:
+        return "raised", str(e)
+    finite = all(torch.isfinite(p).all() for p in module.parameters())
+    return "finished", (trainer.global_step, guard.skipped, bool(finite))
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_non_finite_gradients_follow_the_policy(tmp_path, policy):
+    ((what, detail),) = run_ranks(_poisoned, 1, init=False, timeout=TIMEOUT, args=(str(tmp_path), policy), env=ALONE)
+    if policy == "raise":
+        assert what == "raised" and detail.startswith("step 2: non-finite gradients before the optimizer step")
+    else:
+        assert what == "finished" and detail == (5, 1, True)  # one step skipped, the weights stayed finite
+
+
+def test_a_bad_policy_is_a_config_error():
+    from robustdist.frameworks import lightning as rdl
+    from robustdist.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"nan_policy='rollback'\); expected one of raise, skip"):
+        rdl.callback(nan_policy="rollback")
+    with pytest.raises(ConfigError, match=r"hang_timeout=0\); expected seconds > 0"):
+        rdl.callback(hang_timeout=0)
