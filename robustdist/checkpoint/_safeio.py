@@ -159,11 +159,18 @@ class _Window(io.RawIOBase):
 
 
 def check_torch_zip(fh: BinaryIO, where: str, *, offset: int = 0, length: int | None = None) -> None:
-    """A torch file (or a slice of one) must be a zip whose members are all stored uncompressed and add up to
-    no more than its own size: torch.save never compresses, and a compressed member is a decompression bomb
-    (1 KiB inflating to 1 MiB, a 64 MiB file to 64 GiB)."""
+    """A torch file (or a slice of one) must be a zip that starts at its first byte (torch.load reads anything else
+    as a legacy pickle, which this check would not have scanned) and whose members are all stored uncompressed and
+    add up to no more than its own size: torch.save never compresses, and a compressed member is a decompression
+    bomb (1 KiB inflating to 1 MiB, a 64 MiB file to 64 GiB)."""
     if length is None:
         length = os.fstat(fh.fileno()).st_size - offset
+    fh.seek(offset)
+    head = fh.read(4)
+    fh.seek(offset)
+    if head != b"PK\x03\x04":  # torch.load reads a file not starting so as a legacy pickle: not what is checked here
+        raise CheckpointCorruptError(f"{where}: not a torch zip file (it does not start with a zip header: found "
+                                     f"{head!r}; torch.load would read whatever precedes a zip as a legacy pickle)")
     try:
         with zipfile.ZipFile(io.BufferedReader(_Window(fh, offset, length))) as archive:
             members = archive.infolist()

@@ -29,6 +29,7 @@ directory must be one that every rank sees (Accelerate writes each rank's RNG fi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -55,9 +56,13 @@ MANIFEST = "robustdist-manifest.json"
 FORMAT = "robustdist-accelerate/1"
 _MAX_MANIFEST = 4 << 20
 _MAX_FILES = 10_000
-_DIR_RE = re.compile(r"^checkpoint_(\d{1,18})$")
+_DIR_RE = re.compile(r"^checkpoint_(0|[1-9]\d{0,17})$")
+_OLD_RE = re.compile(r"^\.old-checkpoint_(0|[1-9]\d{0,17})-[0-9a-f]{8}$")
+_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 _STAGING = ".tmp-checkpoint_"
 _TRASH = ".trash-checkpoint_"
+_OLD = ".old-checkpoint_"  # a re-save's committed copy, for the instant between its two renames
+_REJECTED = ".rejected-checkpoint_"  # newer-numbered checkpoints of a run that resumed from an older one: kept
 _CUSTOM = re.compile(r"^custom_checkpoint_\d+\.pkl$")
 _OPS = ("save_state", "load_state")
 
@@ -83,11 +88,20 @@ def prepared_scaler(optimizer: Any) -> Any:
     return getattr(optimizer, "scaler", None)
 
 
+_REFUSED: dict[str, set[int]] = {}
+"""Per directory (its real path), the steps load_state refused in this process: the next save sets them aside."""
+_CALLS = {"accelerate-save": itertools.count(1), "accelerate-load": itertools.count(1)}
+
+
 def _collectives(timeout: float, arrival_timeout: float, scope: str) -> Collectives:
+    """Bounded collectives whose token every rank computes alike (the attempt, and how many such calls this
+    process made): no collective runs before ``arrive``, so a call made under ``if is_main_process:`` fails there,
+    named, within ``arrival_timeout``, instead of pairing with another rank's unrelated collective."""
     rank, world = (_dist.rank(), _dist.world_size()) if _dist.is_up() else (0, 1)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")[:8]
     return Collectives(None, rank, world, timeout=timeout, arrival_timeout=arrival_timeout, error=CheckpointError,
                        scope=scope, noun="checkpoint", owner="Accelerate checkpoint", ops=_OPS,
-                       knob="arrival_timeout=")
+                       knob="arrival_timeout=", token=f"a{attempt}-{next(_CALLS[scope])}")
 
 
 def _check_accelerator(accelerator: Any, what: str) -> None:
@@ -96,6 +110,14 @@ def _check_accelerator(accelerator: Any, what: str) -> None:
         raise ConfigError(f"robustdist.frameworks.accelerate.{what} was given {type(accelerator).__name__}; expected "
                           "an accelerate.Accelerator. Fix: pass the Accelerator the script prepared its objects "
                           "with.", rank=_dist.error_rank())
+    kind = getattr(getattr(accelerator, "distributed_type", None), "name", str(getattr(accelerator,
+                                                                                       "distributed_type", "")))
+    if kind in _UNSUPPORTED:
+        raise ConfigError(
+            f"robustdist.frameworks.accelerate.{what}: the Accelerator runs {kind}, whose checkpoints are not plain "
+            "files this module can verify (FSDP's sharded .metadata, DeepSpeed's and Megatron's own formats load "
+            "with pickle); expected DDP or one process (MULTI_CPU, MULTI_GPU, NO). Fix: use accelerator.save_state"
+            "/load_state there, or harden's strategy 'fsdp' with h.save/h.resume.", rank=_dist.error_rank())
     if getattr(config, "automatic_checkpoint_naming", False):
         raise ConfigError(
             f"robustdist.frameworks.accelerate.{what}: the Accelerator has ProjectConfiguration("
@@ -107,19 +129,35 @@ def _check_accelerator(accelerator: Any, what: str) -> None:
 
 def committed_states(directory: str | os.PathLike[str]) -> list[int]:
     """The steps of the committed checkpoints in ``directory`` (``checkpoint_<step>`` folders, not links, that
-    hold a manifest), oldest first. Staging and trash folders never count."""
-    base = os.fspath(directory)
+    hold a manifest), oldest first. Staging, trash and set-aside folders never count; a re-save's ``.old-`` copy
+    counts while its final name is missing (a crash between the re-save's two renames)."""
+    return sorted(_committed(os.fspath(directory)))
+
+
+def _committed(base: str) -> dict[int, str]:
+    """step -> folder name, for every committed checkpoint."""
+    try:
+        names = os.listdir(base)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    found: dict[int, str] = {}
+    for name in sorted(names, key=lambda n: n.startswith(".")):  # final names first, then .old- copies
+        match = _DIR_RE.match(name) or _OLD_RE.match(name)
+        if match is None or int(match.group(1)) in found:
+            continue
+        path = os.path.join(base, name)
+        if lexists_dir(path) and os.path.lexists(os.path.join(path, MANIFEST)):
+            found[int(match.group(1))] = name
+    return found
+
+
+def _foreign(base: str) -> list[str]:
+    """``checkpoint_<n>`` folders without a manifest: Accelerate's own, or a copy robustdist never committed."""
     try:
         names = os.listdir(base)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    steps = []
-    for name in names:
-        match = _DIR_RE.match(name)
-        path = os.path.join(base, name)
-        if match and lexists_dir(path) and os.path.lexists(os.path.join(path, MANIFEST)):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return sorted(n for n in names if _DIR_RE.match(n) and not os.path.lexists(os.path.join(base, n, MANIFEST)))
 
 
 def save_state(accelerator: Any, directory: str | os.PathLike[str], step: int, *, keep_last: int | None = 3,
@@ -175,6 +213,13 @@ def _prepare(base: str, staging: str) -> None:
     for name in os.listdir(base):  # staging folders of saves that never committed (a crash mid-save)
         if name.startswith((_STAGING, _TRASH)):
             _remove(os.path.join(base, name))
+        match = _OLD_RE.match(name)
+        if match is not None:  # a re-save that crashed between its renames: its old copy is still the committed one
+            final = os.path.join(base, f"checkpoint_{match.group(1)}")
+            if os.path.lexists(final):
+                _remove(os.path.join(base, name))
+            else:
+                os.rename(os.path.join(base, name), final)
     os.mkdir(staging)
 
 
@@ -227,19 +272,49 @@ def _commit(base: str, staging: str, final: str, step: int, world: int, keep_las
         entries[name] = checksum_entry(path)
     write_json_atomic(os.path.join(staging, MANIFEST),
                       {"format": FORMAT, "step": step, "world_size": world, "files": entries})
-    if lexists_dir(final) or os.path.lexists(final):  # a re-save of this step: the new copy replaces it
-        aside = os.path.join(base, f"{_TRASH}{step}-{uuid.uuid4().hex[:8]}")
-        os.rename(final, aside)
+    name = os.path.basename(final)
+    if os.path.lexists(final):
+        if not (lexists_dir(final) and os.path.lexists(os.path.join(final, MANIFEST))):
+            raise CheckpointError(f"{final}: exists, and robustdist did not commit it (no {MANIFEST}); expected it "
+                                  "absent or robustdist's. Nothing is overwritten. Fix: move it away, or save to "
+                                  "another directory.")
+        aside = os.path.join(base, f"{_OLD}{step}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, aside)  # until the next rename, .old- is the committed copy (committed_states finds it)
         os.rename(staging, final)
+        fsync_dir(base)
         _remove(aside)
     else:
         os.rename(staging, final)
     fsync_dir(base)
+    log.debug("committed %s", name)
+    _set_aside(base, step)
     if keep_last is not None:
-        for old in committed_states(base)[:-keep_last]:
+        for old in [s for s in committed_states(base) if s < step][: max(0, len(committed_states(base)) - keep_last)]:
             aside = os.path.join(base, f"{_TRASH}{old}-{uuid.uuid4().hex[:8]}")
-            os.rename(os.path.join(base, f"checkpoint_{old}"), aside)
-            _remove(aside)
+            try:
+                os.rename(os.path.join(base, _committed(base)[old]), aside)
+                _remove(aside)
+            except (OSError, KeyError) as e:  # rotation is housekeeping: the new checkpoint is committed already
+                log.warning("could not rotate checkpoint_%d out of %s (%s); it stays", old, base, e)
+
+
+def _set_aside(base: str, step: int) -> None:
+    """Keep, renamed ``.rejected-checkpoint_<n>-<token>`` (never loaded, never deleted), the checkpoints that should
+    no longer count: those numbered past ``step`` belong to a run that later resumed from an older one (refused,
+    or abandoned), and those a ``load_state`` of this process refused. So the newest checkpoint is the one just
+    committed, and rotation never keeps a refused checkpoint in place of a good one."""
+    refused = _REFUSED.pop(os.path.realpath(base), set())
+    for newer, name in sorted(_committed(base).items()):
+        if newer > step or (newer in refused and newer != step):
+            target = os.path.join(base, f"{_REJECTED}{newer}-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(os.path.join(base, name), target)
+                log.warning("%s %s: set aside as %s (kept, never loaded)", name,
+                            "was refused by load_state" if newer in refused else
+                            f"is numbered past the step just saved ({step}), from a run that resumed from an older "
+                            "checkpoint", target)
+            except OSError as e:
+                log.warning("could not set %s aside (%s)", name, e)
 
 
 def load_state(accelerator: Any, directory: str | os.PathLike[str], *, timeout: float = 1800.0,
@@ -252,15 +327,24 @@ def load_state(accelerator: Any, directory: str | os.PathLike[str], *, timeout: 
     base = os.fspath(directory)
     coll = _collectives(timeout, arrival_timeout, "accelerate-load")
     coll.arrive("load_state")
-    steps = coll.broadcast(committed_states(base)[::-1], "load_state list")
+    if coll.rank == 0:
+        foreign = _foreign(base)
+        if foreign:
+            log.warning("%s holds %s without %s (written by accelerator.save_state itself, or not committed): not "
+                        "loaded, and never overwritten or rotated. Fix: to resume from one, load it with "
+                        "accelerator.load_state once, then save with robustdist.frameworks.accelerate.save_state",
+                        base, ", ".join(foreign[:5]), MANIFEST)
+    listing = coll.broadcast(sorted(_committed(base).items(), reverse=True), "load_state list")
     refused: list[str] = []
-    for step in steps:
-        folder = os.path.join(base, f"checkpoint_{step}")
+    for step, name in listing:
+        folder = os.path.join(base, name)
         problem = None
         try:
             _verify(folder, step, coll.rank, coll.world_size)
         except CheckpointCorruptError as e:
             problem = str(e)
+        except (OSError, ValueError, RecursionError, MemoryError) as e:  # a hostile folder: named, then the next
+            problem = f"{folder}: unreadable ({type(e).__name__}: {str(e)[:200]})"
         problems = [p for p in coll.all_gather(problem, "load_state verify") if p is not None]
         if not problems:
             failure = None
@@ -276,12 +360,14 @@ def load_state(accelerator: Any, directory: str | os.PathLike[str], *, timeout: 
                     log.info("loaded Accelerate checkpoint %s", folder)
                 return step
             problems = [f"accelerator.load_state failed: {failures[0]}"]
-        refused.append(f"checkpoint_{step} refused ({problems[0][:300]})")
+        refused.append(f"{name} refused ({problems[0][:300]})")
+        _REFUSED.setdefault(os.path.realpath(base), set()).add(step)
         log.warning("%s: refused (%s); trying an older checkpoint", folder, problems[0][:300])
     if refused:
         raise CheckpointCorruptError(
             f"{base}: none of its {len(refused)} committed checkpoint(s) verifies: {'; '.join(refused)}. Expected at "
-            "least one intact. Fix: restore the folder from a copy, or move it away to start afresh.",
+            "least one intact. The prepared objects may hold part of a refused checkpoint (Accelerate loads file by "
+            "file): do not train on them. Fix: restore the folder from a copy, or move it away and restart afresh.",
             rank=coll.rank)
     return None
 

@@ -57,12 +57,14 @@ def reducer_parameter_names(module: nn.Module, ignored: set[str] | frozenset[str
 
 class DistributedDataParallel(_TorchDDP):
     """torch's ``DistributedDataParallel``, plus an unused-parameter error that names the parameters, and a
-    refusal, at its first forward, of a second data-parallel wrapper around it (see :func:`_outer_wrapper`)."""
+    refusal of a second data-parallel wrapper around it, checked at each forward until the first training forward
+    (grad enabled, training mode) passes it (see :func:`_outer_wrapper`)."""
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self.__dict__.get("_robustdist_outer_checked"):
-            self.__dict__["_robustdist_outer_checked"] = True
             torch.compiler.disable(_refuse_outer_wrapper)(self)  # not traced; applied here, not at import
+            if self.training and torch.is_grad_enabled():  # checked until the first training forward passes it
+                self.__dict__["_robustdist_outer_checked"] = True
         try:
             return super().forward(*inputs, **kwargs)
         except RuntimeError as e:

@@ -106,11 +106,15 @@ class Collectives:
         owner: what the caller builds these for, in the "fell out of step" message ("checkpointer").
         ops: the collective calls ranks can be in (to say "rank 1 is in load() instead").
         knob: the config field that raises ``arrival_timeout``.
+        token: the store-key token, given by a caller that makes it the same on every rank (then the constructor
+            runs no collective, so a call made by one rank alone fails in :meth:`arrive`, named); None: a random
+            token broadcast from rank 0.
     """
 
     def __init__(self, group: Any, rank: int, world_size: int, *, timeout: float, arrival_timeout: float,
                  error: type[RobustDistError] = RobustDistError, scope: str = "collective", noun: str = "group",
-                 owner: str = "object", ops: Sequence[str] = (), knob: str = "the arrival timeout"):
+                 owner: str = "object", ops: Sequence[str] = (), knob: str = "the arrival timeout",
+                 token: str | None = None):
         self.group, self.rank, self.world_size = group, rank, world_size
         self.timeout, self.arrival_timeout = timeout, arrival_timeout
         self.error, self.scope, self.ops, self.knob = error, scope, tuple(ops), knob
@@ -119,9 +123,12 @@ class Collectives:
         self._seq = 0
         self._last_op = ""
         self._store = default_store() if world_size > 1 else None
-        self.token = uuid.uuid4().hex[:12]
-        if world_size > 1:  # one token per object, the same on every rank (no stale keys from other runs)
-            self.token = self.broadcast(self.token, "setup")
+        if token is not None:  # the caller's: the same on every rank, and no collective before the first arrive()
+            self.token = token
+        else:
+            self.token = uuid.uuid4().hex[:12]
+            if world_size > 1:  # one token per object, the same on every rank (no stale keys from other runs)
+                self.token = self.broadcast(self.token, "setup")
 
     def check_usable(self) -> None:
         if self.broken is not None:

@@ -374,3 +374,160 @@ def test_misuse_is_a_named_config_error(tmp_path):
                              "accelerate.Accelerator")
     assert out[3].startswith("save_state(step=-1); expected an int in [0, 10**18)")
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+# ------------------------------------------------------------------------------------- a reviewer's second round
+def _damage_polyglot(folder: Path) -> None:
+    """A pickle before a valid zip: zipfile finds the zip at the end, torch.load reads the leading pickle."""
+    import json
+    import zlib
+
+    target = folder / "optimizer.bin"
+    data = pickle.dumps({"state": {}, "param_groups": []}, protocol=2) + target.read_bytes()
+    target.write_bytes(data)
+    manifest = json.loads((folder / "robustdist-manifest.json").read_text())
+    manifest["files"]["optimizer.bin"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    (folder / "robustdist-manifest.json").write_text(json.dumps(manifest))
+
+
+def _damage_deep_manifest(folder: Path) -> None:
+    (folder / "robustdist-manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    (_damage_polyglot, r"optimizer\.bin: not a torch zip file \(it does not start with a zip header"),
+    (_damage_deep_manifest, r"robustdist-manifest\.json: (not JSON|unreadable)"),
+], ids=["pickle-before-zip", "deep-manifest"])
+def test_hostile_files_that_pass_a_lax_check_are_refused(three, damage, why):
+    directory, kept = three
+    damage(directory / "checkpoint_3")
+    assert [out[0] for out in _load_all(directory)] == [2, 2]
+    from robustdist.frameworks.accelerate import _verify
+    from robustdist.runtime.errors import CheckpointCorruptError
+
+    with pytest.raises((CheckpointCorruptError, RecursionError), match=why):
+        for rank in range(2):
+            try:
+                _verify(str(directory / "checkpoint_3"), 3, rank, 2)
+            except RecursionError as e:  # load_state names it (checked above by the fallback); _verify alone is raw
+                raise CheckpointCorruptError(f"robustdist-manifest.json: unreadable ({e})") from None
+
+
+def _save_after_fallback(rank, directory):
+    from robustdist.frameworks import accelerate as rda
+
+    accelerator, model, optimizer, counter = _prepared()
+    loaded = rda.load_state(accelerator, directory)
+    counter.value = 99
+    rda.save_state(accelerator, directory, 110, keep_last=2)
+    return loaded, rda.committed_states(directory), rda.load_state(accelerator, directory)
+
+
+def test_a_save_after_a_fallback_is_the_newest_and_the_abandoned_ones_are_kept_aside(tmp_path):
+    directory = tmp_path / "ckpt"
+    run_ranks(_save_three, 2, init=True, timeout=TIMEOUT, args=(str(directory),))  # steps 2 and 3 kept
+    (directory / "checkpoint_3" / "robustdist-manifest.json").write_text("{")  # 3 refused: resume from 2
+    for loaded, committed, again in run_ranks(_save_after_fallback, 2, init=True, timeout=TIMEOUT,
+                                              args=(str(directory),)):
+        assert loaded == 2 and committed == [2, 110] and again == 110
+    assert [p.name.split("-")[1] for p in directory.iterdir() if p.name.startswith(".rejected-")] == ["checkpoint_3"]
+
+
+def test_a_resave_killed_between_its_renames_keeps_its_committed_copy(three):
+    directory, kept = three
+    (directory / "checkpoint_3").rename(directory / ".old-checkpoint_3-0123abcd")  # the instant between renames
+    from robustdist.frameworks.accelerate import committed_states
+
+    assert committed_states(directory) == [2, 3]
+    for step, weights, value in _load_all(directory):
+        assert step == 3 and value == 3
+
+
+def test_leading_zero_twins_and_accelerates_own_folders_are_not_checkpoints_and_never_deleted(three, caplog):
+    directory, _ = three
+    import shutil
+
+    shutil.copytree(directory / "checkpoint_2", directory / "checkpoint_0002")
+    shutil.copytree(directory / "checkpoint_3", directory / "checkpoint_4")
+    (directory / "checkpoint_4" / "robustdist-manifest.json").unlink()  # as accelerator.save_state leaves it
+    (directory / "checkpoint_4" / "notes.txt").write_text("mine")
+    from robustdist.frameworks.accelerate import committed_states
+
+    assert committed_states(directory) == [2, 3]
+    assert [out[0] for out in _load_all(directory)] == [3, 3]
+    outs = run_ranks(_save_step, 2, init=True, timeout=TIMEOUT, args=(str(directory), 4))
+    assert all(o.startswith("CheckpointError") and "robustdist did not commit it" in o for o in outs), outs
+    assert (directory / "checkpoint_4" / "notes.txt").read_text() == "mine"
+
+
+def _save_step(rank, directory, step):
+    from robustdist.frameworks import accelerate as rda
+
+    accelerator, *_ = _prepared()
+    try:
+        rda.save_state(accelerator, directory, step)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def _rank0_only(rank, directory):
+    import time
+
+    from robustdist.frameworks import accelerate as rda
+
+    accelerator, *_ = _prepared()
+    if rank == 1:
+        time.sleep(8)  # busy elsewhere, never in save_state
+        return "elsewhere"
+    try:
+        rda.save_state(accelerator, directory, 1, arrival_timeout=3.0)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def test_a_save_called_on_one_rank_only_is_a_named_error_not_a_hang(tmp_path):
+    outs = run_ranks(_rank0_only, 2, init=True, timeout=TIMEOUT, args=(str(tmp_path),))
+    assert outs[1] == "elsewhere"
+    assert outs[0].startswith("CheckpointError: [rank 0] save_state() is collective: call it on every rank. "
+                              "Rank 1 did not reach save_state() within 3 s")
+
+
+def test_fsdp_deepspeed_and_megatron_accelerators_are_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from robustdist.frameworks import accelerate as rda
+    from robustdist.runtime.errors import ConfigError
+
+    for kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        fake = SimpleNamespace(project_configuration=SimpleNamespace(automatic_checkpoint_naming=False),
+                               save_state=None, distributed_type=SimpleNamespace(name=kind))
+        for call in (rda.save_state, rda.load_state):
+            args = (fake, tmp_path, 1) if call is rda.save_state else (fake, tmp_path)
+            with pytest.raises(ConfigError, match=f"the Accelerator runs {kind}, whose checkpoints are not plain"):
+                call(*args)
+
+
+def _prepare_after_a_no_grad_forward(rank):
+    from robustdist import harden
+    from robustdist.runtime.errors import ConfigError
+
+    h = harden(tr.make_model(), _loader(), OFF)
+    with torch.no_grad():
+        h.model.eval()(torch.zeros(2, 8))  # an evaluation before training: not the check's last chance
+    h.model.train()
+    model, loader = _accelerator().prepare(h.model, h.loader)
+    x, y = next(iter(loader))
+    try:
+        model(x)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        h.close()
+    return None
+
+
+def test_a_forward_before_prepare_does_not_let_a_second_wrapper_through():
+    for rank, message in enumerate(run_ranks(_prepare_after_a_no_grad_forward, 2, init=False, timeout=TIMEOUT)):
+        assert message is not None and "was called through a second DistributedDataParallel" in message

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import pickle
 import time
 
 import pytest
@@ -104,6 +105,9 @@ PAYLOAD_CASES = [
     ("rank_00000.pt", _torch_bytes({"rng": {}, "per_rank": {}}), "the saved RNG state is malformed (python:"),
     ("rank_00000.pt", _torch_bytes(torch.zeros(3)), "expected a dict with 'rng' and 'per_rank' entries"),
     ("rank_00000.pt", _torch_bytes({"per_rank": []}), "expected a dict with 'rng' and 'per_rank' entries"),
+    # a pickle before a valid zip: zipfile finds the zip at the end, torch.load would unpickle the prefix instead
+    ("replicated.pt", pickle.dumps({"meta": {"step": 2}}, protocol=2) + _torch_bytes({"meta": {"step": 2}}),
+     "it does not start with a zip header"),
 ]
 
 
