@@ -36,6 +36,9 @@ def pytest_configure(config):
     # torch.compile compiles in this process: some torch versions (2.8) otherwise keep a pool of compile worker
     # processes alive for the session, which the leftover-children check would report as the test's
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    # run_ranks' timeouts are a hang guard, not a speed test: on a 2-core machine running two workers, each
+    # starting processes, a run that takes 40 s alone took over 60 s (robustdist.testing.ranks reads this).
+    os.environ.setdefault("ROBUSTDIST_TEST_TIMEOUT_SCALE", "3")
     # Ranks fork from a server that imported torch once, instead of importing it each (the suite's main cost).
     from robustdist.testing.ranks import use_forkserver
 

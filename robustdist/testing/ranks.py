@@ -73,6 +73,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+TIMEOUT_SCALE_ENV = "ROBUSTDIST_TEST_TIMEOUT_SCALE"
+
+
+def _scaled(timeout: float) -> float:
+    """``timeout`` times ``ROBUSTDIST_TEST_TIMEOUT_SCALE`` (unset or empty: 1)."""
+    raw = os.environ.get(TIMEOUT_SCALE_ENV, "").strip()
+    if not raw:
+        return timeout
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not 1 <= scale <= 100:
+        raise ValueError(f"{TIMEOUT_SCALE_ENV}={raw!r}; expected a number from 1 to 100. Fix: set it to e.g. 3, or "
+                         "unset it.")
+    return timeout * scale
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -91,7 +109,8 @@ def run_ranks(
         args: extra positional arguments for ``fn``, pickled to every rank.
         backend: the process-group backend when ``init`` is true.
         init: create the process group (``env://``) before ``fn`` and destroy it after.
-        timeout: seconds for the whole run; also the process group's collective timeout.
+        timeout: seconds for the whole run; also the process group's collective timeout. Multiplied by
+            ``ROBUSTDIST_TEST_TIMEOUT_SCALE`` when that is set (a number >= 1: a test suite on a loaded machine).
         env: extra environment for the ranks: one mapping for all ranks, or a sequence with one mapping per
             rank. A value of ``None`` unsets the variable.
 
@@ -101,6 +120,7 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; expected at least 1. Fix: pass world_size=2 or more.")
+    timeout = _scaled(timeout)
     per_rank_env = _per_rank_env(env, world_size)
     try:
         payload = pickle.dumps((fn, tuple(args)))

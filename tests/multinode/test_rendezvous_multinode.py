@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from tests.multinode._lab import JOB, PY, events, finish, job_args, logs, of
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)
 INIT_TIMEOUT = 8
 
 
@@ -21,6 +20,14 @@ def _ranks_env(lab, master_addr: str, master_port: int) -> list[dict[str, str]]:
              "GROUP_RANK": str(i), "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": master_addr,
              "MASTER_PORT": str(master_port), "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
             for i in range(2)]
+
+
+def _init_seconds(ev) -> float:
+    """The longest a rank spent from calling harden() to its error: the part init_timeout bounds (a process's
+    start-up and imports are left out, so a loaded machine does not make the bound fail)."""
+    evs = events(ev)
+    began = {e["pid"]: e["time"] for e in of(evs, "harden")}
+    return max((e["time"] - began[e["pid"]] for e in of(evs, "error")), default=0.0)
 
 
 def _errors_or_killed_by_agent(ev, lab) -> dict:
@@ -41,11 +48,10 @@ def test_every_rank_fails_fast_naming_the_address_and_the_fix(node_lab, tmp_path
     ev = tmp_path / "events"
     addr = {"loopback": "127.0.0.1", "nobody-owns-it": "10.213.0.99"}[case]
     envs = _ranks_env(lab, addr, 29511)
-    started = time.monotonic()
     procs = [lab.popen(i, [PY, JOB, *job_args(ev, init_timeout=INIT_TIMEOUT)], env=envs[i], name=f"rank{i}")
              for i in range(2)]
-    assert finish(procs, 90, lab) == [3, 3], logs(lab)
-    elapsed = time.monotonic() - started
+    assert finish(procs, 180, lab) == [3, 3], logs(lab)
+    elapsed = _init_seconds(ev)
     errors = {e["rank"]: e for e in of(events(ev), "error")}
     assert sorted(errors) == [0, 1], logs(lab)
     for rank, e in errors.items():
@@ -69,12 +75,11 @@ def test_a_script_that_sets_master_port_under_torchrun_fails_fast_on_both_nodes(
     on another port: nobody listens on 12355 on node 0."""
     lab = node_lab(2)
     ev = tmp_path / "events"
-    started = time.monotonic()
     agents = [lab.torchrun(i, JOB, job_args(ev, init_timeout=INIT_TIMEOUT, override_master_port=12355))
               for i in range(2)]
-    finish(agents, 120, lab)
+    finish(agents, 240, lab)
     errors = _errors_or_killed_by_agent(ev, lab)
-    assert time.monotonic() - started < INIT_TIMEOUT + 40  # torchrun's own start-up included
+    assert _init_seconds(ev) < INIT_TIMEOUT + 20
     for rank, e in errors.items():
         assert e["type"] == "InitError" and "10.213.0.1:12355" in e["message"], e["message"]
         assert f"node {rank} (host node{rank}, 10.213.0.{rank + 1})" in e["message"]
