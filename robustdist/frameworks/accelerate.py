@@ -33,13 +33,13 @@ import itertools
 import json
 import os
 import re
-import shutil
 import stat
 import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+from robustdist.checkpoint._cleanup import remove
 from robustdist.checkpoint._io import Crc32, checksum_entry, fsync_dir, write_json_atomic
 from robustdist.checkpoint._safeio import check_torch_zip, lexists_dir, open_in, read_in
 from robustdist.runtime import dist as _dist
@@ -197,7 +197,7 @@ def _agree(coll: Collectives, stage: str, fn: Callable[[], Any], *, cleanup: str
     if not failures:
         return
     if cleanup is not None and coll.rank == 0:
-        shutil.rmtree(cleanup, ignore_errors=True)
+        remove(cleanup)
     shown = "; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items()))
     doing = {"prepare": "prepared the staging folder for", "write": "wrote", "commit": "committed"}[stage]
     raise CheckpointError(f"save_state failed while it {doing} the checkpoint "
@@ -212,25 +212,15 @@ def _prepare(base: str, staging: str) -> None:
                               "Fix: point save_state at a real directory.")
     for name in os.listdir(base):  # staging folders of saves that never committed (a crash mid-save)
         if name.startswith((_STAGING, _TRASH)):
-            _remove(os.path.join(base, name))
+            remove(os.path.join(base, name))
         match = _OLD_RE.match(name)
         if match is not None:  # a re-save that crashed between its renames: its old copy is still the committed one
             final = os.path.join(base, f"checkpoint_{match.group(1)}")
             if os.path.lexists(final):
-                _remove(os.path.join(base, name))
+                remove(os.path.join(base, name))
             else:
                 os.rename(os.path.join(base, name), final)
     os.mkdir(staging)
-
-
-def _remove(path: str) -> None:
-    if lexists_dir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def _walk(folder: str) -> tuple[list[str], list[str]]:
@@ -282,7 +272,7 @@ def _commit(base: str, staging: str, final: str, step: int, world: int, keep_las
         os.rename(final, aside)  # until the next rename, .old- is the committed copy (committed_states finds it)
         os.rename(staging, final)
         fsync_dir(base)
-        _remove(aside)
+        remove(aside)
     else:
         os.rename(staging, final)
     fsync_dir(base)
@@ -293,7 +283,7 @@ def _commit(base: str, staging: str, final: str, step: int, world: int, keep_las
             aside = os.path.join(base, f"{_TRASH}{old}-{uuid.uuid4().hex[:8]}")
             try:
                 os.rename(os.path.join(base, _committed(base)[old]), aside)
-                _remove(aside)
+                remove(aside)
             except (OSError, KeyError) as e:  # rotation is housekeeping: the new checkpoint is committed already
                 log.warning("could not rotate checkpoint_%d out of %s (%s); it stays", old, base, e)
 
