@@ -66,6 +66,7 @@ from robustdist.checkpoint.train_state import TrainState
 from robustdist.config.schema import HardenConfig, resolve_config
 from robustdist.data.dataloader import safe_dataloader
 from robustdist.frameworks import accelerate as _accelerate
+from robustdist.frameworks import fabric as _fabric
 from robustdist.health.step_guard import Watchdog
 from robustdist.init.process_group import (
     InitReport,
@@ -111,26 +112,28 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
     """
     config = resolve_config(cfg)
     topo = detect_topology()
-    accelerate = _refuse_wrapped(model, topo)
-    if accelerate:
+    framework = _refuse_wrapped(model, topo)
+    if framework == "accelerate":
         _refuse_fsdp_under_accelerate(config, topo)
+    elif framework == "fabric":
+        _fabric.verdict(model, config.distributed.strategy, topo.rank if topo.is_distributed else None)
     report = _init(config, topo)
     checkpointer: AtomicCheckpointer | None = None
     identity: RunIdentity | None = None
     local: LocalTier | None = None
     watchdog: Watchdog | None = None
     try:
-        if accelerate:  # Accelerate keeps its DDP (and its sampler, for a loader it prepared)
+        if framework is not None:  # the framework keeps its DDP (and its sampler, for a loader it prepared)
             wrapped = model
-            scaler = scaler if scaler is not None else _accelerate.prepared_scaler(optimizer)
+            if scaler is None:
+                scaler = (_accelerate.prepared_scaler(optimizer) if framework == "accelerate"
+                          else _fabric.scaler_of(model))
         else:
             wrapped = _wrap(model, config, topo, report, optimizer, shard_policy, init_weights)
-        if loader is None or (accelerate and _accelerate.is_prepared_loader(loader)):
+        if loader is None or _framework_loader(framework, loader):
             safe = loader
             if loader is not None and config.checkpoint.dir is not None:
-                log.warning("the loader is one accelerator.prepare returned: robustdist's checkpoints (h.save) do not "
-                            "hold its position. Resume it with accelerator.skip_first_batches(loader, n), or "
-                            "checkpoint with robustdist.frameworks.accelerate.save_state (docs/porting.md)")
+                log.warning("%s", _FRAMEWORK_LOADER_WARNING[str(framework)])
         else:
             safe = safe_dataloader(loader, config.data)
         ckpt = config.checkpoint
@@ -176,11 +179,29 @@ _HARDENED: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[Hardened]]
 """Every model harden() was given or returned, to the Hardened that holds it (while both live)."""
 
 
-def _refuse_wrapped(model: Any, topo: Topology) -> bool:
+_FRAMEWORK_LOADER_WARNING = {
+    "accelerate": "the loader is one accelerator.prepare returned: robustdist's checkpoints (h.save) do not hold its "
+                  "position. Resume it with accelerator.skip_first_batches(loader, n), or checkpoint with "
+                  "robustdist.frameworks.accelerate.save_state (docs/porting.md)",
+    "fabric": "the loader is one fabric.setup_dataloaders returned: robustdist's checkpoints (h.save) do not hold its "
+              "position, and Fabric sets its epoch from its own count of iterations, which restarts at 0 after a "
+              "resume. Give harden the plain DataLoader instead: harden shards it and h.resume continues it "
+              "mid-epoch (docs/porting.md, Fabric)",
+}
+
+
+def _framework_loader(framework: str | None, loader: Any) -> bool:
+    """``loader`` is one the framework in charge prepared (harden keeps it as it is)."""
+    if framework == "accelerate":
+        return _accelerate.is_prepared_loader(loader)
+    return framework == "fabric" and _fabric.is_fabric_loader(loader)
+
+
+def _refuse_wrapped(model: Any, topo: Topology) -> str | None:
     """A model robustdist hardened (and has not closed), or one another wrapper already wrapped, is refused before
     anything starts: a second DDP, a second checkpointer and a second watchdog on one model train wrongly, not
-    loudly. Returns True when an Accelerator is in charge and harden composes with it (see
-    :func:`_accelerate_verdict`)."""
+    loudly. Returns the framework harden composes with: ``"accelerate"`` when an Accelerator is in charge (see
+    :func:`_accelerate_verdict`), ``"fabric"`` for a model ``fabric.setup`` returned, else None."""
     rank = topo.rank if topo.is_distributed else None
     inner = _torch_compat.compiled_inner(model)  # torch.compile(m) of a model harden holds is that model too
     for candidate in (model, inner):
@@ -202,14 +223,16 @@ def _refuse_wrapped(model: Any, topo: Topology) -> bool:
     wrapper = _foreign_wrapper(model)
     processes = _accelerate.in_charge()
     if processes is not None:
-        return _accelerate_verdict(model, wrapper, processes, rank)
+        return "accelerate" if _accelerate_verdict(model, wrapper, processes, rank) else None
+    if _fabric.is_fabric_module(model):
+        return "fabric"
     if wrapper is not None:
         raise ConfigError(
             f"harden() was given a model already wrapped by {wrapper}; expected the bare model: harden() wraps it "
             "itself (DDP or FSDP), so a second wrapper would average every gradient twice or shard the data twice. "
-            "Fix: remove that wrapping call (ray.train.torch.prepare_model, accelerator.prepare, fabric.setup or "
-            "DDP(...)) and pass the bare module (robustdist.unwrap_model(model) gives it back); see "
-            "docs/porting.md.", rank=rank)
+            "Fix: remove that wrapping call (ray.train.torch.prepare_model, accelerator.prepare or DDP(...)) and "
+            "pass the bare module (robustdist.unwrap_model(model) gives it back); see docs/porting.md.", rank=rank)
+    return None
 
 
 def _accelerate_verdict(model: Any, wrapper: str | None, processes: int, rank: int | None) -> bool:
@@ -336,6 +359,8 @@ def _describe(h: Hardened) -> str:
     parts = [f"launcher {h.topology.launcher}", f"{r.world_size} rank(s)"]
     if _accelerate.in_charge() is not None:
         parts.append("composed with Accelerate (its DDP and sampler kept)")
+    elif _fabric.is_fabric_module(h.model):
+        parts.append("composed with Lightning Fabric (its wrapper kept)")
     if r.distributed:
         parts.append(f"backend {r.backend}{' (created here)' if r.created else ' (existing group)'}")
         parts.append(f"model {type(h.model).__name__}")

@@ -1,6 +1,7 @@
 """harden() refuses a model it already hardened, and one another wrapper already wrapped (Ray's prepare_model,
-the script's DDP, Lightning Fabric's setup), before it starts anything (issue #32). A model Accelerate prepared
-composes instead, while its Accelerator exists (tests/frameworks/test_accelerate.py)."""
+the script's DDP), before it starts anything (issue #32). A model Accelerate prepared composes instead, while its
+Accelerator exists (tests/frameworks/test_accelerate.py), and so does one Lightning Fabric set up
+(tests/frameworks/test_fabric.py)."""
 
 from __future__ import annotations
 
@@ -80,25 +81,6 @@ def test_two_ranks_name_the_rank_and_refuse_before_init():
             "(ray.train.torch.prepare_model, accelerator.prepare under a launcher, or the script's own DDP(...)); "
             "expected the bare model: harden() wraps it itself (DDP or FSDP), so a second wrapper would average "
             "every gradient twice or shard the data twice. Fix: remove that wrapping call "
-            "(ray.train.torch.prepare_model, accelerator.prepare, fabric.setup or DDP(...)) and pass the bare module "
+            "(ray.train.torch.prepare_model, accelerator.prepare or DDP(...)) and pass the bare module "
             "(robustdist.unwrap_model(model) gives it back); see docs/porting.md.")
 
-
-def _fabric(rank):
-    from lightning.fabric import Fabric
-
-    fabric = Fabric(accelerator="cpu", devices=1)
-    module = fabric.setup(nn.Linear(2, 2))
-    try:
-        harden(module, None, OFF)
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
-@pytest.mark.parametrize(("fn", "named"), [(_fabric, "Lightning Fabric (fabric.setup)")], ids=["fabric"])
-def test_a_model_a_framework_prepared_is_refused(fn, named):
-    """Accelerate's prepared models compose instead (tests/frameworks/test_accelerate.py)."""
-    (message,) = run_ranks(fn, 1, init=False, timeout=120)  # a fresh process: the frameworks keep global state
-    assert message is not None and message.startswith(f"harden() was given a model already wrapped by {named}; "
-                                                      "expected the bare model")

@@ -5,63 +5,29 @@ restarted by torchrun: the resumed run ends bitwise where the straight one does 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests import _training as tr
+from tests._torchrun import ROOT, finish, launch, results, succeeded
 
-ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "tests" / "clients" / "nanogpt_train.py"
 RUN_TIMEOUT = 240
 ITERS, KILL_AT = 12, 10  # checkpoints at 4 and 8: the restart resumes from 8
 
 
 def _launch(workdir: Path, tag: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           str(CLIENT), "--workdir", str(workdir), "--tag", tag, "--max-iters", str(ITERS),
-           "--init-scale", str(2.0 ** 26), *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return launch(CLIENT, workdir, tag, "--max-iters", str(ITERS), "--init-scale", str(2.0 ** 26), *args)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("nanogpt")
-    (base / "k").mkdir()
-    deadline = time.monotonic() + RUN_TIMEOUT
-    procs = {"straight": _launch(base, "straight"), "killed": _launch(base / "k", "killed", "--kill-at", str(KILL_AT))}
-    outs = {}
-    try:
-        for tag, proc in procs.items():
-            try:
-                outs[tag], _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, _ = proc.communicate()
-                pytest.fail(f"torchrun ({tag}) did not finish within {RUN_TIMEOUT} s (killed):\n{out[-4000:]}")
-            assert proc.returncode == 0, f"{tag}:\n{outs[tag][-4000:]}"
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-    result = {}
-    for tag, where in (("straight", base), ("killed", base / "k")):
-        result[tag] = [(json.loads((where / f"result-{tag}-rank{r}.json").read_text()),
-                        torch.load(where / f"final-{tag}-rank{r}.pt", weights_only=True)) for r in range(2)]
-    return result, outs
+    logs = succeeded(finish({"straight": _launch(base, "straight"),
+                             "killed": _launch(base / "k", "killed", "--kill-at", str(KILL_AT))}, RUN_TIMEOUT))
+    return {"straight": results(base, "straight"), "killed": results(base / "k", "killed")}, logs
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)

@@ -40,6 +40,7 @@ A single process gets the same samples in the same order as the plain ``DataLoad
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing as mp
 import os
 import random
@@ -113,6 +114,7 @@ class SafeDataLoader(LoaderHooks, DataLoader):
         return epochs.new_iterator(self)
 
     def __iter__(self) -> BaseDataLoaderIter:
+        _refuse_framework_iteration(inspect.currentframe())
         sampler = _epoch_sampler(self)
         start = epochs.begin_iteration(self, sampler)
         if self._seeder is not None:
@@ -135,6 +137,19 @@ class SafeDataLoader(LoaderHooks, DataLoader):
         """Make the next ``iter(self)`` continue where the saved loader was: same epoch, the batches it had not
         yet yielded, in the same order."""
         loader_state.load_state_dict(self, _epoch_sampler(self), state)
+
+
+def _refuse_framework_iteration(frame: Any) -> None:
+    """Raise when Lightning Fabric's loader wrapper (``fabric.setup_dataloaders(h.loader)``) iterates this loader:
+    it sets the sampler's epoch from its own count of iterations, which restarts at 0 after a resume."""
+    caller = frame.f_back if frame is not None else None
+    module = str(caller.f_globals.get("__name__", "")) if caller is not None else ""
+    if module.startswith(("lightning.fabric", "lightning_fabric")):
+        raise ConfigError(
+            "a loader robustdist built (h.loader, safe_dataloader) was given to fabric.setup_dataloaders: Fabric sets "
+            "its sampler's epoch from its own count of iterations, which restarts at 0 after a resume, so a resumed "
+            "run would read another epoch's order; expected the loader iterated directly. Fix: iterate h.loader and "
+            "move batches with fabric.to_device(batch) (docs/porting.md, Fabric).", rank=_dist.error_rank())
 
 
 def _epoch_sampler(loader: DataLoader[Any]) -> epochs.EpochSampler | None:

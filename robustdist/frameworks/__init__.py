@@ -1,4 +1,5 @@
-"""robustdist inside the training frameworks users already run: Accelerate (and HF Trainer, which runs on it).
+"""robustdist inside the training frameworks users already run: Accelerate (and HF Trainer, which runs on it),
+Lightning's Trainer and Fabric.
 
 :mod:`.accelerate` tells whether an Accelerator is in charge of this process's DDP and data sharding (read from
 modules already imported, never importing accelerate); :func:`robustdist.harden` uses it to compose (the
@@ -7,7 +8,8 @@ refuse a double wrap at once. It also makes ``Accelerator.save_state``/``load_st
 :func:`save_state` commits a complete checkpoint or none, :func:`load_state` loads the newest one that
 verifies, falling back to an older one. :mod:`.lightning` gives a Lightning ``Trainer`` a ``CheckpointIO`` plugin
 (atomic, verified ``.ckpt`` files, falling back to an intact one) and a ``Callback`` (the watchdog, the NaN
-policy).
+policy). :mod:`.fabric` recognises what Lightning Fabric set up, so that harden keeps Fabric's DDP (or refuses a
+wrapping it cannot compose with).
 
 Importing this package imports no framework (and not torch): each is imported when a function needs it.
 """

@@ -114,18 +114,22 @@ def _refuse_outer_wrapper(module: nn.Module) -> None:
     the data sharded twice. Every rank runs its first forward, so every rank raises the same error: no hang."""
     frame = inspect.currentframe()
     depth = 0
+    found: list[str] = []  # innermost first; a framework's own wrapper (Fabric's) sits above the DDP it made
     while frame is not None and depth < 200:
         if "self" in frame.f_code.co_varnames[:frame.f_code.co_argcount]:
-            found = _outer_wrapper(module, frame.f_locals.get("self"))
-            if found is not None:
-                raise ConfigError(
-                    f"the model robustdist wrapped in DDP (harden or wrap_ddp) was called through {found}; expected "
-                    "it to be called directly: two data-parallel wrappers average every gradient twice, and the "
-                    "framework's loader shards the data a second time. Fix: remove the later wrapping of h.model, "
-                    "or, with Accelerate, call accelerator.prepare(model, optimizer, loader) first and harden() on "
-                    "what it returns (docs/porting.md).", rank=_dist.error_rank())
+            owner = _outer_wrapper(module, frame.f_locals.get("self"))
+            if owner is not None:
+                found.append(owner)
         frame = frame.f_back
         depth += 1
+    if found:
+        named = [f for f in found if not f.startswith("a second ")]
+        raise ConfigError(
+            f"the model robustdist wrapped in DDP (harden or wrap_ddp) was called through {(named or found)[-1]}; "
+            "expected it to be called directly: two data-parallel wrappers average every gradient twice, and the "
+            "framework's loader shards the data a second time. Fix: remove the later wrapping of h.model, or call "
+            "the framework first and harden() on what it returns: accelerator.prepare(model, optimizer, loader), or "
+            "fabric.setup(model, optimizer) (docs/porting.md).", rank=_dist.error_rank())
 
 
 def _contains_ddp(model: nn.Module) -> bool:

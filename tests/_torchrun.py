@@ -1,0 +1,77 @@
+"""The port tests' torchrun runs: launch a client under ``torchrun --standalone --nproc_per_node=2
+--max-restarts=1`` with a clean launcher environment, wait for a set of runs against one deadline (killing the
+whole process group of a run that overstays), and read what each rank wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RUN_ID")
+
+
+def launch(client: Path, workdir: Path, tag: str, *args: str) -> subprocess.Popen:
+    """Start ``client --workdir workdir --tag tag *args`` on 2 ranks, one restart allowed, in a session of its own."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in _LAUNCHER_VARS:
+        env.pop(var, None)
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           str(client), "--workdir", str(workdir), "--tag", tag, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, tuple[int, str]]:
+    """Wait for every run within ``timeout`` seconds in all; fail the test (killing it) for one that does not end.
+    Returns ``tag -> (exit code, output)``; whatever is still running on the way out is killed."""
+    deadline = time.monotonic() + timeout
+    outs = {}
+    try:
+        for tag, proc in procs.items():
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+                pytest.fail(f"torchrun ({tag}) did not finish within {timeout:g} s (killed):\n{out[-4000:]}")
+            outs[tag] = (proc.returncode, out)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return outs
+
+
+def succeeded(outs: dict[str, tuple[int, str]]) -> dict[str, str]:
+    """Each run's output, after asserting that every run exited 0."""
+    for tag, (code, out) in outs.items():
+        assert code == 0, f"{tag}:\n{out[-4000:]}"
+    return {tag: out for tag, (_, out) in outs.items()}
+
+
+def results(workdir: Path, tag: str, ranks: int = 2) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """What each rank of run ``tag`` wrote: ``result-<tag>-rank<r>.json`` and ``final-<tag>-rank<r>.pt``."""
+    return [(json.loads((workdir / f"result-{tag}-rank{r}.json").read_text()),
+             torch.load(workdir / f"final-{tag}-rank{r}.pt", weights_only=True)) for r in range(ranks)]
+
+
+def straight_and_killed(client: Path, base: Path, kill_at: int, timeout: float) -> tuple[dict[str, Any], dict[str, str]]:
+    """Run ``client`` straight (tag ``straight``, in ``base/s``) and with ``--kill-at kill_at`` (tag ``killed``, in
+    ``base/k``) side by side; returns ``(tag -> results, tag -> output)``."""
+    where = {"straight": base / "s", "killed": base / "k"}
+    logs = succeeded(finish({"straight": launch(client, where["straight"], "straight"),
+                             "killed": launch(client, where["killed"], "killed", "--kill-at", str(kill_at))}, timeout))
+    return {tag: results(w, tag) for tag, w in where.items()}, logs
