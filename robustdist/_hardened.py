@@ -18,6 +18,7 @@ from robustdist.config.schema import HardenConfig
 from robustdist.health import restart_guard as _restart_guard
 from robustdist.health.step_guard import StepDecision, StepGuard, Watchdog
 from robustdist.init.process_group import InitReport, destroy_process_group_if_owned
+from robustdist.parallel.ddp import pin_group_past_reducer
 from robustdist.ray import train as _ray_train
 from robustdist.ray.reporting import RayReporting
 from robustdist.runtime.errors import CheckpointError, ConfigError, RestartLoopError
@@ -316,6 +317,8 @@ class Hardened(RayReporting):
             elif self.checkpointer is not None:
                 self.checkpointer.close()
         finally:
+            if self.init_report.created:  # a DDP freed after the group is destroyed must not own it last
+                pin_group_past_reducer(self.model)
             destroy_process_group_if_owned(self.init_report)
         if reporting is not None:
             raise reporting

@@ -1,6 +1,6 @@
 """`make bench-peers`' tooling (not its timings: timing is not a test).
 
-* One tiny round of each of the five variants (``benchmarks/peers/v_*.py``) through the runner's own launch
+* One tiny round of each variant (``benchmarks/peers/v_*.py``) through the runner's own launch
   code (``_suite.measure`` with the smoke size: the step and save columns): both ranks record their events,
   rank 0 writes ``final.pt``, and the table renders a row for it. Every launch is bounded by the runner
   (``Size.launch_timeout``, ``Size.stall``) and killed with everything it started; the test has its own bound.

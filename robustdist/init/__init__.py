@@ -3,8 +3,7 @@
 :mod:`.process_group` is the init sequence (its docstring has the protocol); :mod:`.rendezvous` checks the
 launcher's rendezvous before any collective; :mod:`.reach` and :mod:`.reach_verdict` probe whether ranks can
 reach each other and say which link is missing; :mod:`.store` and :mod:`.elastic_store` give each restart
-attempt a fresh store; :mod:`.retired` keeps a destroyed default group referenced until the next init, so a
-DDP model freed after it cannot deadlock in torch's destructor. Imports :mod:`robustdist.runtime` and :mod:`robustdist.config` only.
+attempt a fresh store. Imports :mod:`robustdist.runtime` and :mod:`robustdist.config` only.
 """
 
 from __future__ import annotations

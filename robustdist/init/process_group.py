@@ -75,7 +75,6 @@ from robustdist.config.schema import DistributedConfig, HardenConfig, resolve_co
 from robustdist.config.validate import seconds
 from robustdist.init import elastic_store as _elastic_store
 from robustdist.init import rendezvous as _rendezvous
-from robustdist.init import retired as _retired
 from robustdist.init import store as _init_store
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import netenv
@@ -305,7 +304,6 @@ def safe_init_process_group(cfg: HardenConfig | DistributedConfig | None = None,
                       "so this call's backend/timeout/init_method settings do not take effect. It validated the "
                       "existing group instead.", once="existing-group")
         return report
-    _retired.release()  # groups robustdist destroyed earlier: their models are gone or no longer in a collective
     report = InitReport(distributed=True, created=True, backend=None, rank=topo.rank, world_size=topo.world_size,
                         topology=topo)
     report.backend = choose_backend(backend or dcfg.backend, topo.rank)
@@ -411,13 +409,9 @@ def destroy_process_group_if_owned(report: InitReport) -> bool:
     """Destroy the default group only if ``report`` says this process created it. Returns whether it did.
 
     A group robustdist only adopted is left to its creator; the gloo side group robustdist made to validate
-    it (for a non-gloo backend) is destroyed, so repeated adopt/close cycles leak nothing. A destroyed default
-    group stays referenced until robustdist next creates one or the process exits, so that a DDP model freed
-    right after cannot deadlock in torch's destructor (:mod:`robustdist.init.retired`)."""
+    it (for a non-gloo backend) is destroyed, so repeated adopt/close cycles leak nothing."""
     if report.created and _dist.is_up():
-        group = dist.group.WORLD
         dist.destroy_process_group()
-        _retired.keep(group)  # a DDP model may still hold it: see robustdist.init.retired
         report.side_group = None
         return True
     if report.side_group is not None and _dist.is_up():

@@ -1,8 +1,9 @@
-"""A default group robustdist destroys stays referenced, so a DDP model freed right after cannot deadlock.
+"""A DDP model freed right after ``h.close()`` destroys the group cannot deadlock in torch's group destructor.
 
 torch frees a DDP model's Reducer with the GIL held, and the Reducer's reference can be the group's last:
 ``~ProcessGroupGloo`` then joins a gloo worker that waits for the GIL to drop the tensors of a Python-made
-collective. Before robustdist kept the group, the second test hung in most runs on this machine."""
+collective. Before ``close()`` pinned the group past the Reducer (``pin_group_past_reducer``), the second test
+hung on every run here (3 of 3) at the line that freed the model."""
 
 from __future__ import annotations
 
@@ -10,34 +11,40 @@ import sys
 
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from robustdist import harden
-from robustdist.init import retired
+from robustdist.parallel.ddp import _GROUP_PIN, pin_group_past_reducer
 from robustdist.testing.ranks import run_ranks
 
 
-def test_keep_holds_until_release_and_release_empties():
-    marker = object()
-    retired.release()
-    retired.keep(marker)
-    retired.keep(None)
-    assert retired._kept == [marker]
-    assert retired.release() == 1
-    assert retired.release() == 0
+def _pinned(rank: int) -> tuple[int, bool, int]:
+    model = DistributedDataParallel(nn.Linear(3, 1))
+    outer = nn.Sequential(model)
+    count = pin_group_past_reducer(outer)
+    keys = list(vars(model))
+    again = pin_group_past_reducer(outer)  # idempotent: still one pin, still the last attribute
+    return count, keys[-1] == _GROUP_PIN and model.__dict__[_GROUP_PIN] is model.process_group, \
+        again + list(vars(model)).count(_GROUP_PIN) + (list(vars(model))[-1] == _GROUP_PIN)
+
+
+def test_each_ddp_gets_its_group_as_its_last_attribute():
+    assert run_ranks(_pinned, 2, timeout=60) == [(1, True, 3)] * 2
+    assert pin_group_past_reducer(nn.Linear(2, 2)) == 0
 
 
 def _close_then_free(rank: int, rounds: int) -> list[bool]:
     sys.setswitchinterval(1.0)  # a thread waiting for the GIL gets it only when this one blocks: widens the race
-    held = []
+    closed = []
     for _ in range(rounds):
         h = harden(nn.Linear(3, 1), None, {"health": {"hang_timeout": None}})
         seen: list[int | None] = [None, None]
         dist.all_gather_object(seen, rank)  # tensors Python creates, which gloo's worker thread releases
         assert seen == [0, 1]
         h.close()
-        held.append(len(retired._kept) == 1 and not dist.is_initialized())
+        closed.append(not dist.is_initialized())
         del h  # frees the DDP model, whose Reducer held the destroyed group
-    return held
+    return closed
 
 
 def test_a_model_freed_right_after_close_does_not_deadlock_in_the_group_destructor():
