@@ -44,7 +44,8 @@ BENCH ?=
 bench: venv
 	$(PY) benchmarks/run.py $(BENCH)
 
-# The same small DDP job in plain torch, Accelerate, Lightning Fabric, Ray Train and robustdist, side by side
+# The same small DDP job in plain torch, Accelerate, Lightning Fabric, Ray Train, robustdist, and robustdist inside
+# Accelerate and inside Fabric, side by side
 # (step, save, exact resume, a kill in a save, a stuck rank, NaN, CPU SyncBN); writes benchmarks/peers/results.json
 # and its section of RESULTS.md. `make bench-peers PEERS="plain robustdist"` re-runs only those. About 9 minutes.
 PEERS ?=

@@ -215,7 +215,8 @@ def _refuse_wrapped(model: Any, topo: Topology) -> str | None:
                 "was given or the one it returned) and is still open; expected the bare model, hardened once. Fix: "
                 "keep the first result (h.model, h.loader) and remove the second harden() call, or h.close() the "
                 "first before hardening the model again.", rank=rank)
-        if candidate is holder.model and _foreign_wrapper(candidate) is not None:
+        if candidate is holder.model and _foreign_wrapper(candidate) is not None \
+                and not _fabric.is_fabric_module(candidate):  # Fabric's wrapper is the model harden was given
             raise ConfigError(
                 f"harden() was given the {type(candidate).__name__} a closed harden() call returned (its wrapper); "
                 "expected the bare model. Fix: pass robustdist.unwrap_model(h.model), or the model you first "

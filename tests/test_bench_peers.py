@@ -143,7 +143,7 @@ def _record(step_ms: float, *, ok: bool = True) -> dict:
 
 def _synthetic() -> dict:
     variants = {"plain": _record(5.0, ok=False), "accelerate": _record(6.0), "fabric": _record(5.5),
-                "robustdist": _record(7.5)}
+                "robustdist": _record(7.5), "rd_accelerate": _record(6.5), "rd_fabric": _record(6.0)}
     variants["ray_train"] = {"available": False, "missing": "v_ray_train.py does not exist", "date": "d"}
     return {"date": "2026-11-30 23:00 UTC", "command": "python benchmarks/peers/run.py", "wall_seconds": 512.0,
             "size": col.Size().record(), "machine": {"cpus": "2"}, "variants": variants}
@@ -154,7 +154,7 @@ def test_the_table_has_a_row_per_variant_and_notes():
     rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
     assert [r.split(" | ")[0][2:] for r in rows] == [_table.LABELS[v] for v in VARIANTS]
     assert all(r.count("|") == 10 for r in rows), rows
-    plain, robust = rows[0], rows[-1]
+    plain, robust = rows[0], rows[VARIANTS.index("robustdist")]
     assert "| 5 (1.00x) | 4 / 2 | no, 1/2; 1 restart failed at init | 1/3 intact |" in plain
     assert "| not within 60 s; default 1800 s | 10.4 s, no rank named | no | no |" in plain
     assert "| 7.5 (1.50x) |" in robust and "10.4 s, names rank 1 | yes | yes |" in robust

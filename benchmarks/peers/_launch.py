@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 PEERS = Path(__file__).resolve().parent
-VARIANTS = ("plain", "accelerate", "fabric", "ray_train", "robustdist")
+VARIANTS = ("plain", "accelerate", "fabric", "ray_train", "robustdist", "rd_accelerate", "rd_fabric")
 DRIVERS = ("ray_train",)  # launched as a plain driver process, not under torchrun
 MARKER = "ROBUSTDIST_PEERS_LAUNCH"
 JOB_MARKER = "ROBUSTDIST_PEERS_RAY_JOB"  # a launch's marker on its Ray workers (which keep the cluster's MARKER)

@@ -13,7 +13,8 @@ from _launch import VARIANTS
 
 TITLE = "## Side by side with the peers"
 LABELS = {"plain": "plain torch (pytorch/examples)", "accelerate": "Accelerate", "fabric": "Lightning Fabric",
-          "ray_train": "Ray Train", "robustdist": "robustdist (`harden`)"}
+          "ray_train": "Ray Train", "robustdist": "robustdist (`harden`)",
+          "rd_accelerate": "robustdist inside Accelerate", "rd_fabric": "robustdist inside Lightning Fabric"}
 # Where each variant's default for a stuck rank comes from (the number is the variant's STUCK_DEFAULT_SECONDS).
 DEFAULT_SOURCES = {
     "plain": "torch's `default_pg_timeout` (torch/distributed/constants.py), which `init_process_group` uses",
@@ -22,6 +23,8 @@ DEFAULT_SOURCES = {
     "ray_train": "`TorchConfig.timeout_s` (ray/train/torch/config.py)",
     "robustdist": "`health.hang_timeout` (the watchdog's report; docs/configuration.md); the group's own "
                   "`distributed.timeout` is 1800 s",
+    "rd_accelerate": "`health.hang_timeout`, as robustdist's",
+    "rd_fabric": "`health.hang_timeout`, as robustdist's",
 }
 HEADER = ("| variant | step (ms; vs plain) | save / blocking (ms) | resume exact | save survives a kill | "
           "stuck rank: defaults | stuck rank: timeout option | NaN caught | CPU SyncBN |")

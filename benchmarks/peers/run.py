@@ -1,5 +1,6 @@
 """`make bench-peers` (`make bench-peers PEERS="plain robustdist"` for a subset): the same small DDP job written
-the idiomatic way in plain torch, Accelerate, Lightning Fabric, Ray Train and robustdist, measured side by side
+the idiomatic way in plain torch, Accelerate, Lightning Fabric, Ray Train and robustdist, and robustdist composed with
+Accelerate and with Fabric (``v_rd_*.py``), measured side by side
 (step and save time, exact resume, a kill during a save, a stuck rank, a NaN, CPU SyncBatchNorm).
 
 Writes ``benchmarks/peers/results.json`` and the "Side by side with the peers" section of

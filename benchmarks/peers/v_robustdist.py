@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ OPTIONS = {
 # health.hang_timeout's default (robustdist/config/schema.py HealthConfig, docs/configuration.md): the watchdog reports
 # a step that has not finished within it; the process-group timeout (distributed.timeout) is 1800 s.
 STUCK_DEFAULT_SECONDS = 600.0
+Framework = Callable[[], tuple[Any, Any, Callable[[Any], None]]]
 
 
 def config(args: argparse.Namespace) -> dict[str, Any]:
@@ -48,10 +50,13 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
-def train(args: argparse.Namespace, rank: int, events: Events) -> None:
+def train(args: argparse.Namespace, rank: int, events: Events, framework: Framework | None = None) -> None:
+    """The job. ``framework``: for robustdist inside another framework (``v_rd_*.py``), a setup that returns the
+    model and optimizer that framework prepared, and its ``backward``; harden composes with them."""
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=True)
-    with harden(model(), loader, config(args)) as h:
-        opt = optimizer(h.model.parameters())
+    net, opt, backward = framework() if framework is not None else (model(), None, None)
+    with harden(net, loader, config(args), optimizer=opt) as h:
+        opt = opt if opt is not None else optimizer(h.model.parameters())
         verify: dict[str, Any] | None = None
         try:
             resumed = h.resume(optimizer=opt)
@@ -71,7 +76,10 @@ def train(args: argparse.Namespace, rank: int, events: Events) -> None:
             for x, y in h.loader:
                 x = before_step(args, rank, step + 1, x, events)
                 loss = F.cross_entropy(h.model(x), y)
-                loss.backward()
+                if backward is None:
+                    loss.backward()
+                else:
+                    backward(loss)
                 decision = h.step_guard(loss, step)
                 if decision:
                     opt.step()
@@ -102,13 +110,13 @@ def _save(h: Any, step: int, opt: Any, args: argparse.Namespace, events: Events,
     events("save", step=step, seconds=blocking if total is None else max(total, blocking), blocking=blocking)
 
 
-def main() -> int:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+def main(doc: str = __doc__, framework: Framework | None = None) -> int:
+    args = parser(doc.splitlines()[0]).parse_args()
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(args.workdir, exist_ok=True)
     events = Events(args.workdir, rank)
     try:
-        train(args, rank, events)
+        train(args, rank, events, framework)
     except Exception as e:
         events("error", type=type(e).__name__, message=str(e))
         raise

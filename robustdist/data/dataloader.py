@@ -144,7 +144,7 @@ def _refuse_framework_iteration(frame: Any) -> None:
     it sets the sampler's epoch from its own count of iterations, which restarts at 0 after a resume."""
     caller = frame.f_back if frame is not None else None
     module = str(caller.f_globals.get("__name__", "")) if caller is not None else ""
-    if module.startswith(("lightning.fabric", "lightning_fabric")):
+    if any(module == m or module.startswith(m + ".") for m in ("lightning.fabric", "lightning_fabric")):
         raise ConfigError(
             "a loader robustdist built (h.loader, safe_dataloader) was given to fabric.setup_dataloaders: Fabric sets "
             "its sampler's epoch from its own count of iterations, which restarts at 0 after a resume, so a resumed "

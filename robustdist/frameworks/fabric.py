@@ -3,7 +3,7 @@
 Fabric owns the model's wrapping (DDP under ``strategy="ddp"``) and its precision; harden keeps that wrapper as
 it is and adds the watchdog, the step guard and atomic checkpoints::
 
-    robustdist.safe_init_process_group()            # before Fabric: a torchrun restart can rendezvous again
+    robustdist.safe_init_process_group()            # under torchrun, before Fabric: a restart can rendezvous again
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
@@ -33,7 +33,7 @@ _MODULES = ("lightning.fabric", "lightning_fabric")
 
 def _is(obj: Any, name: str) -> bool:
     kind = type(obj)
-    return kind.__name__ == name and kind.__module__.startswith(_MODULES)
+    return kind.__name__ == name and any(kind.__module__ == m or kind.__module__.startswith(m + ".") for m in _MODULES)
 
 
 def is_fabric_module(model: Any) -> bool:
@@ -58,18 +58,25 @@ def verdict(model: Any, strategy: str, rank: int | None) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    inner = getattr(model, "_forward_module", None)
-    original = getattr(model, "module", None)
+    from robustdist.runtime import _torch_compat
+
+    def bare(module: Any) -> Any:  # torch.compile before fabric.setup (Lightning's documented order)
+        return _torch_compat.compiled_inner(module) or module
+
+    inner, original = bare(getattr(model, "_forward_module", None)), bare(getattr(model, "module", None))
     if strategy == "fsdp":
         raise ConfigError(
             "distributed.strategy is 'fsdp' but the model is one fabric.setup returned: Fabric owns the model's "
             "wrapping, robustdist would shard it a second time; expected strategy 'ddp' (harden then keeps Fabric's "
             "wrapper). Fix: set distributed.strategy: ddp and choose the sharding with Fabric(strategy=...), or "
             "give harden the bare model and drop fabric.setup.", rank=rank)
-    if isinstance(inner, DistributedDataParallel) or (isinstance(inner, nn.Module) and inner is original):
+    sharded = isinstance(inner, nn.Module) and any(type(p).__name__ == "DTensor" for p in inner.parameters())
+    if not sharded and (isinstance(inner, DistributedDataParallel)
+                        or (isinstance(inner, nn.Module) and inner is original)):
         return
     raise ConfigError(
-        f"harden() was given a model Lightning Fabric wrapped in {type(inner).__name__} (its strategy "
+        f"harden() was given a model Lightning Fabric wrapped in {type(inner).__name__}"
+        f"{' with sharded (DTensor) parameters' if sharded else ''} (its strategy "
         f"{type(getattr(model, '_strategy', None)).__name__}); robustdist composes with Fabric's DDP and "
         "single-device strategies only (its watchdog, step guard and checkpoints assume whole parameters on every "
         "rank). Fix: Fabric(strategy='ddp'), or let harden shard the bare model (distributed.strategy: fsdp) "

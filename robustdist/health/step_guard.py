@@ -219,7 +219,7 @@ class StepGuard:
         if wanted == "auto":
             from torch.nn.parallel import DistributedDataParallel
 
-            ddp = isinstance(self.model, DistributedDataParallel)
+            ddp = _all_data_parallel(self.model, DistributedDataParallel)
             return "gradients" if ddp and self.check_gradients else "allreduce"
         if wanted == "gradients" and self.model is None:
             raise ConfigError("agreement='gradients' needs the DDP model (model=); expected one. Fix: pass model= "
@@ -528,3 +528,15 @@ def _value(loss: Any) -> Any:
         t = loss.detach()
         return t.item() if t.numel() == 1 else t.float().sum().item()
     return loss
+
+
+def _all_data_parallel(model: Any, ddp_type: type) -> bool:
+    """Every parameter of ``model`` is all-reduced by one DDP: ``model`` is one, or wraps exactly one that holds all
+    its parameters (a framework's wrapper, such as Lightning Fabric's around its DDP). Then every rank sees the same
+    gradients, and a local check of them agrees without a collective."""
+    if isinstance(model, ddp_type):
+        return True
+    if model is None:
+        return False
+    inner = [m for m in model.modules() if isinstance(m, ddp_type)]
+    return len(inner) == 1 and {id(p) for p in inner[0].parameters()} == {id(p) for p in model.parameters()}

@@ -96,9 +96,9 @@ def _outer_wrapper(module: nn.Module, owner: object) -> str | None:
     if owner is module or owner is None:
         return None
     kind = type(owner)
-    if kind.__name__ == "_FabricModule" and kind.__module__.startswith(("lightning", "lightning_fabric")):
+    if kind.__name__ == "_FabricModule" and kind.__module__.startswith(("lightning.", "lightning_fabric.")):
         return "Lightning Fabric (fabric.setup)"
-    if kind.__name__ == "DeepSpeedEngine" and kind.__module__.startswith("deepspeed"):
+    if kind.__name__ == "DeepSpeedEngine" and kind.__module__.startswith("deepspeed."):
         return "DeepSpeed (deepspeed.initialize)"
     from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -80,7 +80,7 @@ def test_harden_after_setup_keeps_fabrics_ddp_shards_the_plain_loader_and_resume
     for rank in range(2):
         composed, resumed_from, actions, state = straight[rank]
         assert composed == {"same_model": True, "inner": "DistributedDataParallel", "loader": "SafeDataLoader",
-                            "batches_per_epoch": 6, "watchdog": True, "agreement": "allreduce"}
+                            "batches_per_epoch": 6, "watchdog": True, "agreement": "gradients"}
         assert resumed_from == 0 and actions[3] == "skip" and actions.count("skip") == 1
         assert first[rank][1] == 0 and second[rank][1] == 8  # the newest checkpoint before the stop at 9
         assert second[rank][2] == actions[8:]
@@ -110,6 +110,9 @@ def _refusals(rank, ckpt):
     h = robustdist.harden(model, None, OFF, optimizer=optimizer)
     attempt("twice", lambda: robustdist.harden(model, None, OFF))
     h.close()
+    again = robustdist.harden(model, None, OFF, optimizer=optimizer)  # closed: the same Fabric model again
+    found["again"] = again.model is model
+    again.close()
 
     h = robustdist.harden(tr.make_model(1), tr.make_loader(), OFF)  # harden first, then Fabric over it
     fabric_loader = fabric.setup_dataloaders(h.loader)  # Fabric keeps a DistributedSampler: no reshard here
@@ -140,7 +143,7 @@ def test_double_wraps_and_a_reset_epoch_are_refused_naming_fabric(tmp_path):
         assert "fabric.to_device(batch)" in found["setup_dataloaders"]
         assert "called through Lightning Fabric (fabric.setup)" in found["setup_after_harden"]
         assert "fabric.setup(model, optimizer)" in found["setup_after_harden"]
-        assert found["prepared_loader_kept"] is True
+        assert found["prepared_loader_kept"] is True and found["again"] is True
         assert len(found["warned"]) == 1 and "Give harden the plain DataLoader" in found["warned"][0]
 
 
@@ -180,8 +183,12 @@ def _single_device(rank):
     out = (h.model is model, len(h.loader), type(model._forward_module).__name__,
            scaler is not None and h.guard.scaler is scaler)
     h.close()
+    compiled, _ = fabric.setup(torch.compile(tr.make_model()), torch.optim.SGD(tr.make_model().parameters()))
+    h = robustdist.harden(compiled, None, OFF)  # torch.compile before setup, as Lightning documents
+    out = (*out, h.model is compiled)
+    h.close()
     return out
 
 
-def test_one_device_composes_keeping_the_bare_module_the_whole_loader_and_fabrics_scaler():
-    assert run_ranks(_single_device, 1, init=False, timeout=TIMEOUT) == [(True, 2, "Sequential", True)]
+def test_one_device_composes_keeping_the_bare_module_the_whole_loader_and_fabrics_scaler_compiled_too():
+    assert run_ranks(_single_device, 1, init=False, timeout=TIMEOUT) == [(True, 2, "Sequential", True, True)]
