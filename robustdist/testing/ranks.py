@@ -67,10 +67,29 @@ def use_forkserver(preload: Sequence[str] = ("torch", "torch.distributed")) -> N
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it before you bind it:
+    :func:`run_ranks` holds its port reserved instead, see ``_reserve_port``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _reserve_port() -> tuple[socket.socket, int]:
+    """A free port on 127.0.0.1 kept bound (not listening, ``SO_REUSEADDR``) by this process.
+
+    While the socket stays open the kernel hands the port to no other ``bind(0)`` and to no outgoing
+    connection, so nothing can take it in the seconds a rank needs to start; rank 0's ``TCPStore`` (which
+    sets ``SO_REUSEADDR`` too) still binds and listens on it. A port that was merely free a moment ago
+    (:func:`free_port`) was taken that way under a parallel test run: rank 0 failed with ``EADDRINUSE``.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock, int(sock.getsockname()[1])
 
 
 TIMEOUT_SCALE_ENV = "ROBUSTDIST_TEST_TIMEOUT_SCALE"
@@ -133,7 +152,7 @@ def run_ranks(
     forked = _start["method"] == "forkserver"
     if forked:
         ctx.set_forkserver_preload(list(_start["preload"]))
-    port = free_port()
+    reservation, port = _reserve_port()
     dump_dir = tempfile.mkdtemp(prefix="robustdist-ranks-")
     procs: list[Any] = []
     conns: list[Any] = []
@@ -165,6 +184,7 @@ def run_ranks(
             _kill_rank(proc)
         for conn in conns:
             conn.close()
+        reservation.close()
         shutil.rmtree(dump_dir, ignore_errors=True)
 
 

@@ -51,6 +51,30 @@ def test_env_per_rank_and_unset_and_no_init():
     assert "PROBE" not in os.environ  # the parent's env is untouched
 
 
+def _bind_master_port(rank):
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        except OSError as e:
+            return int(os.environ["MASTER_PORT"]), e.errno
+    return int(os.environ["MASTER_PORT"]), 0
+
+
+def test_the_master_port_stays_reserved_until_the_run_ends():
+    """Nothing else can take MASTER_PORT between picking it and rank 0 binding it (a parallel test run once
+    lost it that way: EADDRINUSE at init); the store still binds it, as every init=True test shows."""
+    import errno
+    import socket
+
+    out = run_ranks(_bind_master_port, 2, init=False)
+    port = out[0][0]
+    assert out == [(port, errno.EADDRINUSE)] * 2
+    with socket.socket() as s:  # let go when the run ends
+        s.bind(("127.0.0.1", port))
+
+
 def _raise_on_rank_1(rank):
     if rank == 1:
         raise ValueError("bad batch on rank 1")
