@@ -219,13 +219,18 @@ class Hardened(RayReporting):
         this attempt and decides, every rank raises."""
         assert self.checkpointer is not None
         self.checkpointer.check_ready("load")
-        message = None
+        verdict: tuple[str, str] | None = None
         if self.checkpointer.rank == 0:
-            message = _restart_guard.begin(self.checkpointer.directory, attempt=self.attempt,
-                                           limit=self.config.health.max_restarts_without_progress)
-        message = self.checkpointer.collectives.broadcast(message, "restart guard")
-        if message:
-            raise RestartLoopError(message, rank=self._err_rank())
+            try:
+                message = _restart_guard.begin(self.checkpointer.directory, attempt=self.attempt,
+                                               limit=self.config.health.max_restarts_without_progress)
+                verdict = ("loop", message) if message else None
+            except CheckpointError as e:  # every rank learns why, not a collective that names nothing
+                verdict = ("record", e.message)
+        verdict = self.checkpointer.collectives.broadcast(verdict, "restart guard")
+        if verdict is not None:
+            kind, message = verdict
+            raise (RestartLoopError if kind == "loop" else CheckpointError)(message, rank=self._err_rank())
 
     def _resumed(self, step: int | None) -> None:
         assert self.checkpointer is not None

@@ -169,12 +169,30 @@ def write_json_atomic(path: str, data: Any) -> None:
     fsync_dir(os.path.dirname(path) or ".")
 
 
+def fix_for(e: OSError) -> str:
+    """The fix for an ``OSError`` of a write in a checkpoint directory, in words."""
+    return {errno.EACCES: "make it writable by this user", errno.EPERM: "make it writable by this user",
+            errno.EROFS: "use a directory on a writable filesystem", errno.ENOSPC: "free space on its filesystem",
+            errno.EDQUOT: "free space (the disk quota is full)",
+            errno.ENAMETOOLONG: "use a shorter checkpoint directory path",
+            errno.ENOENT: "check that the directory exists and was not removed while the job runs"}.get(
+                e.errno or 0, "check the directory's permissions, free space and filesystem")
+
+
+def os_error(path: str, e: OSError, doing: str, *, rank: int | None = None) -> CheckpointError:
+    """A :class:`CheckpointError` for an ``OSError`` while ``doing`` something at ``path``, with the fix."""
+    return CheckpointError(f"{path}: could not {doing} ({type(e).__name__}: {e.strerror or e}). Fix: {fix_for(e)}.",
+                           rank=rank)
+
+
 def _open_lock_file(path: str) -> Any:
     """Open (or create) the lock file itself: never through a link, never a FIFO or device (the directory is
     input, and a ``.lock`` pointing elsewhere would make the lock holder's line overwrite that file)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EISDIR):  # not the file itself: the place
+            raise os_error(path, e, "open the lock file") from None
         raise CheckpointError(f"{path}: cannot open the lock file ({e.strerror or e}); expected a regular file "
                               "(a symbolic link is refused). Fix: remove it; robustdist recreates it.") from e
     st = os.fstat(fd)

@@ -38,8 +38,7 @@ from robustdist.checkpoint._schema import (
 from robustdist.runtime.errors import CheckpointCorruptError
 
 __all__ = ["DCP_METADATA", "FORMAT_VERSION", "MANIFEST", "REPLICATED", "SHARDED_DIR", "committed_steps",
-           "files_for_rank", "identity", "rank_file", "read_manifest", "step_dirname", "step_dirs", "verify",
-           "verify_all"]
+           "files_for_rank", "identity", "rank_file", "read_manifest", "step_dirname", "step_dirs", "verify"]
 
 _STEP_RE = re.compile(r"^step_(\d{10,})$")
 _OLD_RE = re.compile(r"^\.old-step_(\d{10,})-[0-9a-f]+$")
@@ -154,19 +153,3 @@ def verify(step_dir: str, manifest: dict[str, Any], names: Iterable[str]) -> Non
     CheckpointCorruptError naming the file."""
     for name in names:
         open_verified(step_dir, name, manifest["files"][name]).close()
-
-
-def verify_all(directory: str) -> list[dict[str, Any]]:
-    """One row per step directory: step, files, bytes, status ("ok"/"corrupt") and reason."""
-    rows = []
-    for step, name in step_dirs(directory).items():
-        step_dir = os.path.join(directory, name)
-        try:
-            manifest = read_manifest(step_dir, step)
-            verify(step_dir, manifest, manifest["files"])
-            files = manifest["files"]
-            rows.append({"step": step, "files": len(files), "bytes": sum(f["size"] for f in files.values()),
-                         "status": "ok", "reason": ""})
-        except CheckpointCorruptError as e:
-            rows.append({"step": step, "files": None, "bytes": None, "status": "corrupt", "reason": str(e)})
-    return rows

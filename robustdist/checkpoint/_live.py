@@ -112,6 +112,10 @@ def _tensor_problem(t: torch.Tensor, noun: str = "state") -> str | None:
     return None
 
 
+tensor_problem = _tensor_problem
+"""Why a saved tensor cannot be object state whatever the live object is (None when it can): ``_verify``'s check."""
+
+
 def mismatch(saved: Any, live: Any, key: Any) -> str | None:
     """Why ``saved`` cannot replace the live value ``live`` of ``key`` (None when it can)."""
     s, k = _kind(saved), _kind(live)

@@ -246,6 +246,18 @@ def snapshot(value: Any, *, clone: bool, staging: dict[tuple[Any, ...], torch.Te
     return value
 
 
+def refuse_views(value: Any, path: str) -> None:
+    """Plain data must hold no expanded tensor view: load refuses one (it goes to the user as loaded, and its first
+    use could materialise a few bytes into gigabytes), so it is refused here, at save."""
+    found = _schema.expanded_view(value)
+    if found is not None:
+        where, t = found
+        raise CheckpointError(
+            f"checkpoint value {path}{where} is an expanded tensor view (shape {tuple(t.shape)[:8]}, strides "
+            f"{t.stride()[:8]}: more elements than the storage it spans), which load refuses in plain data. "
+            "Fix: save value.clone() (or .contiguous()), or the small tensor it was expanded from.")
+
+
 def entry_state(name: str, value: Any) -> tuple[str, Any]:
     """``(kind, state)`` for one entry of the user's ``state`` dict."""
     if isinstance(value, nn.Module):

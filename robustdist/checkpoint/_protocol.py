@@ -74,7 +74,7 @@ import torch
 
 from robustdist._version import __version__
 from robustdist.checkpoint import _cleanup, _faults, _layout
-from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir, write_json_atomic
+from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir, os_error, write_json_atomic
 from robustdist.checkpoint._shared import refusal, this_node, unseen_files
 from robustdist.checkpoint._types import Context, FileEntry, SaveJob
 from robustdist.runtime.dist import default_store
@@ -147,6 +147,8 @@ class Committer:
                 os.makedirs(staging_dir(ctx.directory, step, token))
             except Exception as e:
                 token = e
+        if isinstance(token, OSError):  # an unwritable directory, a path too long: named, with the fix
+            token = os_error(ctx.directory, token, f"start checkpoint step {step} there")
         token = ctx.collectives.broadcast(token, "start")
         if isinstance(token, BaseException):
             if ctx.rank == 0:

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from robustdist.checkpoint._io import fsync_dir
+from robustdist.checkpoint._confined import Confined
 from robustdist.checkpoint._layout import committed_steps
-from robustdist.checkpoint._safeio import read_in
 from robustdist.runtime.dist import Collectives
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger
@@ -114,10 +112,11 @@ def _claim(directory: str, identity: RunIdentity) -> str | None:
 
 def _read(directory: str) -> dict[str, Any] | None:
     path = os.path.join(directory, RUN_RECORD)
-    if not os.path.lexists(path):
-        return None
     try:
-        raw = read_in(directory, RUN_RECORD, max_size=_MAX_BYTES)
+        with Confined(directory) as folder:
+            raw = folder.read(RUN_RECORD, max_size=_MAX_BYTES)
+        if raw is None:
+            return None
         record = json.loads(raw.decode("utf-8"))
     except (CheckpointCorruptError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(_malformed(path, f"{type(e).__name__}: {str(e)[:200]}")) from None
@@ -138,42 +137,19 @@ def _malformed(path: str, why: str) -> str:
 
 
 def _create(directory: str, identity: RunIdentity) -> bool:
-    """Create the record only if there is none (``os.link`` fails when the name exists), so two runs starting at
-    once cannot both claim the directory. False when another record got there first."""
-    path = os.path.join(directory, RUN_RECORD)
-    tmp = _temp(directory, identity)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    finally:
-        os.unlink(tmp)
-    fsync_dir(directory)
-    return True
+    """Create the record only if there is none (:meth:`Confined.create`, a hard link that fails when the name
+    exists), so two runs starting at once cannot both claim the directory. False when another record got there
+    first."""
+    with Confined(directory) as folder:
+        return folder.create(RUN_RECORD, _encoded(identity))
 
 
-def _temp(directory: str, identity: RunIdentity) -> str:
+def _encoded(identity: RunIdentity) -> bytes:
     record = {"format": 1, "run": identity.run, "config": identity.config, "source": identity.source}
-    tmp = os.path.join(directory, f"{RUN_RECORD}.tmp-{uuid.uuid4().hex[:8]}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(record, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return tmp
+    return json.dumps(record).encode("utf-8")
 
 
 def _write(directory: str, identity: RunIdentity) -> None:
     """Replace the record (the same run filling in a field the first writer did not know)."""
-    tmp = _temp(directory, identity)
-    try:
-        os.replace(tmp, os.path.join(directory, RUN_RECORD))
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
+    with Confined(directory) as folder:
+        folder.write(RUN_RECORD, _encoded(identity))

@@ -135,7 +135,35 @@ def check_replicated(where: str, payload: Any, entries: dict[str, str]) -> dict[
                               f"{type(value).__name__}")
         if kind == "stateful" and not isinstance(value, dict):
             raise _bad(where, f"entry {name!r} should be a state dict, found {type(value).__name__}")
+        if kind == "data":
+            _refuse_views(where, name, value)
     return payload
+
+
+def _refuse_views(where: str, name: str, value: Any) -> None:
+    """Plain data goes to the user as loaded: an expanded view in it (a 2 KB file holding a (2**18, 2**18) tensor
+    over 4 bytes) would allocate hundreds of GB at its first use. The tree is already bounded (check_size)."""
+    found = expanded_view(value)
+    if found is not None:
+        path, t = found
+        raise _bad(where, f"entry {name!r}{path} is an expanded tensor view (shape {tuple(t.shape)[:8]}, strides "
+                          f"{t.stride()[:8]}: more elements than its storage); robustdist never saves one")
+
+
+def expanded_view(value: Any) -> tuple[str, torch.Tensor] | None:
+    """The first tensor in ``value`` (dicts, lists, tuples) that :func:`overlapping` calls an expanded view, with
+    its path (``['key'][0]``); None when there is none."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if overlapping(item):
+                return path, item
+        elif isinstance(item, dict):
+            stack.extend((f"{path}[{k!r:.40}]", v) for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
+    return None
 
 
 def check_rank_payload(where: str, payload: Any) -> dict[str, Any]:

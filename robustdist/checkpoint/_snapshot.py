@@ -55,6 +55,8 @@ def collect(state: dict[str, Any], per_rank: dict[str, Any] | None, *, rank: int
             continue
         kind, entry = _payload.entry_state(name, value)
         entry = _payload.plain(entry, f"state[{name!r}]", shared)
+        if kind == "data":
+            _payload.refuse_views(entry, f"state[{name!r}]")
         out.kinds[name] = kind
         if rank == 0:
             out.replicated[name] = _payload.snapshot(entry, clone=clone, staging=staging, key=("r", name))

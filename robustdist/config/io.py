@@ -8,7 +8,9 @@ A YAML config is untrusted input, so reading one is bounded at every step:
 * the YAML is composed by a ``yaml.SafeLoader`` subclass that counts while it builds the node graph and stops
   at :data:`MAX_YAML_DEPTH` levels of nesting, :data:`MAX_YAML_ALIASES` alias uses (``*name``) and
   :data:`MAX_YAML_NODES` nodes with every alias expanded (a "billion laughs" file of a few hundred bytes
-  expands to billions), and refuses integers longer than :data:`MAX_YAML_INT_DIGITS` digits.
+  expands to billions), and refuses integers longer than :data:`MAX_YAML_INT_DIGITS` digits and a key given
+  twice in one mapping (YAML keeps the last silently: ``timeout: 600`` then ``timeout: 0.001`` loads 0.001, and a
+  second ``checkpoint:`` section replaces the first).
 
 Exceeding a bound, or any error inside PyYAML, is a :class:`~robustdist.runtime.errors.ConfigError` naming the file.
 """
@@ -170,6 +172,25 @@ def _loader_class() -> type:
                 raise _Limit(f"has a {digits}-digit integer at line {node.start_mark.line + 1}; expected at most "
                              f"{MAX_YAML_INT_DIGITS} digits (no config field needs more). Fix: correct that value")
             return super().construct_yaml_int(node)
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # << merges; an explicit key may override them
+                    continue
+                key = self.construct_object(key_node, deep=False)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: SafeLoader refuses it itself
+                    continue
+                if first is None:
+                    seen[key] = key_node.start_mark.line + 1
+                else:
+                    raise _Limit(f"has the key {str(key)[:80]!r} twice in one mapping (lines {first} and "
+                                 f"{key_node.start_mark.line + 1}); expected each key once (YAML would keep the "
+                                 "last one silently, a second section replacing the first whole). Fix: merge the "
+                                 "two into one")
+            return super().construct_mapping(node, deep=deep)
 
     BoundedSafeLoader.add_constructor("tag:yaml.org,2002:int", BoundedSafeLoader.construct_bounded_int)
     return BoundedSafeLoader

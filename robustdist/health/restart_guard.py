@@ -15,22 +15,24 @@ Errors are recorded per rank and attempt in ``.robustdist-errors/`` when an exce
 ``with harden(...) as h:`` (a process killed by a signal or the OOM killer records none, and says so).
 
 The record and the error files are input (the directory may be shared, copied or tampered with): read
-bounded and confined, validated, and a record that is not valid is replaced with a warning, never trusted.
+bounded and confined, validated (attempts strictly increase), and a record that is not valid is replaced with a
+warning, never trusted. Both are written by :mod:`robustdist.checkpoint._confined`'s rule (a new file renamed
+into place, never through a link or a hard link, deletes only of the error files' own names). A record that
+cannot be written (a directory planted at its name, a read-only directory) is a
+:class:`~robustdist.runtime.errors.CheckpointError` at that ``resume()``, never a guard silently off.
 Attempt 0 (a fresh launch) and a launch with another ``TORCHELASTIC_RUN_ID`` start a new record.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import traceback
-import uuid
 from typing import Any
 
-from robustdist.checkpoint._safeio import read_in
-from robustdist.runtime.errors import CheckpointCorruptError
+from robustdist.checkpoint._confined import Confined
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger
 
 __all__ = ["RECORD", "begin", "mark_progress", "record_error", "resumed"]
@@ -54,14 +56,17 @@ def _valid(record: Any) -> bool:
             and (record["step"] is None or (type(record["step"]) is int and 0 <= record["step"] < 2**63))
             and isinstance(record["attempts"], list) and len(record["attempts"]) <= MAX_ATTEMPTS_KEPT
             and all(type(a) is int and 0 <= a < 10**9 for a in record["attempts"])
+            and all(a < b for a, b in zip(record["attempts"], record["attempts"][1:]))  # attempts only increase
             and isinstance(record["progress"], bool))
 
 
 def _read(directory: str) -> dict[str, Any] | None:
-    if not os.path.lexists(os.path.join(directory, RECORD)):
-        return None
     try:
-        record = json.loads(read_in(directory, RECORD, max_size=MAX_RECORD_BYTES).decode("utf-8"))
+        with Confined(directory) as folder:
+            raw = folder.read(RECORD, max_size=MAX_RECORD_BYTES)
+        if raw is None:
+            return None
+        record = json.loads(raw.decode("utf-8"))
     except (CheckpointCorruptError, ValueError, RecursionError) as e:
         log.warning("the restart record %s is unreadable (%s); starting a new one", os.path.join(directory, RECORD),
                     str(e)[:200])
@@ -74,23 +79,25 @@ def _read(directory: str) -> dict[str, Any] | None:
 
 
 def _write(directory: str, record: dict[str, Any]) -> None:
-    """Atomically replace the record: a new file with a random name (``O_EXCL | O_NOFOLLOW``, so nothing planted
-    is written through), then a rename over whatever is at the record's name (a rename replaces a link, never
-    follows it)."""
-    path = os.path.join(directory, RECORD)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    """Atomically replace the record (:meth:`Confined.write`: a new file renamed over the name, so nothing planted
+    is written through). A record that cannot be written is a :class:`CheckpointError`: a guard that cannot count
+    is not silently switched off."""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(record, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        log.warning("could not write the restart record %s (%s: %s); the restart-loop guard is off for this attempt",
-                    path, type(e).__name__, e)
+        with Confined(directory) as folder:
+            folder.write(RECORD, json.dumps(record).encode("utf-8"))
+    except CheckpointError as e:
+        raise CheckpointError(f"the restart-loop guard cannot write its record: {e.message} (the guard counts "
+                              "attempts there; it is never switched off silently, since a crash loop would then run "
+                              "until --max-restarts runs out)") from None
+
+
+def _write_later(directory: str, record: dict[str, Any]) -> None:
+    """A write after ``begin`` (which raised if the record could not be written at all): on rank 0 alone, or
+    on a commit's background thread, where raising would leave the other ranks in a collective; warn instead."""
+    try:
+        _write(directory, record)
+    except CheckpointError as e:
+        log.warning("%s", e)
 
 
 def begin(directory: str, *, attempt: int, limit: int) -> str | None:
@@ -124,7 +131,7 @@ def resumed(directory: str, step: int | None) -> None:
     record = _read(directory)
     if record is not None and record["job"] == _job() and record["step"] != step:
         record["step"] = step
-        _write(directory, record)
+        _write_later(directory, record)
 
 
 def mark_progress(directory: str, committed: int) -> None:
@@ -133,58 +140,53 @@ def mark_progress(directory: str, committed: int) -> None:
     if record is None or record["progress"]:
         return
     record["progress"] = True
-    _write(directory, record)
+    _write_later(directory, record)
     log.debug("restart record: step %d committed after resuming from %s", committed, record["step"])
 
 
 def record_error(directory: str, attempt: int, rank: int, error: BaseException) -> None:
-    """Keep the error that ended this rank's attempt (bounded), for the guard's message."""
+    """Keep the error that ended this rank's attempt (bounded), for the guard's message. Never raises: it runs
+    while an exception is already leaving ``with harden(...)``."""
     text = "".join(traceback.format_exception_only(type(error), error)).strip()[:MAX_ERROR_BYTES]
     try:
-        folder = os.path.join(directory, ERRORS)
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"attempt_{attempt}_rank_{rank}.txt")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    except OSError as e:
-        log.debug("could not record the error of attempt %d: %s", attempt, e)
+        with Confined(directory) as root, root.sub(ERRORS, create=True) as folder:
+            folder.write(f"attempt_{attempt}_rank_{rank}.txt", text.encode("utf-8", "replace"), durable=False)
+    except CheckpointError as e:
+        log.warning("could not record the error that ended attempt %d on rank %d: %s", attempt, rank, e)
 
 
 def _clear_errors(directory: str) -> None:
-    folder = os.path.join(directory, ERRORS)
     try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        if _ERROR_FILE.fullmatch(name):
-            try:
-                os.unlink(os.path.join(folder, name))
-            except OSError:
-                pass
+        with Confined(directory) as root:
+            if root.kind(ERRORS) is None:
+                return
+            with root.sub(ERRORS) as folder:
+                for name in folder.names():
+                    if _ERROR_FILE.fullmatch(name):
+                        folder.remove(name, _ERROR_FILE)
+    except CheckpointError as e:
+        log.warning("could not clear the recorded errors of earlier attempts: %s", e)
 
 
 def _last_errors(directory: str, attempts: list[int]) -> str:
-    folder = os.path.join(directory, ERRORS)
-    found: list[str] = []
-    try:
-        names = sorted(os.listdir(folder))[:4096]
-    except OSError:
-        names = []
+    found: list[tuple[int, int, str]] = []
     wanted = set(attempts)
-    for name in names:
-        m = _ERROR_FILE.fullmatch(name)
-        if not m or int(m.group(1)) not in wanted:
-            continue
-        try:
-            text = read_in(folder, name, max_size=MAX_ERROR_BYTES).decode("utf-8", "replace")
-        except CheckpointCorruptError:
-            continue
-        lines = [line for line in text.splitlines() if line.strip()]
-        found.append((int(m.group(1)), int(m.group(2)), (lines[-1] if lines else "")[:300]))  # type: ignore[arg-type]
+    try:
+        with Confined(directory) as root, root.sub(ERRORS) as folder:
+            for name in sorted(folder.names())[:4096]:
+                m = _ERROR_FILE.fullmatch(name)
+                if not m or int(m.group(1)) not in wanted:
+                    continue
+                try:
+                    raw = folder.read(name, max_size=MAX_ERROR_BYTES)
+                except CheckpointCorruptError:
+                    continue
+                lines = [line for line in (raw or b"").decode("utf-8", "replace").splitlines() if line.strip()]
+                found.append((int(m.group(1)), int(m.group(2)), (lines[-1] if lines else "")[:300]))
+    except CheckpointError:
+        pass  # no errors folder (or one that is not a directory): none recorded
     found.sort()
     if not found:
         return ("none recorded (a rank killed by a signal or the OOM killer records none; see the launcher's log "
                 "and dmesg)")
-    return "; ".join(f"attempt {a} rank {r}: {t}" for a, r, t in found[-6:])  # type: ignore[misc]
+    return "; ".join(f"attempt {a} rank {r}: {t}" for a, r, t in found[-6:])

@@ -178,12 +178,32 @@ def _owner(name: str, world_size: int) -> int:
     return 0
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+def _stage(step_dir: str, rel: str, dst: str, size: int | None) -> None:
+    """Put the committed file ``<step_dir>/<rel>`` at ``dst`` for Ray to upload: opened confined (no link at any
+    level, a regular file, the size its manifest records), refused if it has other names (a hard link to a file
+    elsewhere), then linked from the open descriptor, so what Ray uploads is the file checked, not whatever a
+    swap put at the name since (copied when the filesystem cannot link)."""
+    from robustdist.checkpoint._safeio import open_in
+    from robustdist.checkpoint._schema import MAX_MANIFEST_BYTES
+    from robustdist.runtime.errors import CheckpointCorruptError
+
+    with open_in(step_dir, rel, size=size, max_size=None if size is not None else MAX_MANIFEST_BYTES) as fh:
+        links = os.fstat(fh.fileno()).st_nlink
+        if links != 1:
+            raise CheckpointCorruptError(
+                f"{os.path.join(step_dir, rel)}: has {links} names (a hard link, possibly to a file outside the "
+                "checkpoint); refused, so nothing but the files robustdist committed reaches Ray's storage. Fix: "
+                "remove it; the next save writes a new checkpoint.")
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:  # linkat(AT_SYMLINK_FOLLOW) through /proc/self/fd: this inode, not what is at the name now
+            proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.link(str(fh.fileno()), dst, src_dir_fd=proc, follow_symlinks=True)
+            finally:
+                os.close(proc)
+        except OSError:  # no /proc, or another filesystem: copy from the descriptor checked
+            with open(dst, "xb") as out:
+                shutil.copyfileobj(fh, out, 1 << 20)
 
 
 def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any], *, rank: int,
@@ -205,7 +225,8 @@ def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any
     stage = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
         for rel in files + (["manifest.json"] if rank == 0 else []):
-            _link_or_copy(os.path.join(step_dir, rel), os.path.join(stage, rel))
+            entry = manifest.get("files", {}).get(rel)
+            _stage(step_dir, rel, os.path.join(stage, rel), entry.get("size") if isinstance(entry, dict) else None)
         checkpoint = ray.train.Checkpoint.from_directory(stage) if os.listdir(stage) else None
         ray.train.report(dict(metrics), checkpoint=checkpoint, checkpoint_dir_name=name)
     finally:

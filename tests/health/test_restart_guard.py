@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from robustdist.health import restart_guard as guard
+from robustdist.runtime.errors import CheckpointError
 from robustdist.testing.ranks import free_port
 
 pytestmark = pytest.mark.timeout(300)  # torchrun restarts import torch each time: slow when the machine is busy
@@ -127,15 +128,58 @@ def test_a_hostile_record_is_replaced_never_trusted(tmp_path, kind, caplog):
     record = tmp_path / guard.RECORD
     _plant(record, kind)
     passwd = Path("/etc/passwd").read_bytes()
-    if kind == "directory":  # not ours to delete: the guard is off for the attempt, training goes on
-        assert _attempt(str(tmp_path), 3, 10, 1) is None
-        assert "could not write the restart record" in caplog.text
+    if kind == "directory":  # not ours to delete, and a guard that cannot count is not silently off
+        with pytest.raises(CheckpointError, match=r"restart-loop guard cannot write its record: .*"
+                           r"\.robustdist-restarts\.json: is a directory.*Fix: remove the directory"):
+            _attempt(str(tmp_path), 3, 10, 1)
+        assert record.is_dir()
         return
     assert _attempt(str(tmp_path), 3, 10, 1) is None  # a new record, not [1, 2, 3]
     assert Path("/etc/passwd").read_bytes() == passwd
     assert not record.is_symlink() and record.is_file()
     assert json.loads(record.read_text()) == {"job": "job-a", "step": 10, "attempts": [3], "progress": False}
     assert "restart record" in caplog.text
+
+
+@pytest.mark.parametrize("attempts", [[0, 0, 0], [3, 2, 1], [1, 1]])
+def test_a_forged_record_whose_attempts_do_not_increase_is_replaced_not_obeyed(tmp_path, attempts, caplog):
+    """{"attempts": [0, 0, 0], "progress": false} would otherwise stop a healthy job at its first restart."""
+    (tmp_path / guard.RECORD).write_text(json.dumps({"job": "job-a", "step": 10, "attempts": attempts,
+                                                     "progress": False}))
+    assert _attempt(str(tmp_path), 1, 10, 2) is None
+    assert json.loads((tmp_path / guard.RECORD).read_text())["attempts"] == [1]
+    assert "is not one robustdist writes" in caplog.text
+
+
+def test_an_error_file_planted_as_a_hard_link_is_replaced_not_written_through(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "precious.txt"
+    victim.write_text("precious")
+    d = tmp_path / "ckpt"
+    (d / guard.ERRORS).mkdir(parents=True)
+    os.link(victim, d / guard.ERRORS / "attempt_1_rank_0.txt")
+    guard.record_error(str(d), 1, 0, RuntimeError("boom"))
+    assert victim.read_text() == "precious"
+    assert (d / guard.ERRORS / "attempt_1_rank_0.txt").read_text() == "RuntimeError: boom"
+
+
+def test_an_errors_folder_planted_as_a_link_is_neither_written_nor_emptied_through(tmp_path, caplog):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "attempt_7_rank_0.txt").write_text("someone else's file")
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / guard.ERRORS).symlink_to(outside, target_is_directory=True)
+    guard.record_error(str(d), 1, 0, RuntimeError("boom"))  # never raises: an exception is already leaving
+    assert "could not record the error" in caplog.text and "symbolic link" in caplog.text
+    assert sorted(p.name for p in outside.iterdir()) == ["attempt_7_rank_0.txt"]
+    (d / guard.RECORD).write_text(json.dumps({"job": "job-a", "step": 10, "attempts": [1], "progress": True}))
+    assert _attempt(str(d), 2, 10, 2) is None  # progress: a new record, which clears the errors folder...
+    assert (outside / "attempt_7_rank_0.txt").read_text() == "someone else's file"  # ...never through a link
+    (d / guard.RECORD).write_text(json.dumps({"job": "job-a", "step": 10, "attempts": [1, 2], "progress": False}))
+    message = _attempt(str(d), 3, 10, 2)
+    assert message is not None and "someone else" not in message and "none recorded" in message
 
 
 def test_hostile_error_files_are_bounded_and_never_followed(tmp_path):

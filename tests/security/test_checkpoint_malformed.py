@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from robustdist.checkpoint import AtomicCheckpointer
 from robustdist.runtime.errors import CheckpointError, RobustDistWarning
-from tests.security._forge import STEP2, forge, manifest_of, state_for, two_steps, write_manifest
+from tests.security._forge import STEP1, STEP2, forge, manifest_of, state_for, two_steps, write_manifest
 
 
 def _load(directory):
@@ -105,6 +105,12 @@ PAYLOAD_CASES = [
     ("rank_00000.pt", _torch_bytes({"rng": {}, "per_rank": {}}), "the saved RNG state is malformed (python:"),
     ("rank_00000.pt", _torch_bytes(torch.zeros(3)), "expected a dict with 'rng' and 'per_rank' entries"),
     ("rank_00000.pt", _torch_bytes({"per_rank": []}), "expected a dict with 'rng' and 'per_rank' entries"),
+    # plain data goes to the user as loaded: a 2 KB file holding a (2**18, 2**18) view over one float is ~275 GB
+    # at its first use
+    ("replicated.pt", _torch_bytes({"weights": torch.zeros(1).expand(2**18, 2**18), "meta": {"step": 2}}),
+     "entry 'weights' is an expanded tensor view (shape (262144, 262144), strides (0, 0)"),
+    ("replicated.pt", _torch_bytes({"weights": torch.zeros(16), "meta": {"step": [torch.ones(2).expand(4, 2)]}}),
+     "entry 'meta'['step'][0] is an expanded tensor view"),
     # a pickle before a valid zip: zipfile finds the zip at the end, torch.load would unpickle the prefix instead
     ("replicated.pt", pickle.dumps({"meta": {"step": 2}}, protocol=2) + _torch_bytes({"meta": {"step": 2}}),
      "it does not start with a zip header"),
@@ -118,6 +124,16 @@ def test_malformed_payload_falls_back(tmp_path, target, data, reason):
     step, weights, warned = _load(tmp_path)
     assert step == 1 and torch.equal(weights, state_for(1)["weights"])
     assert f"{target}: " in warned[0] and reason in warned[0], warned
+
+
+def test_an_expanded_view_in_plain_data_is_refused_at_save_as_at_load(tmp_path):
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, state_for(1))
+        with pytest.raises(CheckpointError, match=r"state\['meta'\]\['cache'\] is an expanded tensor view .*"
+                                                  r"Fix: save value\.clone\(\)"):
+            ckpt.save(2, {"weights": torch.zeros(16), "meta": {"cache": torch.zeros(1).expand(64, 64)}})
+        ckpt.save(3, {"weights": torch.zeros(16), "meta": {"cache": torch.zeros(1).expand(64, 64).clone()}})
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [STEP1, "step_0000000003"]
 
 
 def test_a_payload_that_is_a_directory_falls_back(tmp_path):

@@ -115,6 +115,24 @@ def test_errors_inside_the_yaml_constructor_are_config_errors(tmp_path):
     assert "Fix: correct the value the error names." in message
 
 
+@pytest.mark.parametrize(("text", "key", "lines"), [
+    ("distributed:\n  timeout: 600\n  timeout: 0.001\n", "timeout", (2, 3)),
+    ("checkpoint:\n  dir: /a\n  keep_last: 3\nhealth: {}\ncheckpoint:\n  dir: /b\n", "checkpoint", (1, 5)),
+    ("data: {seed: 1, seed: 2}\n", "seed", (1, 1)),
+], ids=["field", "section", "flow"])
+def test_a_key_given_twice_is_a_config_error_naming_both_lines(tmp_path, text, key, lines):
+    message = _load_error(_yaml(tmp_path, text))
+    assert f"has the key '{key}' twice in one mapping (lines {lines[0]} and {lines[1]})" in message
+    assert "Fix: merge the two into one" in message
+
+
+def test_merge_keys_may_still_be_overridden(tmp_path):
+    text = "base: &b {seed: 1, drop_last: false}\ndata:\n  <<: *b\n  seed: 2\n"
+    from robustdist.config.io import load_yaml
+
+    assert load_yaml(_yaml(tmp_path, text))["data"] == {"seed": 2, "drop_last": False}
+
+
 def test_long_values_and_keys_are_cut_in_messages(tmp_path):
     for text in ("distributed:\n  backend: " + "k" * 500_000 + "\n", "data:\n  ? " + "k" * 500_000 + "\n  : 1\n"):
         message = _load_error(_yaml(tmp_path, text))

@@ -9,6 +9,7 @@ the live objects restored exactly as a plain durable load restores them.
 from __future__ import annotations
 
 import json
+import resource
 import os
 import shutil
 import zipfile
@@ -147,6 +148,24 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
         saved = torch.load(copy / "replicated.pt", weights_only=True)
         saved["optimizer"]["param_groups"][0]["params"] = [0]
         _rewrite(copy, "replicated.pt", _torch_file(saved))
+    elif kind in ("sparse", "sparse_crc"):  # 2 GiB that take no disk, meta.json agreeing on the size (and CRC)
+        size = 2 << 30
+        with open(payload, "r+b") as fh:
+            fh.truncate(0)
+            fh.truncate(size)
+        crc, zeros = 0, bytes(64 << 20)
+        for _ in range(size // len(zeros) if kind == "sparse_crc" else 0):
+            crc = zlib.crc32(zeros, crc)
+        meta = json.loads((copy / "meta.json").read_text())
+        meta["files"]["payload.pt"] = {"size": size, "crc32": f"{crc:08x}"}
+        (copy / "meta.json").write_text(json.dumps(meta))
+    elif kind == "sparse_beyond_ram":
+        size = 1 << 42  # 4 TiB, more than any node's RAM: refused before a byte is read
+        with open(payload, "r+b") as fh:
+            fh.truncate(size)
+        meta = json.loads((copy / "meta.json").read_text())
+        meta["files"]["payload.pt"] = {"size": size, "crc32": "00000000"}
+        (copy / "meta.json").write_text(json.dumps(meta))
     elif kind == "other_model":
         _rewrite(copy, "replicated.pt", _torch_file({"model": {"0.weight": torch.zeros(3, 3)}, "optimizer": {}}))
     else:
@@ -155,7 +174,7 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
 
 KINDS = ["code", "code_replicated", "flipped", "truncated", "symlink_file", "fifo", "symlink_step", "symlink_owner",
          "meta_huge", "meta_escape", "meta_types", "meta_other_step", "zip_bomb", "wrong_shape", "other_model",
-         "optimizer_mismatch"]
+         "optimizer_mismatch", "sparse", "sparse_crc", "sparse_beyond_ram"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -173,6 +192,24 @@ def test_a_damaged_copy_falls_back_to_the_durable_tier(tiers, kind):
     assert str(state.optimizer.state_dict()) == str(reference.optimizer.state_dict())
     text = " ".join(str(w.message) for w in seen)
     assert "in-memory checkpoint" in text, text
+    if kind == "sparse_beyond_ram":
+        assert "more than the RAM available" in text and "refused without reading it" in text
+
+
+@pytest.mark.parametrize("kind", ["sparse", "sparse_crc"])
+def test_a_sparse_copy_claiming_gigabytes_costs_no_gigabytes(tiers, kind):
+    """The copy is checked from its file before the memory for it is taken (peak RSS measured; the process has
+    not been near 2 GiB before, so a 2 GiB buffer would show)."""
+    durable, local, copy, _, tmp = tiers
+    _damage(kind, copy, tmp)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    assert before < 1 << 30, "this measurement needs a process that has stayed under 1 GiB"
+    with pytest.warns(Warning) as seen:
+        loaded = _state(2).load(durable, local=local)
+    grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before
+    assert loaded is not None and loaded.source == "durable"
+    assert grew < 256 << 20, f"peak memory grew by {grew >> 20} MiB for a 2 GiB sparse file"
+    assert "not a torch zip file" in " ".join(str(w.message) for w in seen)
 
 
 def test_the_undamaged_copy_is_used(tiers):

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from robustdist.checkpoint import _faults
-from robustdist.checkpoint._safeio import lexists_dir, open_in, read_in
+from robustdist.checkpoint._safeio import check_torch_zip, lexists_dir, open_in, read_in
 from robustdist.checkpoint._schema import KINDS, MAX_STEP, is_int
+from robustdist.checkpoint.local import memory
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["PAYLOAD", "REPLICATED", "Holding", "check_root", "commit_copy", "read_verified", "remove_stale", "rotate",
@@ -284,19 +285,43 @@ def scan(root: str) -> tuple[list[Holding], list[str]]:
     return found, skipped
 
 
+_CHUNK = 4 << 20
+
+
 def read_verified(holding: Holding, name: str) -> bytearray:
-    """One file of a copy, read confined and bounded, checked against its size and CRC-32 from ``meta.json``."""
+    """One file of a copy, read confined and bounded, checked against its size and CRC-32 from ``meta.json``
+    *before* the memory for it is taken: a copy larger than the RAM available is refused outright, the file must
+    be a torch zip (checked from the file), and a first pass computes the CRC-32 in chunks (a sparse file that
+    claims gigabytes costs a chunk, not gigabytes); the
+    second pass reads it into one buffer and checks the CRC-32 again (the bytes may change in between). Every
+    failure is a :class:`CheckpointCorruptError` (the copy is excluded, the next source or the durable tier
+    used), never a raw ``MemoryError``."""
     entry = holding.files[name]
+    shown = os.path.join(holding.path, name)
+    available = memory.free(holding.path)[1]
+    if available is not None and entry["size"] > available:
+        raise CheckpointCorruptError(f"{shown}: {memory.size(entry['size'])}, more than the RAM available "
+                                     f"({memory.size(available)}); refused without reading it")
     with open_in(holding.path, name, size=entry["size"]) as fh:
-        data = bytearray(entry["size"])
+        check_torch_zip(fh, shown)  # a torch zip at all (read from the file: a chunk, not the whole)
+        crc, got = 0, 0
+        while chunk := fh.read(_CHUNK):
+            crc, got = zlib.crc32(chunk, crc), got + len(chunk)
+        if got != entry["size"] or f"{crc:08x}" != entry["crc32"]:
+            raise CheckpointCorruptError(f"{shown}: CRC-32 differs from its meta.json (the bytes changed)"
+                                         if got == entry["size"] else f"{shown}: shorter than its meta says")
+        fh.seek(0)
+        try:
+            data = bytearray(entry["size"])
+        except MemoryError:
+            raise CheckpointCorruptError(f"{shown}: {memory.size(entry['size'])} do not fit in memory") from None
         view = memoryview(data)
         got = 0
         while got < len(data):
             n = fh.readinto(view[got:])
             if not n:
-                raise CheckpointCorruptError(f"{os.path.join(holding.path, name)}: shorter than its meta says")
+                raise CheckpointCorruptError(f"{shown}: shorter than its meta says")
             got += n
     if f"{zlib.crc32(data):08x}" != entry["crc32"]:
-        raise CheckpointCorruptError(f"{os.path.join(holding.path, name)}: CRC-32 differs from its meta.json "
-                                     "(the bytes changed)")
+        raise CheckpointCorruptError(f"{shown}: CRC-32 differs from its meta.json (the bytes changed while read)")
     return data

@@ -1,0 +1,235 @@
+"""Writing and deleting inside a directory robustdist does not trust: one rule for every file it writes.
+
+The checkpoint directory (and the in-memory tier's) is input: copied between clusters, shared, possibly
+written by someone hostile. :mod:`._safeio` confines what robustdist *reads* there; this module confines what it
+*writes and deletes*, by one rule:
+
+* the directory the user configured is opened once (its own path followed as the user gave it); every name
+  below it is resolved from that descriptor one component at a time with ``O_NOFOLLOW | O_DIRECTORY``, so a
+  link at any level below is refused, never followed;
+* a file is created only under a name robustdist chose, with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (whatever is
+  planted at that name, a file, a symbolic link or a hard link to a file elsewhere, makes the create fail: it
+  is never written through), and is published by a rename inside the same directory (a rename replaces a link,
+  it never follows one) or by a hard link when the name must not exist yet;
+* deletes go through the same descriptor and only of names the caller's pattern says robustdist writes; a
+  directory at such a name is not deleted but refused.
+
+Every failure is a :class:`~robustdist.runtime.errors.CheckpointError` naming the path and the fix, never a raw
+``OSError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import stat
+import uuid
+from types import TracebackType
+
+from robustdist.checkpoint._io import os_error
+from robustdist.checkpoint._safeio import kind_of
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
+
+__all__ = ["Confined"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_NAMES = 100_000  # a directory listing bigger than this is not one robustdist made
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+def _plain(name: str) -> str:
+    if not _NAME.fullmatch(name) or name in (".", ".."):
+        raise ValueError(f"{name!r} is not a plain file name robustdist writes")  # a bug in robustdist, not input
+    return name
+
+
+class Confined:
+    """An open directory; files below it are read, written and deleted by the rule in the module docstring.
+
+    ``Confined(root)`` opens the configured directory (``create=True``: made, with its parents, when missing);
+    :meth:`sub` walks (and creates) one level further without following links. Close it (it is a context
+    manager) to release the descriptor.
+    """
+
+    def __init__(self, root: str, *, create: bool = False, _fd: int | None = None) -> None:
+        self.path = root
+        if _fd is not None:
+            self._fd = _fd
+            return
+        if create:
+            try:
+                os.makedirs(root, exist_ok=True)
+            except OSError as e:
+                raise self._error(root, e, "create the directory") from None
+        try:
+            self._fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path, followed
+        except OSError as e:
+            raise self._error(root, e, "open the directory") from None
+
+    # --------------------------------------------------------------------------------------------- walking
+    def sub(self, name: str, *, create: bool = False, mode: int = 0o755) -> Confined:
+        """The directory ``name`` inside this one (never through a link); ``create``: made when missing."""
+        shown = self._shown(_plain(name))
+        if create:
+            try:
+                os.mkdir(name, mode, dir_fd=self._fd)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise self._error(shown, e, "create the directory") from None
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=self._fd)
+        except OSError as e:
+            if e.errno == errno.ENOTDIR and self.kind(name) == "a symbolic link":  # O_NOFOLLOW on a link
+                e = OSError(errno.ELOOP, "symbolic link")
+            raise self._error(shown, e, "open the directory", wanted="a directory") from None
+        return Confined(shown, _fd=fd)
+
+    def names(self) -> list[str]:
+        """The names in this directory (at most a bound's worth: more is not a directory robustdist made)."""
+        try:
+            found = os.listdir(self._fd)
+        except OSError as e:
+            raise self._error(self.path, e, "list the directory") from None
+        return found[:_MAX_NAMES]
+
+    def kind(self, name: str) -> str | None:
+        """What is at ``name`` (:func:`._safeio.kind_of` words), not following a link; None when nothing is."""
+        try:
+            return kind_of(os.stat(_plain(name), dir_fd=self._fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise self._error(self._shown(name), e, "inspect") from None
+
+    # --------------------------------------------------------------------------------------------- reading
+    def read(self, name: str, *, max_size: int) -> bytes | None:
+        """The content of the regular file ``name`` (not a link, FIFO or device), at most ``max_size`` bytes;
+        None when there is nothing at ``name``. Anything else is a :class:`CheckpointCorruptError`."""
+        shown = self._shown(_plain(name))
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self._fd)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EMLINK):
+                raise CheckpointCorruptError(f"{shown}: is a symbolic link; refused (expected a regular file "
+                                             "robustdist wrote)") from None
+            raise CheckpointCorruptError(f"{shown}: unreadable ({e.strerror or e})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointCorruptError(f"{shown}: is {kind_of(st.st_mode)}; expected a regular file")
+            if st.st_size > max_size:
+                raise CheckpointCorruptError(f"{shown}: {st.st_size} bytes, more than the {max_size} allowed")
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read(max_size + 1)
+        if len(data) > max_size:
+            raise CheckpointCorruptError(f"{shown}: grew past the {max_size} bytes allowed while being read")
+        return data
+
+    # --------------------------------------------------------------------------------------------- writing
+    def write(self, name: str, data: bytes, *, durable: bool = True) -> None:
+        """Make ``name`` hold ``data``: a new file under a random name, then renamed over ``name`` (whatever was
+        there, a file or a link, is replaced, never written through). A directory at ``name`` is refused."""
+        shown = self._shown(_plain(name))
+        tmp = self._new(name, data, durable)
+        try:
+            os.replace(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
+        except OSError as e:
+            self._discard(tmp)
+            raise self._error(shown, e, "replace") from None
+        if durable:
+            self.sync()
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Make ``name`` hold ``data`` only if nothing is at ``name`` (a hard link of a complete file, so no reader
+        sees it half-written and two writers cannot both succeed). False when something already is."""
+        shown = self._shown(_plain(name))
+        tmp = self._new(name, data, True)
+        try:
+            os.link(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise self._error(shown, e, "create") from None
+        finally:
+            self._discard(tmp)
+        self.sync()
+        return True
+
+    def remove(self, name: str, pattern: re.Pattern[str]) -> bool:
+        """Delete ``name`` when it matches ``pattern`` (the names robustdist writes here) and is a file or a link
+        (the link itself; what it points at is untouched). A directory there is refused. False when nothing was
+        there."""
+        shown = self._shown(_plain(name))
+        if not pattern.fullmatch(name):
+            raise ValueError(f"{shown} is not a name robustdist writes here ({pattern.pattern})")
+        try:
+            os.unlink(name, dir_fd=self._fd)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise self._error(shown, e, "remove") from None
+        return True
+
+    def sync(self) -> None:
+        """Make the renames and creations in this directory durable."""
+        with contextlib.suppress(OSError):  # some filesystems (FUSE mounts) refuse fsync on a directory
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> Confined:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # --------------------------------------------------------------------------------------------- helpers
+    def _shown(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def _new(self, name: str, data: bytes, durable: bool) -> str:
+        tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"[-250:]
+        try:
+            fd = os.open(tmp, _NEW_FLAGS, 0o644, dir_fd=self._fd)
+        except OSError as e:
+            raise self._error(self._shown(name), e, "write") from None
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                if durable:
+                    os.fsync(fh.fileno())
+        except OSError as e:
+            self._discard(tmp)
+            raise self._error(self._shown(name), e, "write") from None
+        return tmp
+
+    def _discard(self, tmp: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=self._fd)
+
+    def _error(self, shown: str, e: OSError, doing: str, *, wanted: str | None = None) -> CheckpointError:
+        if e.errno in (errno.ELOOP, errno.EMLINK) or (wanted and e.errno == errno.ENOTDIR):
+            found = "a symbolic link" if e.errno in (errno.ELOOP, errno.EMLINK) else "not a directory"
+            return CheckpointCorruptError(
+                f"{shown}: is {found}; expected {wanted or 'a file'} robustdist made there, never a link that may "
+                f"point outside the directory. Fix: remove {shown}; robustdist recreates it.")
+        if e.errno in (errno.EISDIR, errno.ENOTEMPTY):
+            return CheckpointCorruptError(
+                f"{shown}: is a directory; expected a file robustdist writes there. Fix: remove the directory "
+                f"{shown}; robustdist recreates the file.")
+        return os_error(shown, e, f"{doing} it")

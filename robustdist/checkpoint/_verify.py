@@ -1,0 +1,112 @@
+"""``verify_all``: the verdict ``load()`` would give each committed step, short of restoring into live objects.
+
+``robustdist verify-checkpoint`` and :func:`verify_all` run, for every step, the checks a load runs before it
+touches a live object: the manifest, every file's size and CRC-32, each torch file's zip structure and pickle
+scan, the ``weights_only`` load itself, the payload schema (entries, RNG states that a generator accepts,
+expanded tensor views in plain data and in object state), and for a sharded step the DCP metadata and every
+slice of every data file (each a torch zip, each non-tensor item loaded ``weights_only``). A step is "corrupt"
+exactly where a load would fall back past it, with the reason the load gives. What only a live object can
+decide (a model of another shape, a scheduler key the live one lacks) is not corruption and is not checked.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from typing import Any
+
+import torch
+
+from robustdist.checkpoint import _layout, _live, _schema
+from robustdist.checkpoint._layout import DCP_METADATA, REPLICATED, SHARDED_DIR
+from robustdist.checkpoint._loading import torch_load
+from robustdist.checkpoint._safeio import check_torch_zip, open_in
+from robustdist.checkpoint._schema import weights_only_reason
+from robustdist.checkpoint._sharded import read_metadata
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
+
+__all__ = ["verify_all", "verify_step"]
+
+_RANK_FILE = re.compile(r"rank_\d{5,}\.pt")
+
+
+def verify_all(directory: str) -> list[dict[str, Any]]:
+    """One row per step directory: step, files, bytes, status ("ok"/"corrupt") and reason."""
+    rows = []
+    for step, name in _layout.step_dirs(directory).items():
+        try:
+            manifest = verify_step(os.path.join(directory, name), step)
+        except (CheckpointError, OSError, MemoryError, RecursionError) as e:
+            reason = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append({"step": step, "files": None, "bytes": None, "status": "corrupt", "reason": reason})
+            continue
+        files = manifest["files"]
+        rows.append({"step": step, "files": len(files), "bytes": sum(f["size"] for f in files.values()),
+                     "status": "ok", "reason": ""})
+    return rows
+
+
+def verify_step(step_dir: str, step: int | None = None) -> dict[str, Any]:
+    """Every check of a load short of the live objects (module docstring); the manifest, or
+    :class:`CheckpointCorruptError` naming the file and the problem."""
+    manifest = _layout.read_manifest(step_dir, step)
+    files: dict[str, Any] = manifest["files"]
+    _layout.verify(step_dir, manifest, files)
+    kinds: dict[str, str] = manifest.get("entries", {})
+    for name in sorted(files):
+        if name != REPLICATED and not _RANK_FILE.fullmatch(name):
+            continue
+        path = os.path.join(step_dir, name)
+        payload = torch_load(step_dir, name, manifest, "cpu")
+        _schema.check_size(path, payload, _schema.MAX_VALUES + 16)
+        if name == REPLICATED:
+            _schema.check_replicated(path, payload, kinds)
+            for entry, kind in kinds.items():
+                if kind == "stateful":
+                    _refuse_state_views(path, entry, payload[entry])
+        else:
+            _schema.check_rank_payload(path, payload)
+            for entry, value in payload["per_rank"].items():
+                _refuse_state_views(path, f"per_rank {entry}", value)
+    if DCP_METADATA in files:
+        _verify_items(step_dir, read_metadata(step_dir, files))
+    return manifest
+
+
+def _refuse_state_views(path: str, entry: str, value: Any) -> None:
+    """An object's state holding a tensor load refuses against any live value (an expanded view, which casting
+    would materialise; a quantized, nested, sparse or meta tensor) is corrupt whatever the live object is."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            problem = _live.tensor_problem(item)
+            if problem:
+                raise CheckpointCorruptError(f"{path}: entry {entry!r}{where} {problem}")
+        elif isinstance(item, dict):
+            stack.extend((f"{where}[{k!r:.40}]", v) for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(item))
+
+
+def _verify_items(step_dir: str, metadata: Any) -> None:
+    """What robustdist's DCP reader and planner check for each item as they load it: every slice a torch zip
+    (scanned), every non-tensor item a ``weights_only`` load."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for index, info in metadata.storage_data.items():
+        rel = f"{SHARDED_DIR}/{info.relative_path}"
+        where = f"{os.path.join(step_dir, rel)} at byte {info.offset}"
+        with open_in(step_dir, rel) as fh:
+            check_torch_zip(fh, where, offset=info.offset, length=info.length)
+            if type(metadata.state_dict_metadata.get(index.fqn)) is not BytesStorageMetadata:
+                continue
+            fh.seek(info.offset)
+            data = fh.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:
+            raise CheckpointCorruptError(
+                f"the sharded item {index.fqn!r} holds objects robustdist never writes ({weights_only_reason(e)}); "
+                "load refuses it, nothing was executed") from None

@@ -1,0 +1,72 @@
+"""``robustdist.ray.train.report`` hands Ray only the files robustdist committed: a committed file swapped for a
+symbolic link or a hard link to a file outside the checkpoint (between the commit and the report) is refused
+with a named error, and the outside file never reaches Ray's storage. A real Ray Train V2 run, one worker."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600, method="thread")]
+SECRET = "the contents of a file outside the checkpoint"
+
+
+def _train(config):
+    import ray.train
+    import torch
+
+    from robustdist.checkpoint import AtomicCheckpointer
+    from robustdist.checkpoint._layout import read_manifest
+    from robustdist.ray import train as rt
+
+    with AtomicCheckpointer(config["ckpt"]) as ckpt:
+        info = ckpt.save(1, {"weights": torch.zeros(8)})
+    step_dir = info.path
+    target = os.path.join(step_dir, "replicated.pt")
+    if config["swap"] != "none":  # what someone who can write the directory does after the commit
+        os.unlink(target)
+        (os.symlink if config["swap"] == "symlink" else os.link)(config["secret"], target)
+    ctx = ray.train.get_context()
+    rt.report({"step": 1}, step_dir, read_manifest(step_dir, 1), rank=ctx.get_world_rank(),
+              world_size=ctx.get_world_size())
+
+
+def _fit(tmp_path: Path, swap: str):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET)
+    config = {"ckpt": str(tmp_path / "ckpt"), "secret": str(secret), "swap": swap}
+    storage = tmp_path / "ray"
+    trainer = TorchTrainer(_train, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=1, use_gpu=False),
+                           run_config=RunConfig(storage_path=str(storage), name=f"report-{swap}",
+                                                failure_config=FailureConfig(max_failures=0)))
+    try:
+        result = trainer.fit()
+        error = result.error
+    except Exception as e:  # Train V2 raises the worker's error from fit()
+        result, error = None, e
+    uploaded = [p for p in storage.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    return result, error, uploaded
+
+
+@pytest.mark.parametrize("swap", ["symlink", "hardlink"])
+def test_a_committed_file_swapped_for_a_link_never_reaches_rays_storage(ray_by_value, tmp_path, swap):
+    _, error, uploaded = _fit(tmp_path, swap)
+    assert uploaded == []
+    assert error is not None
+    text = str(error)
+    assert "replicated.pt" in text
+    assert ("is a symbolic link; refused" in text) if swap == "symlink" else ("has 2 names (a hard link" in text)
+
+
+def test_the_control_reports_the_checkpoint(ray_by_value, tmp_path):
+    result, error, uploaded = _fit(tmp_path, "none")
+    assert error is None and uploaded == []
+    assert result.checkpoint is not None
+    with result.checkpoint.as_directory() as d:
+        assert sorted(os.listdir(d)) == ["manifest.json", "rank_00000.pt", "replicated.pt"]
