@@ -5,8 +5,9 @@
   (the error and its fix are printed).
 * ``robustdist doctor [--json]`` checks this machine for known failure modes, and under torchrun every
   rank (see :mod:`robustdist.doctor`). Exit code 0 when no check found an error, 1 otherwise.
-* ``robustdist verify-checkpoint DIR [--json]`` verifies every committed checkpoint (sizes and checksums
-  against each manifest) and prints step, files, bytes, status and reason. Exit code 1 if any is corrupt.
+* ``robustdist verify-checkpoint DIR [--json]`` verifies every committed checkpoint with the checks ``load()``
+  runs short of the live objects (:mod:`robustdist.checkpoint._verify`) and prints step, files, bytes, status and
+  reason. Exit code 1 if any is corrupt (exactly where a load would fall back past it).
 """
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import stat
 import uuid
 from types import TracebackType
+from typing import BinaryIO
 
 from robustdist.checkpoint._io import os_error
 from robustdist.checkpoint._safeio import kind_of
@@ -165,6 +167,30 @@ class Confined:
         self.sync()
         return True
 
+    def adopt(self, fh: BinaryIO, name: str) -> None:
+        """Give the open file ``fh`` the new name ``name`` here: a hard link to that very inode (through
+        ``/proc/self/fd``, so not to whatever is at its old name now), or, where the filesystem cannot link, a
+        copy into a file created with ``O_EXCL | O_NOFOLLOW``. Something already at ``name`` is refused."""
+        shown = self._shown(_plain(name))
+        try:
+            proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.link(str(fh.fileno()), name, src_dir_fd=proc, dst_dir_fd=self._fd, follow_symlinks=True)
+                return
+            finally:
+                os.close(proc)
+        except FileExistsError as e:
+            raise self._error(shown, e, "create") from None
+        except OSError:  # no /proc, or another filesystem: copy from the descriptor
+            pass
+        try:
+            fd = os.open(name, _NEW_FLAGS, 0o644, dir_fd=self._fd)
+        except OSError as e:
+            raise self._error(shown, e, "create") from None
+        with os.fdopen(fd, "wb") as out:
+            fh.seek(0)
+            shutil.copyfileobj(fh, out, 1 << 20)
+
     def remove(self, name: str, pattern: re.Pattern[str]) -> bool:
         """Delete ``name`` when it matches ``pattern`` (the names robustdist writes here) and is a file or a link
         (the link itself; what it points at is untouched). A directory there is refused. False when nothing was
@@ -228,6 +254,9 @@ class Confined:
             return CheckpointCorruptError(
                 f"{shown}: is {found}; expected {wanted or 'a file'} robustdist made there, never a link that may "
                 f"point outside the directory. Fix: remove {shown}; robustdist recreates it.")
+        if e.errno == errno.EEXIST:
+            return CheckpointError(f"{shown}: already exists; expected a name robustdist creates fresh. Fix: remove "
+                                   f"{shown}.")
         if e.errno in (errno.EISDIR, errno.ENOTEMPTY):
             return CheckpointCorruptError(
                 f"{shown}: is a directory; expected a file robustdist writes there. Fix: remove the directory "

@@ -146,13 +146,27 @@ def _check_entries(step_dir: str, kinds: dict[str, str], replicated: dict[str, A
         if kind == "data" and (isinstance(live, nn.Module) or hasattr(live, "load_state_dict")):
             raise CheckpointError(f"state[{name!r}] was saved as plain data, not as the state of a "
                                   f"{type(live).__name__}")
+        if kind == "stateful":
+            _refuse_views(f"{os.path.join(step_dir, _layout.REPLICATED)} entry {name!r}", replicated[name])
         _check_live(f"{os.path.join(step_dir, _layout.REPLICATED)} entry {name!r}", live, replicated[name], kind)
     for name, live in per_rank.items():
         if name in saved_per_rank:
             if not hasattr(live, "load_state_dict"):
                 raise CheckpointError(f"per_rank[{name!r}] is a {type(live).__name__}, which has no load_state_dict")
             kind = "module" if isinstance(live, nn.Module) else "stateful"
+            if kind == "stateful":
+                _refuse_views(f"{step_dir} per-rank entry {name!r}", saved_per_rank[name])
             _check_live(f"{step_dir} per-rank entry {name!r}", live, saved_per_rank[name], kind)
+
+
+def _refuse_views(where: str, saved: Any) -> None:
+    """An expanded tensor view in an object's saved state: its ``load_state_dict`` (a user's object, unchecked
+    beyond this) would hold a few bytes that any use materialises into gigabytes. Corrupt whatever the object."""
+    found = _schema.expanded_view(saved)
+    if found is not None:
+        path, t = found
+        raise CheckpointCorruptError(f"{where}{path} holds an expanded tensor view (shape {tuple(t.shape)[:8]}, "
+                                     f"strides {t.stride()[:8]}); expected densely stored state")
 
 
 check_entries = _check_entries

@@ -247,14 +247,15 @@ def snapshot(value: Any, *, clone: bool, staging: dict[tuple[Any, ...], torch.Te
 
 
 def refuse_views(value: Any, path: str) -> None:
-    """Plain data must hold no expanded tensor view: load refuses one (it goes to the user as loaded, and its first
-    use could materialise a few bytes into gigabytes), so it is refused here, at save."""
+    """Plain data and an object's state must hold no expanded tensor view: load refuses one (plain data goes to the
+    user as loaded, an object's state to its ``load_state_dict``, and a first use could materialise a few bytes into
+    gigabytes), so it is refused here, at save."""
     found = _schema.expanded_view(value)
     if found is not None:
         where, t = found
         raise CheckpointError(
             f"checkpoint value {path}{where} is an expanded tensor view (shape {tuple(t.shape)[:8]}, strides "
-            f"{t.stride()[:8]}: more elements than the storage it spans), which load refuses in plain data. "
+            f"{t.stride()[:8]}: more elements than the storage it spans), which load refuses. "
             "Fix: save value.clone() (or .contiguous()), or the small tensor it was expanded from.")
 
 

@@ -20,6 +20,7 @@ import errno
 import io
 import os
 import stat
+import struct
 import zipfile
 from typing import Any, BinaryIO
 
@@ -171,10 +172,12 @@ def check_torch_zip(fh: BinaryIO, where: str, *, offset: int = 0, length: int | 
     if head != b"PK\x03\x04":  # torch.load reads a file not starting so as a legacy pickle: not what is checked here
         raise CheckpointCorruptError(f"{where}: not a torch zip file (it does not start with a zip header: found "
                                      f"{head!r}; torch.load would read whatever precedes a zip as a legacy pickle)")
+    _check_directory(fh, offset, length, where)
     try:
         with zipfile.ZipFile(io.BufferedReader(_Window(fh, offset, length))) as archive:
             members = archive.infolist()
             _check_members(members, length, where)
+            _check_layout(members, archive.start_dir, where)
             pickles = [m for m in members if m.filename.endswith("/data.pkl") or m.filename == "data.pkl"]
             if len(pickles) != 1:
                 raise CheckpointCorruptError(f"{where}: holds {len(pickles)} data.pkl records; expected one")
@@ -183,7 +186,57 @@ def check_torch_zip(fh: BinaryIO, where: str, *, offset: int = 0, length: int | 
         raise CheckpointCorruptError(f"{where}: not a torch zip file ({str(e)[:200]})") from None
     finally:
         fh.seek(offset)
-    scan(data, where, MAX_PICKLE_TREE)
+    scan(data, where, MAX_PICKLE_TREE, file_size=length)
+
+
+_EOCD = struct.Struct("<4sHHHHIIH")  # the end-of-central-directory record
+_Z64_LOCATOR = struct.Struct("<4sIQI")
+_Z64_EOCD = struct.Struct("<4sQHHIIQQQQ")
+_MAX_CD_ENTRY = 46 + 1024 + 64  # a central directory entry: fixed part, a name, a zip64 extra
+_MAX_LOCAL_OVERHEAD = 30 + 256  # a local header's fixed part and extras (torch's alignment padding, zip64), a descriptor
+
+
+def _check_directory(fh: BinaryIO, offset: int, length: int, where: str) -> None:
+    """Read the zip's end records from its last bytes and check its central directory *before* ``zipfile`` reads
+    it (``zipfile`` reads as many bytes as the end record declares: a sparse file claiming a central directory of
+    gigabytes would cost gigabytes): the directory must end where torch puts it (right before the zip64 end
+    record, or the end record), and be no bigger than its entries can be."""
+    tail_len = min(length, _EOCD.size + 0xFFFF + _Z64_LOCATOR.size + _Z64_EOCD.size)
+    fh.seek(offset + length - tail_len)
+    tail = fh.read(tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < _EOCD.size:
+        raise CheckpointCorruptError(f"{where}: not a torch zip file (no end-of-central-directory record)")
+    _, _, _, _, entries, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
+    eocd = length - (len(tail) - at)
+    end_of_cd = eocd
+    if at >= _Z64_LOCATOR.size and tail[at - _Z64_LOCATOR.size:at - _Z64_LOCATOR.size + 4] == b"PK\x06\x07":
+        _, _, z64_at, _ = _Z64_LOCATOR.unpack_from(tail, at - _Z64_LOCATOR.size)
+        rel = z64_at - (length - len(tail))
+        if not 0 <= rel <= len(tail) - _Z64_EOCD.size or tail[rel:rel + 4] != b"PK\x06\x06":
+            raise CheckpointCorruptError(f"{where}: not a torch zip file (its zip64 end record is not where its "
+                                         "locator says)")
+        _, _, _, _, _, _, _, entries, cd_size, cd_offset = _Z64_EOCD.unpack_from(tail, rel)
+        end_of_cd = z64_at
+    if comment or cd_offset + cd_size != end_of_cd or cd_size > entries * _MAX_CD_ENTRY \
+            or entries > length // 30:
+        raise CheckpointCorruptError(
+            f"{where}: not a torch zip file (its central directory of {cd_size} bytes for {entries} entries at byte "
+            f"{cd_offset} does not end at its end record, byte {end_of_cd}, or is larger than its entries can be)")
+
+
+def _check_layout(members: list[zipfile.ZipInfo], start_dir: int, where: str) -> None:
+    """torch writes its members back to back, then the central directory: a gap (a hole of a sparse file, bytes
+    no member accounts for) is not a file torch wrote."""
+    end = 0
+    for m in sorted(members, key=lambda m: m.header_offset):
+        if m.header_offset > end:
+            raise CheckpointCorruptError(f"{where}: not a torch zip file ({m.header_offset - end} bytes before "
+                                         f"{m.filename!r:.80} belong to no member)")
+        end = max(end, m.header_offset + _MAX_LOCAL_OVERHEAD + len(m.filename.encode()) + m.compress_size)
+    if start_dir > end:
+        raise CheckpointCorruptError(f"{where}: not a torch zip file ({start_dir - end} bytes before its central "
+                                     "directory belong to no member)")
 
 
 def _check_members(members: list[zipfile.ZipInfo], length: int, where: str) -> None:

@@ -258,7 +258,11 @@ def check_size(where: str, value: Any, limit: int) -> None:
 def overlapping(t: torch.Tensor) -> bool:
     """True when ``t`` has more elements than the storage its strides span (an expanded view): casting or
     copying it (as an optimizer's ``load_state_dict`` does) would materialise a few bytes into gigabytes."""
-    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.numel() <= 1:
+    if t.layout != torch.strided or t.is_nested or t.numel() <= 1:
         return False
-    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    try:  # a quantized tensor has strides too (an expanded quantized view dequantizes to its full size)
+        strides = t.stride()
+    except RuntimeError:
+        return False
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, strides))
     return t.numel() > span

@@ -55,7 +55,7 @@ def collect(state: dict[str, Any], per_rank: dict[str, Any] | None, *, rank: int
             continue
         kind, entry = _payload.entry_state(name, value)
         entry = _payload.plain(entry, f"state[{name!r}]", shared)
-        if kind == "data":
+        if kind != "module":  # load refuses them in plain data and in an object's state (a module's copy is bounded)
             _payload.refuse_views(entry, f"state[{name!r}]")
         out.kinds[name] = kind
         if rank == 0:
@@ -64,5 +64,7 @@ def collect(state: dict[str, Any], per_rank: dict[str, Any] | None, *, rank: int
     for name, value in (per_rank or {}).items():
         kind, entry = _payload.entry_state(name, value)
         entry = _payload.plain(entry, f"per_rank[{name!r}]", own)
+        if kind != "module":
+            _payload.refuse_views(entry, f"per_rank[{name!r}]")
         out.mine["per_rank"][name] = _payload.snapshot(entry, clone=clone, staging=staging, key=("p", name))
     return out

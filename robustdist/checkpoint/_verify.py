@@ -65,6 +65,8 @@ def verify_step(step_dir: str, step: int | None = None) -> dict[str, Any]:
             for entry, kind in kinds.items():
                 if kind == "stateful":
                     _refuse_state_views(path, entry, payload[entry])
+                elif kind == "module":
+                    _refuse_module_tensors(path, entry, payload[entry])
         else:
             _schema.check_rank_payload(path, payload)
             for entry, value in payload["per_rank"].items():
@@ -75,19 +77,37 @@ def verify_step(step_dir: str, step: int | None = None) -> dict[str, Any]:
 
 
 def _refuse_state_views(path: str, entry: str, value: Any) -> None:
-    """An object's state holding a tensor load refuses against any live value (an expanded view, which casting
-    would materialise; a quantized, nested, sparse or meta tensor) is corrupt whatever the live object is."""
-    stack: list[tuple[str, Any]] = [("", value)]
+    """What load refuses in an object's state whatever the live object: an expanded view anywhere (casting or
+    copying it would materialise it); and in an optimizer's per-parameter state, any tensor that is not dense
+    (a quantized, nested, sparse or meta tensor), as the live optimizer check does."""
+    found = _schema.expanded_view(value)
+    if found is not None:
+        where, t = found
+        raise CheckpointCorruptError(f"{path}: entry {entry!r}{where} holds an expanded tensor view (shape "
+                                     f"{tuple(t.shape)[:8]}, strides {t.stride()[:8]}); expected densely stored state")
+    if not (isinstance(value, dict) and isinstance(value.get("state"), dict) and "param_groups" in value):
+        return
+    stack: list[tuple[str, Any]] = [("['state']", value["state"])]
     while stack:
         where, item = stack.pop()
         if isinstance(item, torch.Tensor):
-            problem = _live.tensor_problem(item)
+            problem = _live.tensor_problem(item, "optimizer state")
             if problem:
                 raise CheckpointCorruptError(f"{path}: entry {entry!r}{where} {problem}")
         elif isinstance(item, dict):
             stack.extend((f"{where}[{k!r:.40}]", v) for k, v in item.items())
         elif isinstance(item, (list, tuple)):
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(item))
+
+
+def _refuse_module_tensors(path: str, entry: str, state: dict[str, Any]) -> None:
+    """What ``load_model_state_dict``'s checks refuse for any ordinary (dense) live module: a meta, nested or
+    non-strided (sparse) saved tensor. (A quantized one fits a quantized live module only: a live check.)"""
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and (t.is_nested or t.device.type == "meta" or t.layout != torch.strided):
+            raise CheckpointCorruptError(f"{path}: entry {entry!r} holds the tensor {name!r:.80}, a {t.layout} "
+                                         f"{t.device.type}{' nested' if t.is_nested else ''} tensor; a module's "
+                                         "state loads only dense tensors")
 
 
 def _verify_items(step_dir: str, metadata: Any) -> None:

@@ -175,10 +175,17 @@ def _loader_class() -> type:
 
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # << merges; an explicit key may override them
-                    continue
-                key = self.construct_object(key_node, deep=False)
+            merged = self._merged_sections(node)
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    key = "<<"  # a merge given twice: the second replaces the first silently too
+                else:
+                    key = self.construct_object(key_node, deep=False)
+                    if isinstance(value_node, yaml.MappingNode) and merged.get(key) is not None:
+                        raise _Limit(f"replaces the section {str(key)[:80]!r} merged in with << (line "
+                                     f"{merged[key]}) by the one at line {key_node.start_mark.line + 1}; a merge is "
+                                     "shallow, so the merged section's other fields would be dropped silently. "
+                                     "Fix: write the section once")
                 try:
                     first = seen.get(key)
                 except TypeError:  # an unhashable key: SafeLoader refuses it itself
@@ -191,6 +198,24 @@ def _loader_class() -> type:
                                  "last one silently, a second section replacing the first whole). Fix: merge the "
                                  "two into one")
             return super().construct_mapping(node, deep=deep)
+
+        def _merged_sections(self, node: Any) -> dict[Any, int]:
+            """Keys whose value is a mapping, in what this mapping merges in with ``<<`` -> their line."""
+            found: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag != "tag:yaml.org,2002:merge":
+                    continue
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source in sources:
+                    if not isinstance(source, yaml.MappingNode):
+                        continue
+                    for k, v in source.value:
+                        if isinstance(v, yaml.MappingNode) and k.tag != "tag:yaml.org,2002:merge":
+                            try:
+                                found[self.construct_object(k, deep=False)] = k.start_mark.line + 1
+                            except TypeError:
+                                continue
+            return found
 
     BoundedSafeLoader.add_constructor("tag:yaml.org,2002:int", BoundedSafeLoader.construct_bounded_int)
     return BoundedSafeLoader
@@ -219,7 +244,7 @@ def load_yaml(path: str | os.PathLike[str]) -> Any:
         raise ConfigError(f"the YAML config {shown} {e}.") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"the YAML config {shown} does not parse: {_detail(e)}. Fix: correct the YAML syntax.") from e
-    except (RecursionError, MemoryError, OverflowError, ValueError, TypeError) as e:
+    except Exception as e:  # RecursionError, ValueError, and what a crafted tag makes a constructor raise
         raise ConfigError(
             f"the YAML config {shown} cannot be loaded: {type(e).__name__}: {_detail(e)}; expected a small YAML "
             "mapping of config sections. Fix: correct the value the error names."

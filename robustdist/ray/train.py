@@ -178,11 +178,12 @@ def _owner(name: str, world_size: int) -> int:
     return 0
 
 
-def _stage(step_dir: str, rel: str, dst: str, size: int | None) -> None:
-    """Put the committed file ``<step_dir>/<rel>`` at ``dst`` for Ray to upload: opened confined (no link at any
-    level, a regular file, the size its manifest records), refused if it has other names (a hard link to a file
-    elsewhere), then linked from the open descriptor, so what Ray uploads is the file checked, not whatever a
-    swap put at the name since (copied when the filesystem cannot link)."""
+def _stage(step_dir: str, rel: str, stage: Any, size: int | None) -> None:
+    """Put the committed file ``<step_dir>/<rel>`` into ``stage`` (a :class:`~robustdist.checkpoint._confined.
+    Confined` staging directory) for Ray to upload: opened confined (no link at any level, a regular file, the size
+    its manifest records), refused if it has other names (a hard link to a file elsewhere), then given its name in
+    the stage from the open descriptor, so what Ray uploads is the file checked, not whatever a swap put at the
+    name since; the stage's subdirectories are walked without following links too."""
     from robustdist.checkpoint._safeio import open_in
     from robustdist.checkpoint._schema import MAX_MANIFEST_BYTES
     from robustdist.runtime.errors import CheckpointCorruptError
@@ -194,16 +195,17 @@ def _stage(step_dir: str, rel: str, dst: str, size: int | None) -> None:
                 f"{os.path.join(step_dir, rel)}: has {links} names (a hard link, possibly to a file outside the "
                 "checkpoint); refused, so nothing but the files robustdist committed reaches Ray's storage. Fix: "
                 "remove it; the next save writes a new checkpoint.")
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        try:  # linkat(AT_SYMLINK_FOLLOW) through /proc/self/fd: this inode, not what is at the name now
-            proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.link(str(fh.fileno()), dst, src_dir_fd=proc, follow_symlinks=True)
-            finally:
-                os.close(proc)
-        except OSError:  # no /proc, or another filesystem: copy from the descriptor checked
-            with open(dst, "xb") as out:
-                shutil.copyfileobj(fh, out, 1 << 20)
+        parts = rel.split("/")
+        opened = []
+        try:
+            folder = stage
+            for part in parts[:-1]:
+                folder = folder.sub(part, create=True)
+                opened.append(folder)
+            folder.adopt(fh, parts[-1])
+        finally:
+            for inner in opened:
+                inner.close()
 
 
 def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any], *, rank: int,
@@ -224,9 +226,12 @@ def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any
             shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
     stage = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
-        for rel in files + (["manifest.json"] if rank == 0 else []):
-            entry = manifest.get("files", {}).get(rel)
-            _stage(step_dir, rel, os.path.join(stage, rel), entry.get("size") if isinstance(entry, dict) else None)
+        from robustdist.checkpoint._confined import Confined
+
+        with Confined(stage) as confined:
+            for rel in files + (["manifest.json"] if rank == 0 else []):
+                entry = manifest.get("files", {}).get(rel)
+                _stage(step_dir, rel, confined, entry.get("size") if isinstance(entry, dict) else None)
         checkpoint = ray.train.Checkpoint.from_directory(stage) if os.listdir(stage) else None
         ray.train.report(dict(metrics), checkpoint=checkpoint, checkpoint_dir_name=name)
     finally:

@@ -217,7 +217,7 @@ def test_a_quantized_expanded_optimizer_state_is_refused(tmp_path):
     quant = torch.quantize_per_tensor(torch.zeros(1), 0.1, 0, torch.quint8).expand(2**31)
     payload["optimizer"]["state"] = {0: {"exp_avg": quant}}
     forge(tmp_path / STEP2, "replicated.pt", _torch_bytes(payload))
-    _falls_back(tmp_path, "quantized tensor; expected dense optimizer state",
+    _falls_back(tmp_path, "holds an expanded tensor view",
                 optimizer=torch.optim.Adam(torch.nn.Linear(4, 2).parameters()))
 
 
@@ -313,3 +313,67 @@ def test_an_old_copy_beyond_the_largest_step_is_not_a_step(tmp_path):
         assert ckpt.steps() == [1, 2]
         ckpt.save(3, state_for(3))  # the writer's clean-up removes it; it is never put back as a step
     assert not (tmp_path / "step_99999999999999999999").exists()
+
+
+def _sparse_forge(step_dir, name: str, pieces: list[tuple[int, bytes]], size: int) -> None:
+    """Write ``name`` as a sparse file of ``size`` bytes holding ``pieces`` (offset, bytes), its manifest entry
+    re-checksummed (a CRC-32 over the holes too), as an attacker who can write the directory would."""
+    import json
+    import zlib
+
+    path = step_dir / name
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+        for offset, data in pieces:
+            fh.seek(offset)
+            fh.write(data)
+    crc, pos, zeros = 0, 0, bytes(16 << 20)
+    for offset, data in sorted(pieces) + [(size, b"")]:
+        while pos < offset:
+            chunk = min(len(zeros), offset - pos)
+            crc, pos = zlib.crc32(zeros[:chunk], crc), pos + chunk
+        crc, pos = zlib.crc32(data, crc), pos + len(data)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"][name] = {"size": size, "crc32": f"{crc:08x}"}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _peak_growth(fn) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    assert before < 1 << 30, "this measurement needs a process that has stayed under 1 GiB"
+    fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before
+
+
+HOLE = 512 << 20
+
+
+def test_a_sparse_file_declaring_a_huge_central_directory_costs_no_memory(tmp_path):
+    """zipfile reads as many bytes as the end record declares: 512 MiB of a file that takes 8 KiB of disk."""
+    import struct
+
+    step2 = two_steps(tmp_path)
+    size = 4 + HOLE + 22
+    end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, size - 4 - 22, 4, 0)
+    _sparse_forge(step2, "replicated.pt", [(0, b"PK\x03\x04"), (size - 22, end)], size)
+    grew = _peak_growth(lambda: _falls_back(tmp_path, "its central directory of"))
+    assert grew < 128 << 20, f"peak memory grew by {grew >> 20} MiB for a sparse file of {size >> 20} MiB"
+
+
+def test_a_real_torch_zip_with_a_hole_before_its_directory_is_refused(tmp_path):
+    """A valid torch zip with 512 MiB of nothing inserted before its central directory (end records moved to
+    match): every member and the CRC are right, but no member accounts for the hole."""
+    import struct
+
+    step2 = two_steps(tmp_path)
+    raw = (step2 / "replicated.pt").read_bytes()
+    start = zipfile.ZipFile(io.BytesIO(raw)).start_dir
+    tail = bytearray(raw[start:])
+    z64, loc, eocd = tail.rfind(b"PK\x06\x06"), tail.rfind(b"PK\x06\x07"), tail.rfind(b"PK\x05\x06")
+    struct.pack_into("<Q", tail, z64 + 48, struct.unpack_from("<Q", tail, z64 + 48)[0] + HOLE)  # directory offset
+    struct.pack_into("<Q", tail, loc + 8, struct.unpack_from("<Q", tail, loc + 8)[0] + HOLE)  # zip64 end record
+    struct.pack_into("<I", tail, eocd + 16, struct.unpack_from("<I", tail, eocd + 16)[0] + HOLE)
+    _sparse_forge(step2, "replicated.pt", [(0, raw[:start]), (start + HOLE, bytes(tail))], len(raw) + HOLE)
+    zipfile.ZipFile(step2 / "replicated.pt").testzip()  # the control: a zip every member of which is intact
+    grew = _peak_growth(lambda: _falls_back(tmp_path, "bytes before its central directory belong to no member"))
+    assert grew < 128 << 20

@@ -111,6 +111,9 @@ PAYLOAD_CASES = [
      "entry 'weights' is an expanded tensor view (shape (262144, 262144), strides (0, 0)"),
     ("replicated.pt", _torch_bytes({"weights": torch.zeros(16), "meta": {"step": [torch.ones(2).expand(4, 2)]}}),
      "entry 'meta'['step'][0] is an expanded tensor view"),
+    ("replicated.pt", _torch_bytes({"weights": torch.as_strided(torch.quantize_per_tensor(
+        torch.zeros(1), 0.1, 0, torch.quint8), (1 << 28,), (0,)), "meta": {"step": 2}}),
+     "entry 'weights' is an expanded tensor view (shape (268435456,)"),
     # a pickle before a valid zip: zipfile finds the zip at the end, torch.load would unpickle the prefix instead
     ("replicated.pt", pickle.dumps({"meta": {"step": 2}}, protocol=2) + _torch_bytes({"meta": {"step": 2}}),
      "it does not start with a zip header"),
@@ -133,6 +136,16 @@ def test_an_expanded_view_in_plain_data_is_refused_at_save_as_at_load(tmp_path):
                                                   r"Fix: save value\.clone\(\)"):
             ckpt.save(2, {"weights": torch.zeros(16), "meta": {"cache": torch.zeros(1).expand(64, 64)}})
         ckpt.save(3, {"weights": torch.zeros(16), "meta": {"cache": torch.zeros(1).expand(64, 64).clone()}})
+
+        class Holder:  # an object's state goes to its own load_state_dict: load refuses views there too
+            def state_dict(self):
+                return {"buf": torch.zeros(1).expand(64)}
+
+            def load_state_dict(self, state):
+                pass
+
+        with pytest.raises(CheckpointError, match=r"state\['holder'\]\['buf'\] is an expanded tensor view"):
+            ckpt.save(4, {"weights": torch.zeros(16), "holder": Holder()})
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [STEP1, "step_0000000003"]
 
 

@@ -126,6 +126,22 @@ def test_a_key_given_twice_is_a_config_error_naming_both_lines(tmp_path, text, k
     assert "Fix: merge the two into one" in message
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("checkpoint:\n  <<: {keep_last: 3}\n  <<: {keep_last: 7}\n", "has the key '<<' twice in one mapping (lines 2 and 3)"),
+    ("<<: {checkpoint: {dir: /a, keep_last: 5}}\ncheckpoint: {dir: /b}\n",
+     "replaces the section 'checkpoint' merged in with << (line 1) by the one at line 2"),
+], ids=["two-merges", "merged-section-replaced"])
+def test_a_merge_that_would_drop_values_silently_is_a_config_error(tmp_path, text, expected):
+    assert expected in _load_error(_yaml(tmp_path, text))
+
+
+@pytest.mark.parametrize("text", ["checkpoint: {keep_last: !!bool maybe}\n", "checkpoint: {keep_last: !!int }\n",
+                                  "checkpoint: {keep_last: !!int _}\n", "data: {seed: !!timestamp x}\n"],
+                         ids=["bool", "int-empty", "int-underscore", "timestamp"])
+def test_a_tag_whose_constructor_fails_is_a_config_error(tmp_path, text):
+    assert "cannot be loaded:" in _load_error(_yaml(tmp_path, text))
+
+
 def test_merge_keys_may_still_be_overridden(tmp_path):
     text = "base: &b {seed: 1, drop_last: false}\ndata:\n  <<: *b\n  seed: 2\n"
     from robustdist.config.io import load_yaml

@@ -155,3 +155,37 @@ def test_sharded_checkpoints_get_one_verdict(tmp_path, case):
     assert not marker.exists()
     if case == "bytes-item-code":
         assert "holds objects robustdist never writes" in reason
+
+
+class _Holder:
+    """A user's object with a state dict, restored through its own load_state_dict (nothing else checks it)."""
+
+    def __init__(self) -> None:
+        self.buf = torch.zeros(8)
+
+    def state_dict(self) -> dict:
+        return {"buf": self.buf}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buf = state["buf"]
+
+
+@pytest.mark.parametrize("case", ["module-meta", "module-sparse", "object-expanded"])
+def test_object_and_module_state_get_one_verdict(tmp_path, case):
+    model, holder = torch.nn.Linear(4, 2), _Holder()
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": model, "holder": holder})
+        ckpt.save(2, {"model": model, "holder": holder})
+
+    def damage(p: Any) -> None:
+        if case == "module-meta":
+            p["model"]["weight"] = torch.empty(2, 4, device="meta")
+        elif case == "module-sparse":
+            p["model"]["weight"] = torch.zeros(2, 4).to_sparse()
+        else:
+            p["holder"]["buf"] = torch.zeros(1).expand(1 << 30)
+    _edit("replicated.pt", damage)(tmp_path / STEP2, tmp_path)
+    live = _Holder()
+    fell_back, corrupt, reason = _verdicts(tmp_path, {"model": torch.nn.Linear(4, 2), "holder": live})
+    assert fell_back and corrupt, reason
+    assert live.buf.numel() == 8  # the step-1 state, never the 2**30-element view
