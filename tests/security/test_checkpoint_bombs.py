@@ -377,3 +377,49 @@ def test_a_real_torch_zip_with_a_hole_before_its_directory_is_refused(tmp_path):
     zipfile.ZipFile(step2 / "replicated.pt").testzip()  # the control: a zip every member of which is intact
     grew = _peak_growth(lambda: _falls_back(tmp_path, "bytes before its central directory belong to no member"))
     assert grew < 128 << 20
+
+
+OPCODE_BOMB = r"""
+import io, json, resource, sys, warnings, zipfile, zlib
+from pathlib import Path
+import torch
+from robustdist.checkpoint import AtomicCheckpointer
+from tests.security._forge import forge, two_steps
+
+directory, body = Path(sys.argv[1]), {"memo": b"}" + b"\x94" * 7_600_000, "dict": b"(" + b"}" * 7_600_000,
+                                      "mark": b"(" * 7_600_000}[sys.argv[2]]
+buf = io.BytesIO()
+with zipfile.ZipFile(buf, "w") as z:
+    z.writestr("archive/data.pkl", b"\x80\x04" + body + b".")
+step2 = two_steps(directory)
+forge(step2, "replicated.pt", buf.getvalue())
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    with AtomicCheckpointer(directory) as ckpt:
+        step = ckpt.load(state={"weights": torch.zeros(16)}).step
+grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before
+print(json.dumps({"step": step, "grew": grew, "size": len(buf.getvalue()), "warning": str(seen[0].message)}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["memo", "dict", "mark"])
+def test_one_byte_opcodes_cost_memory_in_proportion_to_the_file(tmp_path, kind):
+    """7.6 MiB of MEMOIZE, EMPTY_DICT or MARK opcodes: the peak memory of the whole load (in a fresh process) per
+    byte of the file stays within the opcode pass's budget (10 bytes per byte, at least 32 MiB) plus slack; before
+    the budget, MEMOIZE and EMPTY_DICT cost 400-650 MB."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from robustdist.checkpoint._pickle_scan import BUDGET_PER_BYTE, MIN_BUDGET
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", OPCODE_BOMB, str(tmp_path / "ckpt"), kind], capture_output=True,
+                          text=True, timeout=240, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["step"] == 1 and "replicated.pt" in out["warning"], out
+    bound = max(MIN_BUDGET, BUDGET_PER_BYTE * out["size"]) + (32 << 20)  # + the interpreter's own slack
+    assert out["grew"] < bound, f"{kind}: {out['grew'] / out['size']:.1f} bytes of peak memory per byte of the file"
