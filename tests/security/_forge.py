@@ -43,6 +43,18 @@ def two_steps(directory: Path) -> Path:
     return directory / STEP2
 
 
+def adam_two_steps(directory: Path) -> Path:
+    """Steps 1 and 2 holding a Linear model and its Adam optimizer after one step; returns step 2's directory."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with AtomicCheckpointer(directory) as ckpt:
+        ckpt.save(1, {"model": model, "optimizer": opt})
+        ckpt.save(2, {"model": model, "optimizer": opt})
+    return directory / STEP2
+
+
 def manifest_of(step_dir: Path) -> dict[str, Any]:
     return json.loads((step_dir / "manifest.json").read_text())
 

@@ -19,6 +19,7 @@ from robustdist.checkpoint._sharded import check_metadata
 from robustdist.runtime.errors import CheckpointError, RobustDistWarning
 from tests.security._forge import (
     STEP2,
+    adam_two_steps,
     forge,
     one_rank_group,
     sharded_pair,
@@ -79,13 +80,7 @@ def test_a_compressed_payload_is_refused_before_it_inflates(tmp_path):
 
 
 def test_an_expanded_optimizer_state_is_refused_before_casting_materialises_it(tmp_path):
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    with AtomicCheckpointer(tmp_path) as ckpt:
-        ckpt.save(1, {"model": model, "optimizer": opt})
-        ckpt.save(2, {"model": model, "optimizer": opt})
+    adam_two_steps(tmp_path)
     payload = torch.load(tmp_path / STEP2 / "replicated.pt", weights_only=True)
     payload["optimizer"]["state"][0]["exp_avg"] = torch.zeros(1, dtype=torch.float64).expand(2**29)
     forge(tmp_path / STEP2, "replicated.pt", _torch_bytes(payload))

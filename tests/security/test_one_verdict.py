@@ -23,6 +23,7 @@ import torch
 from robustdist.checkpoint import AtomicCheckpointer, verify_all
 from tests.security._forge import (
     STEP2,
+    adam_two_steps,
     evil_pickle,
     evil_torch_file,
     forge,
@@ -126,13 +127,7 @@ def test_plain_checkpoints_get_one_verdict(tmp_path, case):
 
 
 def test_an_expanded_optimizer_state_gets_one_verdict(tmp_path):
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    with AtomicCheckpointer(tmp_path) as ckpt:
-        ckpt.save(1, {"model": model, "optimizer": opt})
-        ckpt.save(2, {"model": model, "optimizer": opt})
+    adam_two_steps(tmp_path)
     _edit("replicated.pt", lambda p: p["optimizer"]["state"][0].__setitem__(
         "exp_avg", torch.zeros(1, dtype=torch.float64).expand(2**29)))(tmp_path / STEP2, tmp_path)
     fresh = torch.nn.Linear(4, 2)
