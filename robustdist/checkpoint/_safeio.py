@@ -178,22 +178,22 @@ def check_torch_zip(fh: BinaryIO, where: str, *, offset: int = 0, length: int | 
             members = archive.infolist()
             _check_members(members, length, where)
             _check_layout(members, archive.start_dir, where)
-            pickles = [m for m in members if m.filename.endswith("/data.pkl") or m.filename == "data.pkl"]
-            if len(pickles) != 1:
-                raise CheckpointCorruptError(f"{where}: holds {len(pickles)} data.pkl records; expected one")
-            data = archive.read(pickles[0])
+            record = _the_pickle(members, where)
+            data = _stored_bytes(fh, offset, record, where)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError) as e:
         raise CheckpointCorruptError(f"{where}: not a torch zip file ({str(e)[:200]})") from None
     finally:
         fh.seek(offset)
-    scan(data, where, MAX_PICKLE_TREE, file_size=length)
+    scan(data, where, MAX_PICKLE_TREE)
 
 
 _EOCD = struct.Struct("<4sHHHHIIH")  # the end-of-central-directory record
 _Z64_LOCATOR = struct.Struct("<4sIQI")
 _Z64_EOCD = struct.Struct("<4sQHHIIQQQQ")
 _MAX_CD_ENTRY = 46 + 1024 + 64  # a central directory entry: fixed part, a name, a zip64 extra
-_MAX_LOCAL_OVERHEAD = 30 + 256  # a local header's fixed part and extras (torch's alignment padding, zip64), a descriptor
+_MAX_LOCAL_OVERHEAD = 30 + 256 + (64 << 10)
+"""A local header's fixed part, its extras (zip64, torch's alignment padding: torch.utils.serialization's
+``storage_alignment`` may be set up to 64 KiB) and a data descriptor."""
 
 
 def _check_directory(fh: BinaryIO, offset: int, length: int, where: str) -> None:
@@ -237,6 +237,43 @@ def _check_layout(members: list[zipfile.ZipInfo], start_dir: int, where: str) ->
     if start_dir > end:
         raise CheckpointCorruptError(f"{where}: not a torch zip file ({start_dir - end} bytes before its central "
                                      "directory belong to no member)")
+
+
+def _the_pickle(members: list[zipfile.ZipInfo], where: str) -> zipfile.ZipInfo:
+    """The record ``torch.load`` unpickles: ``data.pkl`` under the archive name (the first member's first path
+    part), which torch looks up *without regard to case*. Two names equal but for case are refused (the scan
+    would check one and torch might read the other: ``archive/DATA.PKL`` beside a harmless ``archive/x/data.pkl``
+    was a way past the scan), as is any other count of candidates than one."""
+    lowered: dict[str, str] = {}
+    for m in members:
+        other = lowered.setdefault(m.filename.lower(), m.filename)
+        if other != m.filename:
+            raise CheckpointCorruptError(f"{where}: holds {other!r:.80} and {m.filename!r:.80}, names equal but for "
+                                         "case (torch reads records without regard to case); torch.save never writes "
+                                         "such a pair")
+    prefix = members[0].filename.split("/", 1)[0].lower() if members else ""
+    pickles = [m for m in members if m.filename.lower() in (f"{prefix}/data.pkl", "data.pkl")]
+    stray = [m.filename for m in members if m.filename.lower().endswith("data.pkl") and m not in pickles]
+    if len(pickles) != 1 or stray:
+        raise CheckpointCorruptError(f"{where}: holds {len(pickles)} data.pkl records under its archive name "
+                                     f"{prefix!r:.80} and {len(stray)} elsewhere; expected exactly one")
+    return pickles[0]
+
+
+def _stored_bytes(fh: BinaryIO, offset: int, m: zipfile.ZipInfo, where: str) -> bytes:
+    """A stored member's bytes, read from after its local header, without checking its CRC-32 (torch may be told
+    not to compute one: ``torch.utils.serialization.config.save.compute_crc32 = False``; the manifest's checksum
+    covers the file)."""
+    fh.seek(offset + m.header_offset)
+    head = fh.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise CheckpointCorruptError(f"{where}: not a torch zip file (no local header for {m.filename!r:.80})")
+    name_len, extra_len = struct.unpack_from("<HH", head, 26)
+    fh.seek(offset + m.header_offset + 30 + name_len + extra_len)
+    data = fh.read(m.file_size)
+    if len(data) != m.file_size:
+        raise CheckpointCorruptError(f"{where}: not a torch zip file ({m.filename!r:.80} is cut short)")
+    return data
 
 
 def _check_members(members: list[zipfile.ZipInfo], length: int, where: str) -> None:
