@@ -274,8 +274,8 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
         except CheckpointCorruptError as e:
             problems.append((source, str(e)[:500]))
         except (OSError, MemoryError) as e:  # an I/O error, or memory short: that copy cannot be used here
-            problems.append((source, f"{holding.path if 'holding' in locals() else source}: could not be read "
-                                     f"({type(e).__name__}: {str(e)[:300]})"))
+            problems.append((source, f"{_describe(source, step)}: could not be read ({type(e).__name__}: "
+                                     f"{str(e)[:300]})"))
     if _exclude(tier, step, c.all_gather(problems, "local read"), excluded):
         return None
     # step 4: move the bytes (point to point: each payload to its owner, the replicated entries to the ranks of
