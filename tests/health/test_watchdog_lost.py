@@ -100,7 +100,8 @@ def _stuck_here(seconds: float) -> None:
 
 def _dead_and_behind(rank: int, out: str) -> int:
     """Rank 2 (node 1) dies at STOP_STEP; rank 1 is stuck in _stuck_here; rank 0 waits for rank 1 in a
-    collective of their own group (so no connection to the dead rank is involved)."""
+    collective of their own group (so no connection to the dead rank is involved). Ranks 0 and 1 beat
+    STOP_STEP only once rank 2 is dead, so the verdict does not depend on how the machine schedules its death."""
     _setup_rank(rank, out)
     pair = dist.new_group([0, 1])
     wd = Watchdog(T, dump_dir=os.path.join(out, "dumps"))
@@ -109,10 +110,16 @@ def _dead_and_behind(rank: int, out: str) -> int:
         wd.beat(step)
         wd.beat()
         dist.all_reduce(t)
-    wd.beat(STOP_STEP)
     if rank == 2:
+        wd.beat(STOP_STEP)
         _write(out, "stopped2", repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
+    # The survivors' last beats come after rank 2 is gone, so when their watchdog fires (T s later) rank 2's
+    # last heartbeat is older than the 3 s "lost" threshold however late a loaded machine scheduled its death.
+    dead = int(_wait_for(lambda: _read(out, "pid2") if _read(out, "stopped2") else None, time.time() + 60,
+                         "rank 2 to stop"))
+    _wait_for(lambda: not _running(dead), time.time() + 60, "rank 2 to die")
+    wd.beat(STOP_STEP)
     if rank == 1:
         _stuck_here(T + 8)
     wd.beat()
