@@ -50,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -74,8 +75,8 @@ from robustdist.init.process_group import (
     destroy_process_group_if_owned,
     safe_init_process_group,
 )
-from robustdist.parallel import fsdp
-from robustdist.parallel.ddp import wrap_ddp
+from robustdist.parallel import fsdp, fsdp_wrap
+from robustdist.parallel.ddp import HF_TRAINER_FIX, wrap_ddp
 from robustdist.ray import train as _ray_train
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
@@ -239,8 +240,26 @@ def _refuse_wrapped(model: Any, topo: Topology) -> str | None:
 def _accelerate_verdict(model: Any, wrapper: str | None, processes: int, rank: int | None) -> bool:
     """An Accelerator exists in this process: it owns DDP and the data sharding, and harden composes with it (keeps
     the model as prepared, adds the watchdog, step guard and checkpoints). A bare model under several processes
-    has not been prepared yet (prepare wraps it in DDP there), and a model another framework wrapped is refused."""
+    has not been prepared yet (prepare wraps it in DDP there), and a model another framework wrapped or FSDP2
+    sharded (Accelerate's FSDP plugin) is refused."""
+    if isinstance(model, nn.Module) and (fsdp_wrap.is_fsdp(model) or
+                                         any(type(p).__name__ == "DTensor" for p in model.parameters())):
+        raise ConfigError(
+            f"harden() was given a {fsdp_wrap.class_name(model)} sharded by FSDP2 (fully_shard: Accelerate's FSDP "
+            "plugin, or the script's own) while an Accelerator is in charge of this process; robustdist composes "
+            "with Accelerate's DDP and single-process paths only (its step guard, watchdog and checkpoints assume "
+            "whole parameters on every rank). Expected the model accelerator.prepare returned without an FSDP "
+            "plugin. Fix: drop the FSDP plugin (Accelerate then uses DDP), or give harden() the bare model with "
+            "distributed.strategy: fsdp and no Accelerator (docs/porting.md, Accelerate).", rank=rank)
     if wrapper is None:
+        if processes > 1 and "transformers.trainer" in sys.modules:
+            raise ConfigError(
+                f"harden() was given a bare {type(model).__name__} while an Accelerator of {processes} processes is "
+                "in charge of this process and transformers' Trainer is loaded (a Trainer makes its Accelerator when "
+                "it is built): a Trainer wraps the model it holds in its own DDP and shards its own loader, so "
+                "harden's DDP would be a second one. Expected harden() without a Trainer. "
+                f"{HF_TRAINER_FIX} If this Accelerator is your own, not a Trainer's: "
+                "accelerator.prepare(model, optimizer, loader) first, then harden() what it returns.", rank=rank)
         if processes > 1:
             raise ConfigError(
                 f"harden() was given a bare {type(model).__name__} while an Accelerator of {processes} processes is "

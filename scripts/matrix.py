@@ -52,7 +52,7 @@ WHEELS = Path(os.environ.get("ROBUSTDIST_WHEEL_CACHE", Path.home() / ".cache" / 
 # What every lane installs beside its torch and Ray (unpinned: the newest each lane's Python takes), but
 # pytest < 9.2: 9.2 ignores pytest-xdist 3.8's groups, which keep the Ray tests on one cluster (constraints.txt).
 COMMON = ["numpy", "packaging", "pyyaml", "pytest<9.2", "hypothesis", "pytest-timeout", "pytest-xdist",
-          "accelerate==1.15.0", "lightning==2.6.6", "setuptools>=64", "wheel"]
+          "accelerate==1.15.0", "lightning==2.6.6", "transformers<5.25", "setuptools>=64", "wheel"]
 
 # name -> (python, torch, ray, why). The floors are the oldest lane's versions; pyproject.toml's ranges are
 # checked against the rendered data (tests/test_versions.py).

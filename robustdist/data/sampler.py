@@ -12,7 +12,8 @@ Only with ``data.auto_sampler`` (the default; ``False`` leaves every sampler exa
 * **No sampler of its own** (what ``DataLoader(shuffle=...)`` builds: a ``RandomSampler`` or
   ``SequentialSampler`` over the dataset) **and more than one rank**: a ``DistributedSampler`` is inserted that
   keeps the loader's shuffle intent (``shuffle=True`` shuffles, ``shuffle=False`` gives contiguous, ordered
-  shards), ``data.seed`` and ``drop_last``.
+  shards), ``data.seed`` and ``drop_last``. It is a :class:`ShardSampler`: torch's sampler, which refuses to be
+  iterated by Accelerate (``accelerator.prepare(h.loader)`` would shard it a second time).
 * **Any other sampler or batch sampler, and more than one rank**: robustdist cannot shard it, so it raises
   a ``ConfigError`` that says exactly what to change.
 * **An** ``IterableDataset``: not sharded (a warning says how to shard the stream).
@@ -22,6 +23,9 @@ What was chosen is logged at INFO.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 from torch.utils.data import (
@@ -60,6 +64,40 @@ def shuffle_intent(sampler: Sampler[Any] | None, dataset: Dataset[Any]) -> bool 
     return None
 
 
+class ShardSampler(DistributedSampler):  # type: ignore[type-arg]
+    """The ``DistributedSampler`` robustdist inserts: torch's, unchanged, except that Accelerate iterating it is
+    refused. ``accelerator.prepare(h.loader)`` (or ``skip_first_batches(h.loader, n)``) builds a loader of its own
+    around this sampler and shards its batches again: each rank would read a fraction of its shard, silently,
+    and robustdist's epochs and resume position would not apply. Ray's ``prepare_data_loader`` keeps a
+    ``DistributedSampler`` as it is, so it is not refused."""
+
+    def __iter__(self) -> Iterator[Any]:
+        _refuse_resharding(inspect.currentframe(), self)
+        return super().__iter__()
+
+
+_RESHARDERS = ("accelerate",)
+_DEPTH = 8  # this sampler's __iter__ <- BatchSampler.__iter__ <- Accelerate's BatchSamplerShard: a few frames up
+
+
+def _refuse_resharding(frame: FrameType | None, sampler: DistributedSampler[Any]) -> None:
+    caller = frame.f_back if frame is not None else None
+    for _ in range(_DEPTH):
+        if caller is None:
+            return
+        module = str(caller.f_globals.get("__name__", ""))
+        if any(module == m or module.startswith(m + ".") for m in _RESHARDERS):
+            raise ConfigError(
+                f"a loader robustdist sharded over {sampler.num_replicas} ranks (h.loader, or safe_dataloader) is "
+                "being iterated by Accelerate (accelerator.prepare(h.loader), or skip_first_batches on it), which "
+                "shards its batches again: each rank would read a fraction of its shard, and robustdist's epochs "
+                "and resume position would not apply; expected h.loader iterated directly. Fix: leave h.loader out "
+                "of accelerator.prepare and iterate it (harden already sharded it, and h.resume continues it "
+                "mid-epoch), or prepare the plain DataLoader first and give harden() the loader "
+                "accelerator.prepare returned (docs/porting.md, Accelerate).", rank=sampler.rank)
+        caller = caller.f_back
+
+
 def distributed_sampler_of(kw: dict[str, Any]) -> DistributedSampler[Any] | None:
     """The ``DistributedSampler`` among the loader's ``sampler``/``batch_sampler`` settings, or None."""
     for candidate in (kw.get("sampler"), getattr(kw.get("batch_sampler"), "sampler", None)):
@@ -94,8 +132,8 @@ def choose(dataset: Dataset[Any], kw: dict[str, Any], *, rank: int, world: int, 
         raise _unshardable(kw, rank, world)
     shuffle = bool(kw.pop("shuffle", False))
     drop_last = bool(kw.get("drop_last", False))
-    kw["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                                       drop_last=drop_last)
+    kw["sampler"] = ShardSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last)
     log.info("inserted a DistributedSampler (rank %d of %d, shuffle=%s because the loader %s, seed %d from "
              "data.seed, drop_last=%s)", rank, world, shuffle,
              "shuffled (shuffle=True, a RandomSampler)" if shuffle else "did not shuffle (shuffle=False)",

@@ -37,7 +37,8 @@ from robustdist.runtime.errors import ConfigError, RobustDistError
 from robustdist.runtime.log import get_logger, warn
 from robustdist.runtime.topology import detect_topology
 
-__all__ = ["DistributedDataParallel", "pin_group_past_reducer", "reducer_parameter_names", "wrap_ddp"]
+__all__ = ["HF_TRAINER_FIX", "DistributedDataParallel", "pin_group_past_reducer", "reducer_parameter_names",
+           "wrap_ddp"]
 
 log = get_logger(__name__)
 _UNFINISHED = "Expected to have finished reduction in the prior iteration"
@@ -90,11 +91,30 @@ class DistributedDataParallel(_TorchDDP):
         )
 
 
+_FIX_FIRST = ("Fix: remove the later wrapping of h.model, or call the framework first and harden() on what it "
+              "returns: accelerator.prepare(model, optimizer, loader), or fabric.setup(model, optimizer) "
+              "(docs/porting.md).")
+_HF_TRAINER = "transformers' Trainer (Trainer(model=h.model): its Accelerator wraps the model in a second DDP)"
+HF_TRAINER_FIX = ("Fix: harden() does not compose with transformers' Trainer, which runs its own loop, DDP, sampler "
+                   "and checkpoints (harden's step guard and checkpoints would never run): give Trainer the bare "
+                   "model and drop harden(), or write the loop with Accelerate and harden what accelerator.prepare "
+                   "returns (docs/porting.md, HF Trainer).")
+
+
+def _is_hf_trainer(owner: object) -> bool:
+    """``owner`` is a ``transformers.Trainer`` (or a subclass: ``Seq2SeqTrainer``, TRL's trainers), by its
+    class's MRO, without importing transformers."""
+    return any(k.__name__ == "Trainer" and k.__module__ == "transformers.trainer" for k in type(owner).__mro__)
+
+
 def _outer_wrapper(module: nn.Module, owner: object) -> str | None:
     """What ``owner`` (the ``self`` of a frame above ``module``'s forward) is, when it is a data-parallel wrapper
-    other than ``module``: the second wrapper of a model robustdist already wrapped."""
+    other than ``module`` (the second wrapper of a model robustdist already wrapped), or a transformers
+    ``Trainer`` (which wraps the model it is given in a DDP of its own)."""
     if owner is module or owner is None:
         return None
+    if _is_hf_trainer(owner):
+        return _HF_TRAINER
     kind = type(owner)
     if kind.__name__ == "_FabricModule" and kind.__module__.startswith(("lightning.", "lightning_fabric.")):
         return "Lightning Fabric (fabric.setup)"
@@ -124,12 +144,12 @@ def _refuse_outer_wrapper(module: nn.Module) -> None:
         depth += 1
     if found:
         named = [f for f in found if not f.startswith("a second ")]
+        outer = (named or found)[-1]
         raise ConfigError(
-            f"the model robustdist wrapped in DDP (harden or wrap_ddp) was called through {(named or found)[-1]}; "
+            f"the model robustdist wrapped in DDP (harden or wrap_ddp) was called through {outer}; "
             "expected it to be called directly: two data-parallel wrappers average every gradient twice, and the "
-            "framework's loader shards the data a second time. Fix: remove the later wrapping of h.model, or call "
-            "the framework first and harden() on what it returns: accelerator.prepare(model, optimizer, loader), or "
-            "fabric.setup(model, optimizer) (docs/porting.md).", rank=_dist.error_rank())
+            "framework's loader shards the data a second time. "
+            f"{HF_TRAINER_FIX if outer == _HF_TRAINER else _FIX_FIRST}", rank=_dist.error_rank())
 
 
 def _contains_ddp(model: nn.Module) -> bool:
@@ -155,6 +175,14 @@ def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = No
             "ray.train.torch.prepare_model, accelerator.prepare or the script's own DDP(...)); expected a bare "
             "module. Fix: wrap it once: remove the other wrapping call, or pass the unwrapped model "
             "(robustdist.unwrap_model(model) gives it back).", rank=_dist.error_rank())
+    sharded = [n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"]
+    if sharded:
+        raise ConfigError(
+            f"{type(model).__name__} has parameters sharded by FSDP2 or tensor parallelism (DTensor: "
+            f"{', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}); DDP needs whole parameters on every "
+            "rank, expected a bare module. Fix: with harden(), set distributed.strategy: fsdp (it keeps the "
+            "submodules you sharded and shards the root); else remove the fully_shard calls before wrap_ddp.",
+            rank=_dist.error_rank())
     config = section_of(cfg, DistributedConfig, "wrap_ddp")
     target = torch.device(device) if device is not None and not isinstance(device, int) else (
         torch.device("cuda", device) if isinstance(device, int) else detect_topology().device)

@@ -115,8 +115,8 @@ def _prepare_after(rank):
 
     h = harden(tr.make_model(), _loader(), OFF)  # no Accelerator yet: harden wraps and shards
     accelerator = _accelerator()  # adopts harden's group
-    model, loader = accelerator.prepare(h.model, h.loader)
-    x, y = next(iter(loader))
+    model = accelerator.prepare(h.model)  # h.loader prepared too is refused at its first batch (below)
+    x, y = next(iter(h.loader))
     try:
         model(x)
     except ConfigError as e:
@@ -132,6 +132,72 @@ def test_prepare_of_a_hardened_model_is_refused_at_its_first_forward():
             f"[rank {rank}] the model robustdist wrapped in DDP (harden or wrap_ddp) was called through a second "
             "DistributedDataParallel (accelerator.prepare, ray.train.torch.prepare_model or DDP(...) applied to the "
             "model robustdist returned)")
+
+
+def _prepare_the_hardened_loader(rank):
+    """harden first, then ``accelerator.prepare(h.loader)`` alone (the model left as harden wrapped it), and
+    Accelerate's ``skip_first_batches(h.loader, 1)``: both iterate harden's sharded sampler through a loader of
+    Accelerate's own. Then the supported use: h.loader iterated directly, every rank its own half."""
+    from accelerate import skip_first_batches
+
+    from robustdist import harden
+    from robustdist.runtime.errors import ConfigError
+
+    h = harden(tr.make_model(), _loader(), OFF)
+    accelerator = _accelerator()
+    found = {}
+    for name, make in (("prepare", lambda: accelerator.prepare(h.loader)),
+                       ("skip", lambda: skip_first_batches(h.loader, 1))):
+        loader = make()
+        try:
+            found[name] = f"{len(list(loader))} batches"
+        except ConfigError as e:
+            found[name] = str(e)
+    found["direct"] = [int(i) for x, y in h.loader for i in y]
+    h.close()
+    return found
+
+
+def test_preparing_the_hardened_loader_is_refused_at_its_first_batch():
+    out = run_ranks(_prepare_the_hardened_loader, 2, init=False, timeout=TIMEOUT)
+    for rank, found in enumerate(out):
+        for name in ("prepare", "skip"):
+            assert found[name].startswith(
+                f"[rank {rank}] a loader robustdist sharded over 2 ranks (h.loader, or safe_dataloader) is being "
+                "iterated by Accelerate (accelerator.prepare(h.loader), or skip_first_batches on it), which shards its "
+                "batches again"), (name, found[name])
+            assert "Fix: leave h.loader out of accelerator.prepare and iterate it" in found[name]
+    _, labels = _loader().dataset.tensors
+    assert len(out[0]["direct"]) == len(out[1]["direct"]) == 16  # each rank half of the 32 samples, not a quarter
+    assert sorted(out[0]["direct"] + out[1]["direct"]) == sorted(labels.tolist())
+
+
+def _fsdp2_sharded_under_accelerate(rank):
+    """What Accelerate's FSDP2 plugin hands back (a model fully_shard sharded) given to harden while the
+    Accelerator is in charge. On the CPU Accelerate runs DDP whatever the plugin says, so the sharding is done by
+    fully_shard directly, on the same gloo group."""
+    import robustdist
+    from torch.distributed.fsdp import fully_shard
+
+    from robustdist.runtime.errors import ConfigError
+
+    robustdist.safe_init_process_group()
+    _accelerator()
+    model = tr.make_model()
+    fully_shard(model)
+    try:
+        robustdist.harden(model, None, OFF)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_model_fsdp2_sharded_under_an_accelerator_is_refused_on_every_rank():
+    for rank, message in enumerate(run_ranks(_fsdp2_sharded_under_accelerate, 2, init=False, timeout=TIMEOUT)):
+        assert message is not None and message.startswith(
+            f"[rank {rank}] harden() was given a Sequential sharded by FSDP2 (fully_shard: Accelerate's FSDP plugin, "
+            "or the script's own) while an Accelerator is in charge of this process"), message
+        assert "Fix: drop the FSDP plugin (Accelerate then uses DDP)" in message
 
 
 def _one_process_mixed_precision(rank):
@@ -517,8 +583,8 @@ def _prepare_after_a_no_grad_forward(rank):
     with torch.no_grad():
         h.model.eval()(torch.zeros(2, 8))  # an evaluation before training: not the check's last chance
     h.model.train()
-    model, loader = _accelerator().prepare(h.model, h.loader)
-    x, y = next(iter(loader))
+    model = _accelerator().prepare(h.model)
+    x, y = next(iter(h.loader))
     try:
         model(x)
     except ConfigError as e:

@@ -170,6 +170,38 @@ def test_a_model_fabric_wrapped_in_something_else_is_refused():
     assert "Fabric(strategy='ddp')" in message
 
 
+def _model_parallel(rank):
+    """Fabric's ModelParallelStrategy sharding the model with FSDP2 (``fully_shard``) on 2 CPU ranks."""
+    import robustdist
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from robustdist.runtime.errors import ConfigError
+
+    def parallelize(model, mesh):
+        return fully_shard(model, mesh=mesh["data_parallel"])
+
+    fabric = Fabric(accelerator="cpu", devices=2,
+                    strategy=ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1))
+    fabric.launch()
+    model = fabric.setup(tr.make_model())
+    try:
+        robustdist.harden(model, None, OFF)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_model_fabric_sharded_into_dtensors_is_refused_on_every_rank():
+    for rank, message in enumerate(run_ranks(_model_parallel, 2, init=False, timeout=TIMEOUT)):
+        assert message is not None and message.startswith(
+            f"[rank {rank}] harden() was given a model Lightning Fabric wrapped in FSDPSequential with sharded "
+            "(DTensor) parameters (its strategy ModelParallelStrategy); robustdist composes with Fabric's DDP and "
+            "single-device strategies only"), message
+        assert "Fix: Fabric(strategy='ddp'), or let harden shard the bare model" in message
+
+
 def _single_device(rank):
     import robustdist
     from lightning.fabric import Fabric

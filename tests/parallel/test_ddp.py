@@ -89,6 +89,33 @@ def test_refuses_to_wrap_twice():
                                "back).")
 
 
+def _fsdp2_then_ddp(rank):
+    """A model fully_shard already sharded, given to wrap_ddp alone and to harden with the default strategy."""
+    from torch.distributed.fsdp import fully_shard
+
+    from robustdist import harden
+
+    messages = []
+    for call in (wrap_ddp, lambda m: harden(m, None, {"health": {"hang_timeout": None}})):
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        fully_shard(model)
+        try:
+            call(model)
+        except ConfigError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_refuses_a_model_fsdp2_already_sharded_naming_the_strategy_that_keeps_it():
+    for rank, messages in enumerate(run_ranks(_fsdp2_then_ddp, 2, timeout=60)):
+        assert len(messages) == 2
+        for message in messages:
+            assert message.startswith(
+                f"[rank {rank}] FSDPSequential has parameters sharded by FSDP2 or tensor parallelism (DTensor: "
+                "0.weight, 0.bias, 1.weight, ...); DDP needs whole parameters on every rank"), message
+            assert "Fix: with harden(), set distributed.strategy: fsdp" in message
+
+
 def _compiled(rank):
     model = torch.compile(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
     with warnings.catch_warnings(record=True) as caught:
