@@ -153,3 +153,18 @@ def finite_number(value: Any) -> bool:
         return math.isfinite(float(value))
     except (TypeError, ValueError):
         return False
+
+
+def loss_value(loss: Any) -> Any:
+    """The loss as a Python number (a tensor's single value, or the sum of a larger one), for messages and
+    gathers; anything else as it is."""
+    if isinstance(loss, torch.Tensor):
+        t = loss.detach()
+        return t.item() if t.numel() == 1 else t.float().sum().item()
+    return loss
+
+
+def local_part(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (a DTensor's local shard: reading it needs no collective)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad

@@ -56,23 +56,8 @@ the ranks that saw them. Policies, identical on every rank:
 * ``warn``: log and return a true decision.
 
 **With a GradScaler** (fp16): pass it (``StepGuard(scaler=...)``, ``guard(loss, step, scaler=...)``, or
-``harden(..., scaler=...)``). An overflow is then the scaler's business, not a bad step: non-finite gradients
-while every rank's loss is finite return a true decision with ``action="overflow"``, so the loop calls
-``scaler.step(optimizer)`` (which skips the update) and ``scaler.update()`` (which lowers the scale) as it
-always did. Each overflow is logged at INFO and counted (``overflows``); ``overflow_warn_after`` of them in a
-row log a WARNING (then every that many more). Once the scale is below :data:`MIN_SCALE` (1), non-finite
-gradients are no overflow the scaler can fix (a NaN in an earlier micro-step, one that backward made) and
-follow the policy. A non-finite *loss* on any rank always follows the policy. Every rank decides alike: the
-first call gathers once whether each rank has an enabled scaler (a mismatch is a ``ConfigError`` everywhere);
-under ``"gradients"`` every rank sees the same non-finite gradients, and only then do the ranks gather their
-losses (and whether their scale is below the floor); under ``"allreduce"`` the one all-reduce carries each
-rank's loss flag and the flag of its gradient shard (a DTensor's local part: no collective to read it), and
-only an agreed overflow adds a second one for the floor (not with ``check_gradients=False``: the losses alone
-decide, and the scaler skips its overflows uncounted). Under ``skip`` and ``rollback`` the guard records the
-bad step with the scaler
-(``scaler.unscale_(optimizer)``, unless the loop already called it) before zeroing the gradients, so the
-loop's ``scaler.update()`` still works and backs the scale off, as it would for an overflow. A disabled scaler
-(``GradScaler(enabled=False)``, e.g. nanoGPT under bf16) counts as none.
+``harden(..., scaler=...)``); an overflow is then the scaler's business, not a bad step
+(:mod:`robustdist.health.scaler` says exactly how the ranks agree on one).
 
 With ``divergence_interval`` set, every that many steps (after the finiteness check) the guard runs
 :func:`~robustdist.parallel.consistency.check_consistency` on the parameters; a mismatch rolls back under
@@ -81,7 +66,6 @@ With ``divergence_interval`` set, every that many steps (after the finiteness ch
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -91,7 +75,8 @@ import torch.distributed as dist
 from torch import nn
 
 from robustdist.config.validate import show
-from robustdist.health.grad_check import check, finite_loss, finite_number, tensors_finite
+from robustdist.health import scaler as _scaler
+from robustdist.health.grad_check import check, finite_loss, finite_number, loss_value
 from robustdist.health.watchdog import HANG_EXIT_CODE, HangReport, Watchdog
 from robustdist.parallel.consistency import check_consistency
 from robustdist.runtime import _torch_compat
@@ -194,7 +179,7 @@ class StepGuard:
         if not isinstance(overflow_warn_after, int) or isinstance(overflow_warn_after, bool) or overflow_warn_after < 1:
             raise ConfigError(f"overflow_warn_after is {show(overflow_warn_after)}; expected an integer >= 1. Fix: "
                               "pass one (with harden(), health.scaler_overflow_warn_after).")
-        self.scaler = _check_scaler(scaler)
+        self.scaler = _scaler.check_scaler(scaler)
         self.overflow_warn_after = overflow_warn_after
         self.overflows = 0  # GradScaler overflows seen (steps the scaler skipped)
         self._overflow_streak = 0
@@ -208,7 +193,7 @@ class StepGuard:
         self.agreement = self._choose_agreement(agreement)
         # the parameters are fixed once the model is wrapped; walking the module tree every step costs more
         # than the check itself
-        self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        self.params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self._failing: tuple[int, int] | None = None  # (step, rollbacks of it so far)
         self._snapshot = _Snapshot.of(model) if nan_policy == "skip" else _Snapshot()
         self.last: StepDecision | None = None
@@ -243,20 +228,21 @@ class StepGuard:
     def __call__(self, loss: Any, step: int, *, scaler: Any = None) -> StepDecision:
         """Check ``loss`` (a tensor or a float) for step ``step``; act by the policy; see the module docstring.
         ``scaler``: this step's GradScaler (default: the one given at construction)."""
-        scaler = self._scaler_for(_active(_check_scaler(scaler) if scaler is not None else self.scaler))
+        scaler = self._scaler_for(_scaler.active(_scaler.check_scaler(scaler) if scaler is not None else self.scaler))
         values: list[Any] | None = None
         if scaler is None:
             local_bad, bad, ranks = self._agree(loss)
             overflow = False
         else:
-            local_bad, bad, ranks, overflow, values = self._agree_scaled(loss, scaler)
+            local_bad, bad, ranks, overflow, values = _scaler.agree_scaled(self, loss, scaler)
         if overflow == "exhausted":  # agreed on every rank: some rank's scale fell below MIN_SCALE
             bad, ranks = True, ()
-            values = values if values is not None else [_value(loss)]
+            values = values if values is not None else [loss_value(loss)]
         if not bad:
             if local_bad:
                 log.warning("step %d: the loss is %s on this rank but every gradient is finite after DDP's "
-                            "all-reduce, so no parameter is affected; continuing", step, _value(loss), all_ranks=True)
+                            "all-reduce, so no parameter is affected; continuing", step, loss_value(loss),
+                            all_ranks=True)
             if self._failing is not None and step > self._failing[0]:
                 self._failing = None
             self._count_overflow(step, scaler, bool(overflow))
@@ -270,9 +256,10 @@ class StepGuard:
                 ranks, values = self._name(local_bad, loss, ranks)
             what = self._describe(step, ranks or (), values)
             if overflow == "exhausted":
-                what = (f"step {step}: gradients still non-finite at GradScaler scale {_scale_text(scaler)}, below "
-                        f"{MIN_SCALE:g}, after {self._overflow_streak} overflows in a row, with every loss finite: not "
-                        "an fp16 overflow the scaler can fix (a NaN in an earlier micro-step, or one backward made)")
+                what = (f"step {step}: gradients still non-finite at GradScaler scale {_scaler.scale_text(scaler)}, "
+                        f"below {_scaler.MIN_SCALE:g}, after {self._overflow_streak} overflows in a row, with every "
+                        "loss finite: not an fp16 overflow the scaler can fix (a NaN in an earlier micro-step, or one "
+                        "backward made)")
             decision = self._act(step, ranks or (), what, scaler)
         self.last = decision
         return decision
@@ -300,83 +287,38 @@ class StepGuard:
                               "harden() or StepGuard().", rank=self.err_rank)
         return scaler
 
-    def _agree_scaled(self, loss: Any, scaler: Any
-                      ) -> tuple[bool, bool, tuple[int, ...] | None, bool | str, list[Any] | None]:
-        """With a GradScaler: (this rank's loss is non-finite, the ranks agree the step is bad, the ranks named
-        when known, the overflow verdict, every rank's loss value when gathered). The overflow verdict is False,
-        True (non-finite gradients while every loss was finite), or ``"exhausted"`` (so, with some rank's scale
-        already below :data:`MIN_SCALE`). The same answers on every rank; see the module docstring."""
-        if self.agreement == "gradients":
-            loss_finite, grads_ok = check(loss, self._params)
-            if grads_ok:  # no rank's loss was non-finite: it would have reached every gradient
-                return not loss_finite, False, None, False, None
-            # every rank sees the same non-finite gradients (DDP averaged them): all look at the losses together
-            rows: list[Any] = [None] * self.world_size
-            dist.all_gather_object(rows, (_value(loss), _scale_value(scaler) < MIN_SCALE), group=self.group)
-            values = [row[0] for row in rows]
-            named = tuple(r for r, v in enumerate(values) if not finite_number(v))
-            verdict: bool | str = False if named else ("exhausted" if any(row[1] for row in rows) else True)
-            return not loss_finite, bool(named), named, verdict, values
-        local_bad = not finite_loss(loss)
-        grads = [_local(p.grad) for p in self._params if p.grad is not None]
-        grads_bad = self.check_gradients and not tensors_finite(grads)
-        if not self.distributed:
-            overflow = grads_bad and not local_bad
-            verdict = ("exhausted" if _scale_value(scaler) < MIN_SCALE else True) if overflow else False
-            return local_bad, local_bad, ((0,) if local_bad else ()), verdict, None
-        flags = torch.zeros(2 * self.world_size, dtype=torch.float32, device=self._device())
-        flags[self.rank], flags[self.world_size + self.rank] = float(local_bad), float(grads_bad)
-        dist.all_reduce(flags, group=self.group)  # one all-reduce, as without a scaler: losses and shards agreed
-        read = flags.tolist()
-        named = tuple(r for r in range(self.world_size) if read[r])
-        verdict = not named and any(read[self.world_size:])
-        if verdict:  # a rare step, the same on every rank: one more all-reduce agrees on the scale's floor
-            low = torch.tensor([float(_scale_value(scaler) < MIN_SCALE)], device=self._device())
-            dist.all_reduce(low, group=self.group)
-            verdict = "exhausted" if low.item() else True
-        return local_bad, bool(named), named, verdict, None
-
     def _count_overflow(self, step: int, scaler: Any, overflow: bool) -> None:
         if not overflow:
             self._overflow_streak = 0
             return
         self.overflows += 1
         self._overflow_streak += 1
-        scale = _scale_text(scaler)
-        streak, every = self._overflow_streak, self.overflow_warn_after
-        if streak >= every and (streak - every) % every == 0:
-            log.warning("step %d: %d optimizer steps in a row skipped by the GradScaler for overflowing gradients "
-                        "(scale %s before this step's update; %d overflows in all); expected an occasional one. Fix: "
-                        "look for exploding activations or gradients (a lower learning rate, gradient clipping after "
-                        "scaler.unscale_), or train in bf16, which needs no scaler. Below scale %g the step guard "
-                        "treats them as bad steps (health.nan_policy)", step, streak, scale, self.overflows, MIN_SCALE)
-        else:
-            log.info("step %d: gradients overflowed at GradScaler scale %s while every loss was finite: the scaler "
-                     "skips this optimizer step and lowers the scale (%d in a row)", step, scale, streak)
+        _scaler.log_overflow(step, scaler, self._overflow_streak, self.overflows, self.overflow_warn_after)
 
     def _agree(self, loss: Any) -> tuple[bool, bool, tuple[int, ...] | None]:
         """(this rank's loss is non-finite, the ranks agree the step is bad, the ranks named when known)."""
         if self.agreement == "gradients":  # one host sync on an accelerator, the loss's included
-            loss_finite, grads_finite = check(loss, self._params)
+            loss_finite, grads_finite = check(loss, self.params)
             return not loss_finite, not grads_finite, None
         local_bad = not finite_loss(loss)
         if self.agreement == "local":
             return local_bad, local_bad, ((0,) if local_bad else ())
-        flags = torch.zeros(self.world_size, dtype=torch.float32, device=self._device())
+        flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device())
         flags[self.rank] = float(local_bad)
         dist.all_reduce(flags, group=self.group)
         named = tuple(r for r, f in enumerate(flags.tolist()) if f)
         return local_bad, bool(named), named
 
-    def _device(self) -> torch.device:
+    def device(self) -> torch.device:
+        """The device this guard's collectives use (the group's backend decides)."""
         return _dist.collective_device(_dist.backend_kind(self.group))
 
     def _name(self, local_bad: bool, loss: Any, ranks: tuple[int, ...] | None) -> tuple[tuple[int, ...], list[Any]]:
         """Every rank's loss value, gathered only on the rare bad path (every rank is on it: they agreed)."""
         if not self.distributed:
-            return ((0,) if local_bad else ()), [_value(loss)]
+            return ((0,) if local_bad else ()), [loss_value(loss)]
         values: list[Any] = [None] * self.world_size
-        dist.all_gather_object(values, _value(loss), group=self.group)
+        dist.all_gather_object(values, loss_value(loss), group=self.group)
         named = tuple(r for r, v in enumerate(values) if not finite_number(v))
         return (ranks if ranks is not None and not named else named), values
 
@@ -405,36 +347,13 @@ class StepGuard:
             log.warning("%s; nan_policy='warn': stepping anyway", what)
             return StepDecision(step, "warn", ranks, reason=what)
         if scaler is not None:
-            self._record_with(scaler)
+            _scaler.record_with(scaler, self.optimizer, self.nan_policy, self.err_rank)
         self._zero_grad()
         if self.nan_policy == "skip":
             self._snapshot.restore()
             log.warning("%s; nan_policy='skip': gradients zeroed, optimizer step skipped", what)
             return StepDecision(step, "skip", ranks, reason=what)
         return self._rollback(step, ranks, what)
-
-    def _record_with(self, scaler: Any) -> None:
-        """Let the GradScaler see this step's gradients before they are zeroed (``unscale_`` records its
-        non-finite check), so that the loop's ``scaler.update()``, called without ``scaler.step()``, finds a
-        check and backs the scale off instead of failing with "No inf checks were recorded"."""
-        if self.optimizer is None:
-            raise ConfigError(f"nan_policy={self.nan_policy!r} with a GradScaler needs the optimizer, to record the "
-                              "skipped step with the scaler (scaler.unscale_(optimizer)) before the gradients are "
-                              "zeroed; expected optimizer= (or harden(..., optimizer=...), or h.optimizer = ...). "
-                              "Fix: pass it.", rank=self.err_rank)
-        unscaled = _torch_compat.scaler_unscaled(scaler, self.optimizer)
-        if unscaled:
-            return  # the loop called unscale_ this step (to clip): the check is recorded
-        try:
-            scaler.unscale_(self.optimizer)
-        except RuntimeError:
-            if unscaled is None:  # this torch hides the stage: unscale_'s refusal to run twice is the answer
-                return
-            raise
-        except AssertionError as e:  # torch's own check: no scale() call yet
-            raise ConfigError(f"the GradScaler given to the step guard has not scaled a loss ({e}); expected "
-                              "scaler.scale(loss).backward() before step_guard. Fix: scale the loss with the scaler "
-                              "you pass, or pass none.", rank=self.err_rank) from e
 
     def _zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -482,52 +401,6 @@ class StepGuard:
                 return None
             raise RankDivergenceError(f"step {step}: {e.message}", rank=self.err_rank, ranks=e.ranks) from e
         return None
-
-
-def _check_scaler(scaler: Any) -> Any:
-    if scaler is None:
-        return None
-    missing = [m for m in ("is_enabled", "unscale_", "get_scale", "step", "update")
-               if not callable(getattr(scaler, m, None))]
-    if missing:
-        raise ConfigError(f"scaler= is {show(scaler)}, which has no {', '.join(missing)}; expected a "
-                          "torch.amp.GradScaler (or one with its API, such as FSDP's ShardedGradScaler). Fix: pass "
-                          "the GradScaler your loop calls scaler.step() on, or none.", rank=_dist.error_rank())
-    return scaler
-
-
-def _active(scaler: Any) -> Any:
-    """The scaler, or None when there is none or it is disabled (``GradScaler(enabled=False)``)."""
-    return scaler if scaler is not None and scaler.is_enabled() else None
-
-
-MIN_SCALE = 1.0
-"""Below this GradScaler scale, non-finite gradients with finite losses are no longer treated as an overflow."""
-
-
-def _scale_value(scaler: Any) -> float:
-    try:
-        return float(scaler.get_scale())
-    except Exception:  # a scaler with another API: never below the floor by this reading
-        return math.inf
-
-
-def _scale_text(scaler: Any) -> str:
-    value = _scale_value(scaler)
-    return f"{value:g}" if math.isfinite(value) else "unknown"
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a gradient (a DTensor's local shard: reading it needs no collective)."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if callable(to_local) else grad
-
-
-def _value(loss: Any) -> Any:
-    if isinstance(loss, torch.Tensor):
-        t = loss.detach()
-        return t.item() if t.numel() == 1 else t.float().sum().item()
-    return loss
 
 
 def _all_data_parallel(model: Any, ddp_type: type) -> bool:
