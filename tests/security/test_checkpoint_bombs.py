@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import resource
 import time
 import zipfile
 
@@ -17,6 +16,7 @@ import torch
 from robustdist.checkpoint import AtomicCheckpointer
 from robustdist.checkpoint._sharded import check_metadata
 from robustdist.runtime.errors import CheckpointError, RobustDistWarning
+from tests._memory import peak_growth
 from tests.security._forge import (
     STEP2,
     adam_two_steps,
@@ -73,10 +73,9 @@ def test_a_compressed_payload_is_refused_before_it_inflates(tmp_path):
             out.writestr(info.filename, real.read(info.filename))
         out.writestr("archive/data/9", b"\0" * (64 << 20))  # 64 MiB that deflates to ~64 KiB
     assert len(bomb.getvalue()) < 1 << 20
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     forge(step2, "replicated.pt", bomb.getvalue())
-    _falls_back(tmp_path, "replicated.pt: holds compressed members")
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 48 << 10  # KiB: nothing inflated
+    grew = peak_growth(lambda: _falls_back(tmp_path, "replicated.pt: holds compressed members"))
+    assert grew < 48 << 20, f"peak memory grew by {grew >> 20} MiB: the member was inflated"
 
 
 def test_an_expanded_optimizer_state_is_refused_before_casting_materialises_it(tmp_path):
@@ -333,13 +332,6 @@ def _sparse_forge(step_dir, name: str, pieces: list[tuple[int, bytes]], size: in
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
-def _peak_growth(fn) -> int:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    assert before < 1 << 30, "this measurement needs a process that has stayed under 1 GiB"
-    fn()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before
-
-
 HOLE = 512 << 20
 
 
@@ -351,7 +343,7 @@ def test_a_sparse_file_declaring_a_huge_central_directory_costs_no_memory(tmp_pa
     size = 4 + HOLE + 22
     end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, size - 4 - 22, 4, 0)
     _sparse_forge(step2, "replicated.pt", [(0, b"PK\x03\x04"), (size - 22, end)], size)
-    grew = _peak_growth(lambda: _falls_back(tmp_path, "its central directory of"))
+    grew = peak_growth(lambda: _falls_back(tmp_path, "its central directory of"))
     assert grew < 128 << 20, f"peak memory grew by {grew >> 20} MiB for a sparse file of {size >> 20} MiB"
 
 
@@ -370,7 +362,7 @@ def test_a_real_torch_zip_with_a_hole_before_its_directory_is_refused(tmp_path):
     struct.pack_into("<I", tail, eocd + 16, struct.unpack_from("<I", tail, eocd + 16)[0] + HOLE)
     _sparse_forge(step2, "replicated.pt", [(0, raw[:start]), (start + HOLE, bytes(tail))], len(raw) + HOLE)
     zipfile.ZipFile(step2 / "replicated.pt").testzip()  # the control: a zip every member of which is intact
-    grew = _peak_growth(lambda: _falls_back(tmp_path, "bytes before its central directory belong to no member"))
+    grew = peak_growth(lambda: _falls_back(tmp_path, "bytes before its central directory belong to no member"))
     assert grew < 128 << 20
 
 
@@ -402,10 +394,12 @@ def test_a_memo_index_that_skips_ahead_is_refused_before_the_unpickler_sizes_its
     """The C unpickler (DCP metadata) grows its memo table to twice any index: 9 bytes cost 300 MB at 2**24."""
     meta = tmp_path / ".metadata"
     meta.write_bytes(b"\x80\x04}r\x00\x00\x00\x01.")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(CheckpointError, match=r"memo index 16777216 skips ahead of the 0 entries written"):
-        check_metadata(str(meta))
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
+    def refused() -> None:
+        with pytest.raises(CheckpointError, match=r"memo index 16777216 skips ahead of the 0 entries written"):
+            check_metadata(str(meta))
+
+    grew = peak_growth(refused)
+    assert grew < 64 << 20, f"peak memory grew by {grew >> 20} MiB"
 
 
 @pytest.mark.parametrize("setting", [("storage_alignment", 4096), ("compute_crc32", False)])
