@@ -242,11 +242,12 @@ def _accelerate_verdict(model: Any, wrapper: str | None, processes: int, rank: i
     the model as prepared, adds the watchdog, step guard and checkpoints). A bare model under several processes
     has not been prepared yet (prepare wraps it in DDP there), and a model another framework wrapped or FSDP2
     sharded (Accelerate's FSDP plugin) is refused."""
-    if isinstance(model, nn.Module) and (fsdp_wrap.is_fsdp(model) or
+    if isinstance(model, nn.Module) and (any(fsdp_wrap.is_fsdp(m) for m in model.modules()) or
                                          any(type(p).__name__ == "DTensor" for p in model.parameters())):
         raise ConfigError(
             f"harden() was given a {fsdp_wrap.class_name(model)} sharded by FSDP2 (fully_shard: Accelerate's FSDP "
-            "plugin, or the script's own) while an Accelerator is in charge of this process; robustdist composes "
+            "plugin, or the script's own) or split by tensor parallelism (DTensor parameters) while an Accelerator "
+            "is in charge of this process; robustdist composes "
             "with Accelerate's DDP and single-process paths only (its step guard, watchdog and checkpoints assume "
             "whole parameters on every rank). Expected the model accelerator.prepare returned without an FSDP "
             "plugin. Fix: drop the FSDP plugin (Accelerate then uses DDP), or give harden() the bare model with "

@@ -105,6 +105,7 @@ class SafeDataLoader(LoaderHooks, DataLoader):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        _sampler.guard_batches(self)
         self._pos = epochs.Position()
 
     def rd_index_sampler(self, inner: Any) -> epochs.PositionedSampler:
@@ -171,7 +172,8 @@ def _settings(source: DataLoader[Any] | Dataset[Any], overrides: dict[str, Any])
         return source, dict(overrides)
     kw: dict[str, Any] = {k: getattr(source, k) for k in _KEYS if k not in ("shuffle", "sampler", "batch_sampler")
                           and hasattr(source, k)}
-    auto_batch = type(source.batch_sampler) is BatchSampler and source.batch_sampler.sampler is source.sampler
+    auto_batch = type(source.batch_sampler) in (BatchSampler, _sampler.GuardedBatchSampler) \
+        and source.batch_sampler.sampler is source.sampler
     intent = _sampler.shuffle_intent(source.sampler, source.dataset)
     if source.batch_sampler is not None and not auto_batch:
         kw.update(batch_sampler=source.batch_sampler, batch_size=1, drop_last=False)

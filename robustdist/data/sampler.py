@@ -29,6 +29,7 @@ from types import FrameType
 from typing import Any
 
 from torch.utils.data import (
+    BatchSampler,
     Dataset,
     IterableDataset,
     RandomSampler,
@@ -65,37 +66,75 @@ def shuffle_intent(sampler: Sampler[Any] | None, dataset: Dataset[Any]) -> bool 
 
 
 class ShardSampler(DistributedSampler):  # type: ignore[type-arg]
-    """The ``DistributedSampler`` robustdist inserts: torch's, unchanged, except that Accelerate iterating it is
-    refused. ``accelerator.prepare(h.loader)`` (or ``skip_first_batches(h.loader, n)``) builds a loader of its own
-    around this sampler and shards its batches again: each rank would read a fraction of its shard, silently,
-    and robustdist's epochs and resume position would not apply. Ray's ``prepare_data_loader`` keeps a
+    """The ``DistributedSampler`` robustdist inserts: torch's, unchanged, except that Accelerate driving it (its
+    iteration or its ``set_epoch``) is refused; see :func:`refuse_resharding`. Ray's ``prepare_data_loader`` keeps a
     ``DistributedSampler`` as it is, so it is not refused."""
 
     def __iter__(self) -> Iterator[Any]:
-        _refuse_resharding(inspect.currentframe(), self)
+        refuse_resharding(inspect.currentframe(), self.rank, self.num_replicas)
         return super().__iter__()
+
+    def set_epoch(self, epoch: int) -> None:
+        refuse_resharding(inspect.currentframe(), self.rank, self.num_replicas)  # Accelerate's, on every rank
+        super().set_epoch(epoch)
+
+
+class GuardedBatchSampler(BatchSampler):
+    """The ``BatchSampler`` a robustdist loader's ``DataLoader(batch_size=...)`` built over its
+    ``DistributedSampler`` (the one robustdist inserted, or the loader's own that it kept): torch's, unchanged,
+    except that Accelerate iterating it is refused (:func:`refuse_resharding`)."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        sampler = self.sampler
+        refuse_resharding(inspect.currentframe(), getattr(sampler, "rank", None),
+                          getattr(sampler, "num_replicas", None))
+        yield from super().__iter__()
+
+
+def guard_batches(loader: Any) -> None:
+    """Make the batch sampler ``DataLoader`` built over a ``DistributedSampler`` a :class:`GuardedBatchSampler`
+    (the same object: it was built inside the loader, never the user's)."""
+    batches = loader.batch_sampler
+    if type(batches) is BatchSampler and batches.sampler is loader.sampler \
+            and isinstance(loader.sampler, DistributedSampler):
+        batches.__class__ = GuardedBatchSampler
 
 
 _RESHARDERS = ("accelerate",)
-_DEPTH = 8  # this sampler's __iter__ <- BatchSampler.__iter__ <- Accelerate's BatchSamplerShard: a few frames up
 
 
-def _refuse_resharding(frame: FrameType | None, sampler: DistributedSampler[Any]) -> None:
+def _driven_by(frame: FrameType | None) -> str | None:
+    """The framework driving this sampler: the first caller outside ``torch.utils.data`` (and this module), when
+    it is one of :data:`_RESHARDERS`. A loop over ``h.loader`` reaches the sampler through robustdist's loader, so it
+    is never the framework's, whatever called that loop."""
     caller = frame.f_back if frame is not None else None
-    for _ in range(_DEPTH):
+    for _ in range(64):
         if caller is None:
-            return
+            return None
         module = str(caller.f_globals.get("__name__", ""))
-        if any(module == m or module.startswith(m + ".") for m in _RESHARDERS):
-            raise ConfigError(
-                f"a loader robustdist sharded over {sampler.num_replicas} ranks (h.loader, or safe_dataloader) is "
-                "being iterated by Accelerate (accelerator.prepare(h.loader), or skip_first_batches on it), which "
-                "shards its batches again: each rank would read a fraction of its shard, and robustdist's epochs "
-                "and resume position would not apply; expected h.loader iterated directly. Fix: leave h.loader out "
-                "of accelerator.prepare and iterate it (harden already sharded it, and h.resume continues it "
-                "mid-epoch), or prepare the plain DataLoader first and give harden() the loader "
-                "accelerator.prepare returned (docs/porting.md, Accelerate).", rank=sampler.rank)
+        if not (module == __name__ or module == "torch.utils.data" or module.startswith("torch.utils.data.")):
+            return next((m for m in _RESHARDERS if module == m or module.startswith(m + ".")), None)
         caller = caller.f_back
+    return None
+
+
+def refuse_resharding(frame: FrameType | None, rank: int | None, replicas: int | None) -> None:
+    """Raise :class:`ConfigError` when Accelerate drives a sampler of a loader robustdist sharded:
+    ``accelerator.prepare(h.loader)`` builds a loader of its own around it and shards its batches a second time
+    (each rank reads a fraction of its shard, silently), and ``skip_first_batches(h.loader, n)`` reads it outside
+    ``h.loader``, so robustdist's epochs and resume position do not apply. Every rank raises: Accelerate sets the
+    sampler's epoch on each at the start of an iteration, before any batch."""
+    if _driven_by(frame) is None:
+        return
+    over = f" over {replicas} ranks" if replicas else ""
+    raise ConfigError(
+        f"Accelerate is reading the sampler of a loader robustdist sharded{over} (h.loader, or safe_dataloader) "
+        "through a loader of its own: accelerator.prepare(h.loader) would shard its batches a second time (each rank "
+        "reads a fraction of its shard), and skip_first_batches(h.loader, n) would bypass robustdist's epochs and "
+        "resume position; expected h.loader iterated directly. Fix: leave h.loader out of accelerator.prepare and "
+        "iterate it (harden already sharded it, and h.resume continues it mid-epoch), or prepare the plain "
+        "DataLoader first and give harden() the loader accelerator.prepare returned (docs/porting.md, Accelerate).",
+        rank=rank)
 
 
 def distributed_sampler_of(kw: dict[str, Any]) -> DistributedSampler[Any] | None:
@@ -119,6 +158,9 @@ def choose(dataset: Dataset[Any], kw: dict[str, Any], *, rank: int, world: int, 
     own = distributed_sampler_of(kw)
     if own is not None:
         check_distributed_sampler(own, dataset, rank=rank, world=world, source=source)
+        batches = kw.get("batch_sampler")
+        if type(batches) is BatchSampler and batches.sampler is own:  # the same batches, guarded (a new object)
+            kw["batch_sampler"] = GuardedBatchSampler(own, batches.batch_size, batches.drop_last)
         log.info("kept the loader's %s (rank %d of %d, shuffle=%s, seed %d, drop_last=%s)", type(own).__name__,
                  own.rank, own.num_replicas, own.shuffle, own.seed, own.drop_last)
         return

@@ -58,14 +58,18 @@ def reducer_parameter_names(module: nn.Module, ignored: set[str] | frozenset[str
 
 class DistributedDataParallel(_TorchDDP):
     """torch's ``DistributedDataParallel``, plus an unused-parameter error that names the parameters, and a
-    refusal of a second data-parallel wrapper around it, checked at each forward until the first training forward
-    (grad enabled, training mode) passes it (see :func:`_outer_wrapper`)."""
+    refusal of a second data-parallel wrapper around it (see :func:`_outer_wrapper`): the whole stack is searched at
+    each forward until the first training forward (grad enabled, training mode) passes it, and after that the few
+    frames that call this forward (a wrapper added later calls it from there: a second DDP's ``_run_ddp_forward``,
+    the HF Trainer's ``compute_loss``)."""
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self.__dict__.get("_robustdist_outer_checked"):
             torch.compiler.disable(_refuse_outer_wrapper)(self)  # not traced; applied here, not at import
             if self.training and torch.is_grad_enabled():  # checked until the first training forward passes it
                 self.__dict__["_robustdist_outer_checked"] = True
+        elif not torch.compiler.is_compiling() and _wrapped_from_near(self):
+            _refuse_outer_wrapper(self)
         try:
             return super().forward(*inputs, **kwargs)
         except RuntimeError as e:
@@ -128,6 +132,23 @@ def _outer_wrapper(module: nn.Module, owner: object) -> str | None:
     return None
 
 
+_NEAR = 12  # frames above forward: nn.Module's call, a second DDP's _run_ddp_forward, Trainer.compute_loss
+
+
+def _wrapped_from_near(module: nn.Module) -> bool:
+    """A wrapper other than ``module`` among the few frames that called its forward (a cheap look, every forward)."""
+    frame = inspect.currentframe()
+    for _ in range(_NEAR):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self" and \
+                _outer_wrapper(module, frame.f_locals.get("self")) is not None:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _refuse_outer_wrapper(module: nn.Module) -> None:
     """At the first forward of robustdist's DDP: if a wrapper called it (another DDP: ``accelerator.prepare(h.model)``,
     ``prepare_model``, ``fabric.setup``), every gradient would be averaged twice and, with that framework's loader,
@@ -157,6 +178,29 @@ def _contains_ddp(model: nn.Module) -> bool:
         is_compiled(model) and _contains_ddp(_torch_compat.compiled_inner(model)))
 
 
+def _refuse_sharded(model: nn.Module) -> None:
+    """DDP needs whole parameters: refuse a model FSDP2 sharded (``fully_shard`` on it or a submodule; with
+    ``reshard_after_forward=False`` its parameters are plain tensors between a forward and the next backward) or
+    one tensor parallelism split into DTensors."""
+    from robustdist.parallel import fsdp_wrap
+
+    sharded = [name or "the root" for name, m in model.named_modules() if fsdp_wrap.is_fsdp(m)]
+    if sharded:
+        raise ConfigError(
+            f"{type(model).__name__} is sharded by FSDP2 (fully_shard on {', '.join(sharded[:3])}"
+            f"{', ...' if len(sharded) > 3 else ''}); DDP needs whole parameters on every rank, expected a bare "
+            "module. Fix: with harden(), set distributed.strategy: fsdp (it keeps the submodules you sharded and "
+            "shards the root); else remove the fully_shard calls before wrap_ddp.", rank=_dist.error_rank())
+    split = [n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"]
+    if split:
+        raise ConfigError(
+            f"{type(model).__name__} has parameters split across ranks (DTensor: {', '.join(split[:3])}"
+            f"{', ...' if len(split) > 3 else ''}: tensor parallelism, parallelize_module); DDP needs whole "
+            "parameters on every rank, expected a bare module. Fix: remove the tensor parallelism, or apply "
+            "fully_shard yourself over the data-parallel dimension of a 2-D mesh (dp, tp) and harden() the result "
+            "with distributed.strategy: fsdp (it is kept as it is).", rank=_dist.error_rank())
+
+
 def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = None, *, device: torch.device | str | int | None = None,
              sync_batchnorm: bool | str | None = None, **ddp_kwargs: Any) -> nn.Module:
     """Move ``model`` to this rank's device and wrap it in a real DDP (see the module docstring).
@@ -175,14 +219,7 @@ def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = No
             "ray.train.torch.prepare_model, accelerator.prepare or the script's own DDP(...)); expected a bare "
             "module. Fix: wrap it once: remove the other wrapping call, or pass the unwrapped model "
             "(robustdist.unwrap_model(model) gives it back).", rank=_dist.error_rank())
-    sharded = [n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"]
-    if sharded:
-        raise ConfigError(
-            f"{type(model).__name__} has parameters sharded by FSDP2 or tensor parallelism (DTensor: "
-            f"{', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}); DDP needs whole parameters on every "
-            "rank, expected a bare module. Fix: with harden(), set distributed.strategy: fsdp (it keeps the "
-            "submodules you sharded and shards the root); else remove the fully_shard calls before wrap_ddp.",
-            rank=_dist.error_rank())
+    _refuse_sharded(model)
     config = section_of(cfg, DistributedConfig, "wrap_ddp")
     target = torch.device(device) if device is not None and not isinstance(device, int) else (
         torch.device("cuda", device) if isinstance(device, int) else detect_topology().device)

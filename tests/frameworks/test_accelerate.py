@@ -8,6 +8,7 @@ would leak into the other tests of a pytest worker.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import zipfile
@@ -122,6 +123,8 @@ def _prepare_after(rank):
     except ConfigError as e:
         return str(e)
     finally:
+        del model  # Accelerate's DDP goes while the group it uses exists (torch 2.8 could hang freeing it after)
+        gc.collect()
         h.close()
     return None
 
@@ -135,41 +138,58 @@ def test_prepare_of_a_hardened_model_is_refused_at_its_first_forward():
 
 
 def _prepare_the_hardened_loader(rank):
-    """harden first, then ``accelerator.prepare(h.loader)`` alone (the model left as harden wrapped it), and
-    Accelerate's ``skip_first_batches(h.loader, 1)``: both iterate harden's sharded sampler through a loader of
-    Accelerate's own. Then the supported use: h.loader iterated directly, every rank its own half."""
+    """harden first, then ``accelerator.prepare(h.loader)`` alone (the model left as harden wrapped it), with
+    ``dispatch_batches`` too, a loader with a DistributedSampler of its own, and Accelerate's
+    ``skip_first_batches(h.loader, 1)``: each reads harden's sharded sampler through a loader of Accelerate's own.
+    Then the supported use: h.loader iterated directly, also from inside Accelerate's own helper
+    (``find_executable_batch_size``, which calls the training function), every rank its own half."""
     from accelerate import skip_first_batches
+    from accelerate.utils import DataLoaderConfiguration, find_executable_batch_size
+    from torch.utils.data.distributed import DistributedSampler
 
     from robustdist import harden
     from robustdist.runtime.errors import ConfigError
 
     h = harden(tr.make_model(), _loader(), OFF)
+    dataset = _loader().dataset
+    own = harden(tr.make_model(), DataLoader(dataset, batch_size=4, sampler=DistributedSampler(
+        dataset, num_replicas=2, rank=rank, shuffle=False)), OFF).loader
     accelerator = _accelerator()
+    dispatching = _accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
     found = {}
     for name, make in (("prepare", lambda: accelerator.prepare(h.loader)),
+                       ("dispatch", lambda: dispatching.prepare(h.loader)),
+                       ("own_sampler", lambda: accelerator.prepare(own)),
                        ("skip", lambda: skip_first_batches(h.loader, 1))):
         loader = make()
         try:
             found[name] = f"{len(list(loader))} batches"
         except ConfigError as e:
             found[name] = str(e)
+
+    @find_executable_batch_size(starting_batch_size=4)
+    def inside_accelerate(batch_size):
+        return [int(i) for x, y in h.loader for i in y]
+
     found["direct"] = [int(i) for x, y in h.loader for i in y]
+    found["inside_accelerate"] = inside_accelerate()
     h.close()
     return found
 
 
-def test_preparing_the_hardened_loader_is_refused_at_its_first_batch():
+def test_preparing_the_hardened_loader_is_refused_on_every_rank_before_its_first_batch():
     out = run_ranks(_prepare_the_hardened_loader, 2, init=False, timeout=TIMEOUT)
     for rank, found in enumerate(out):
-        for name in ("prepare", "skip"):
+        for name in ("prepare", "dispatch", "own_sampler", "skip"):
             assert found[name].startswith(
-                f"[rank {rank}] a loader robustdist sharded over 2 ranks (h.loader, or safe_dataloader) is being "
-                "iterated by Accelerate (accelerator.prepare(h.loader), or skip_first_batches on it), which shards its "
-                "batches again"), (name, found[name])
+                f"[rank {rank}] Accelerate is reading the sampler of a loader robustdist sharded over 2 ranks "
+                "(h.loader, or safe_dataloader) through a loader of its own: accelerator.prepare(h.loader) would "
+                "shard its batches a second time"), (name, found[name])
             assert "Fix: leave h.loader out of accelerator.prepare and iterate it" in found[name]
     _, labels = _loader().dataset.tensors
     assert len(out[0]["direct"]) == len(out[1]["direct"]) == 16  # each rank half of the 32 samples, not a quarter
     assert sorted(out[0]["direct"] + out[1]["direct"]) == sorted(labels.tolist())
+    assert [found["inside_accelerate"] for found in out] == [found["direct"] for found in out]
 
 
 def _fsdp2_sharded_under_accelerate(rank):
@@ -196,7 +216,8 @@ def test_a_model_fsdp2_sharded_under_an_accelerator_is_refused_on_every_rank():
     for rank, message in enumerate(run_ranks(_fsdp2_sharded_under_accelerate, 2, init=False, timeout=TIMEOUT)):
         assert message is not None and message.startswith(
             f"[rank {rank}] harden() was given a Sequential sharded by FSDP2 (fully_shard: Accelerate's FSDP plugin, "
-            "or the script's own) while an Accelerator is in charge of this process"), message
+            "or the script's own) or split by tensor parallelism (DTensor parameters) while an Accelerator is in "
+            "charge of this process"), message
         assert "Fix: drop the FSDP plugin (Accelerate then uses DDP)" in message
 
 
@@ -590,6 +611,8 @@ def _prepare_after_a_no_grad_forward(rank):
     except ConfigError as e:
         return str(e)
     finally:
+        del model  # Accelerate's DDP goes while the group it uses exists (torch 2.8 could hang freeing it after)
+        gc.collect()
         h.close()
     return None
 

@@ -48,7 +48,7 @@ def _trainer(model: nn.Module, out: str):
     return Trainer(model=model, args=args, train_dataset=Rows())
 
 
-def _both_orders(rank: int, out: str) -> dict[str, str | None]:
+def _harden_first(rank: int, out: str) -> dict[str, str | None]:
     from robustdist import harden
     from robustdist.runtime.errors import ConfigError
 
@@ -62,19 +62,28 @@ def _both_orders(rank: int, out: str) -> dict[str, str | None]:
         found["harden_first"] = str(e)
     found["unchanged"] = str(all(torch.equal(a, b) for a, b in zip(before, h.model.parameters())))
     h.close()
-
-    model = Regressor()
-    _trainer(model, out)  # Trainer first: it makes its Accelerator; then harden(model)
-    try:
-        harden(model, None, OFF)
-        found["trainer_first"] = None
-    except ConfigError as e:
-        found["trainer_first"] = str(e)
     return found
 
 
+def _trainer_first(rank: int, out: str) -> str | None:
+    """The Trainer built first (its TrainingArguments make the group and the Accelerator), then harden(model)."""
+    from robustdist import harden
+    from robustdist.runtime.errors import ConfigError
+
+    model = Regressor()
+    _trainer(model, out)
+    try:
+        harden(model, None, OFF)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def test_harden_and_the_hf_trainer_are_refused_in_both_orders_on_every_rank(tmp_path):
-    for rank, found in enumerate(run_ranks(_both_orders, 2, args=(str(tmp_path),), init=False, timeout=TIMEOUT)):
+    # each order in processes of its own: the Accelerate state a Trainer leaves behind is process-global
+    then_all = run_ranks(_trainer_first, 2, args=(str(tmp_path),), init=False, timeout=TIMEOUT)
+    for rank, found in enumerate(run_ranks(_harden_first, 2, args=(str(tmp_path),), init=False, timeout=TIMEOUT)):
+        found["trainer_first"] = then_all[rank]
         first = found["harden_first"]
         assert first is not None and first.startswith(
             f"[rank {rank}] the model robustdist wrapped in DDP (harden or wrap_ddp) was called through transformers' "
@@ -88,3 +97,29 @@ def test_harden_and_the_hf_trainer_are_refused_in_both_orders_on_every_rank(tmp_
             assert "Fix: harden() does not compose with transformers' Trainer, which runs its own loop, DDP, " \
                    "sampler and checkpoints" in message
             assert "give Trainer the bare model and drop harden(), or write the loop with Accelerate" in message
+
+
+def _after_a_step(rank: int, out: str) -> str | None:
+    """A direct training step on h.model first (a warm-up), then Trainer(model=h.model): robustdist's DDP has
+    passed its first training forward, so only the frames that call it can show the Trainer's DDP."""
+    from robustdist import harden
+    from robustdist.runtime.errors import ConfigError
+
+    h = harden(Regressor(), None, OFF)
+    rows = Rows()
+    batch = {k: torch.stack([rows[i][k] for i in range(4)]) for k in ("x", "labels")}
+    h.model(**batch)["loss"].backward()
+    try:
+        _trainer(h.model, out).train()
+    except ConfigError as e:
+        return str(e)
+    finally:
+        h.close()
+    return None
+
+
+def test_the_trainer_is_refused_after_a_direct_training_step_too(tmp_path):
+    for rank, message in enumerate(run_ranks(_after_a_step, 2, args=(str(tmp_path),), init=False, timeout=TIMEOUT)):
+        assert message is not None and message.startswith(
+            f"[rank {rank}] the model robustdist wrapped in DDP (harden or wrap_ddp) was called through transformers' "
+            "Trainer (Trainer(model=h.model): its Accelerator wraps the model in a second DDP)"), message

@@ -89,31 +89,74 @@ def test_refuses_to_wrap_twice():
                                "back).")
 
 
-def _fsdp2_then_ddp(rank):
-    """A model fully_shard already sharded, given to wrap_ddp alone and to harden with the default strategy."""
+def _sharded_then_ddp(rank):
+    """Models FSDP2 sharded (the root; a submodule; reshard_after_forward=False after a forward, whose parameters
+    are plain tensors again) and one tensor parallelism split, given to wrap_ddp, to harden's default strategy,
+    and (tensor parallel) to its fsdp strategy."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from robustdist import harden
 
-    messages = []
-    for call in (wrap_ddp, lambda m: harden(m, None, {"health": {"hang_timeout": None}})):
-        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-        fully_shard(model)
-        try:
-            call(model)
-        except ConfigError as e:
-            messages.append(str(e))
-    return messages
+    def net():
+        return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+    def root():
+        m = net()
+        fully_shard(m)
+        return m
+
+    def submodule():
+        m = net()
+        fully_shard(m[2])
+        return m
+
+    def unsharded_after_forward():
+        m = net()
+        fully_shard(m, reshard_after_forward=False)
+        m(torch.randn(2, 4))
+        return m
+
+    def tensor_parallel():
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        return parallelize_module(net(), init_device_mesh("cpu", (2,)), plan)
+
+    off = {"health": {"hang_timeout": None}}
+    calls = {"wrap_ddp": wrap_ddp, "harden": lambda m: harden(m, None, off),
+             "harden_fsdp": lambda m: harden(m, None, {**off, "distributed": {"strategy": "fsdp"}})}
+    found = {}
+    cases = (("root", root, ("wrap_ddp", "harden")), ("submodule", submodule, ("wrap_ddp",)),
+             ("after_forward", unsharded_after_forward, ("wrap_ddp",)),
+             ("tp", tensor_parallel, ("wrap_ddp", "harden_fsdp")))
+    for model_name, make, call_names in cases:
+        for call_name in call_names:
+            try:
+                calls[call_name](make())
+                found[f"{model_name} {call_name}"] = None
+            except ConfigError as e:
+                found[f"{model_name} {call_name}"] = str(e)
+    return found
 
 
-def test_refuses_a_model_fsdp2_already_sharded_naming_the_strategy_that_keeps_it():
-    for rank, messages in enumerate(run_ranks(_fsdp2_then_ddp, 2, timeout=60)):
-        assert len(messages) == 2
-        for message in messages:
-            assert message.startswith(
-                f"[rank {rank}] FSDPSequential has parameters sharded by FSDP2 or tensor parallelism (DTensor: "
-                "0.weight, 0.bias, 1.weight, ...); DDP needs whole parameters on every rank"), message
-            assert "Fix: with harden(), set distributed.strategy: fsdp" in message
+def test_refuses_a_sharded_model_naming_what_sharded_it_and_the_fix():
+    for rank, found in enumerate(run_ranks(_sharded_then_ddp, 2, timeout=90)):
+        for key, where in (("root wrap_ddp", "the root"), ("root harden", "the root"), ("submodule wrap_ddp", "2"),
+                           ("after_forward wrap_ddp", "the root")):
+            message = found[key]
+            kind = "FSDPSequential" if where == "the root" else "Sequential"
+            assert message is not None and message.startswith(
+                f"[rank {rank}] {kind} is sharded by FSDP2 (fully_shard on {where}); DDP needs whole parameters on "
+                "every rank"), (key, message)
+            assert "Fix: with harden(), set distributed.strategy: fsdp" in message, key
+        tp = found["tp wrap_ddp"]
+        assert tp is not None and tp.startswith(
+            f"[rank {rank}] Sequential has parameters split across ranks (DTensor: 0.weight, 0.bias, 2.weight, ...: "
+            "tensor parallelism, parallelize_module); DDP needs whole parameters on every rank"), tp
+        tp_fsdp = found["tp harden_fsdp"]
+        assert tp_fsdp is not None and tp_fsdp.startswith(
+            f"[rank {rank}] Sequential has parameters split across ranks by tensor parallelism (DTensor, "
+            "parallelize_module) and no FSDP2 module"), tp_fsdp
 
 
 def _compiled(rank):
