@@ -229,6 +229,7 @@ def _adopt_and_close_repeatedly(rank: int) -> int:
     for _ in range(3):
         report = adopt_group(HardenConfig())
         report.side_group = dist.new_group(backend="gloo")  # what a non-gloo backend's validation makes
+        dist.barrier()  # both ranks finished connecting it: destroying it at once must not close a half-made pair
         destroy_process_group_if_owned(report)
     return len(c10d._world.pg_map) - before
 
