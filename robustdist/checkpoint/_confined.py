@@ -40,6 +40,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_NAMES = 100_000  # a directory listing bigger than this is not one robustdist made
+_MAX_DEPTH = 8  # robustdist's own trees are at most 4 levels deep
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
@@ -73,16 +74,17 @@ class Confined:
             raise self._error(root, e, "open the directory") from None
 
     # --------------------------------------------------------------------------------------------- walking
-    def sub(self, name: str, *, create: bool = False, mode: int = 0o755) -> Confined:
-        """The directory ``name`` inside this one (never through a link); ``create``: made when missing."""
+    def sub(self, name: str, *, create: bool = False, fresh: bool = False, mode: int = 0o755) -> Confined:
+        """The directory ``name`` inside this one (never through a link); ``create``: made when missing;
+        ``fresh``: made now, and refused when anything is already at ``name``."""
         shown = self._shown(_plain(name))
-        if create:
+        if fresh:
             try:
                 os.mkdir(name, mode, dir_fd=self._fd)
-            except FileExistsError:
-                pass
             except OSError as e:
                 raise self._error(shown, e, "create the directory") from None
+        elif create:
+            self.mkdir(name, mode)
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=self._fd)
         except OSError as e:
@@ -90,6 +92,21 @@ class Confined:
                 e = OSError(errno.ELOOP, "symbolic link")
             raise self._error(shown, e, "open the directory", wanted="a directory") from None
         return Confined(shown, _fd=fd)
+
+    def mkdir(self, name: str, mode: int = 0o755) -> bool:
+        """Make the directory ``name`` here unless something is already at ``name`` (True when it was made).
+        Whatever is there is left for :meth:`sub` or the caller's checks to judge."""
+        try:
+            os.mkdir(_plain(name), mode, dir_fd=self._fd)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise self._error(self._shown(name), e, "create the directory") from None
+        return True
+
+    def stat(self) -> os.stat_result:
+        """This directory's own status (of the directory opened, whatever its path names now)."""
+        return os.fstat(self._fd)
 
     def names(self) -> list[str]:
         """The names in this directory (at most a bound's worth: more is not a directory robustdist made)."""
@@ -167,6 +184,33 @@ class Confined:
         self.sync()
         return True
 
+    def put(self, name: str, data: bytes | bytearray | memoryview, *, durable: bool = False) -> int:
+        """Create the file ``name`` holding ``data``, where nothing may be yet (``O_EXCL | O_NOFOLLOW``: a file or
+        link planted there is refused, never written through). For a directory this process just made fresh
+        (:meth:`sub`), where no reader looks before it is renamed into place. Returns the bytes written."""
+        shown = self._shown(_plain(name))
+        try:
+            fd = os.open(name, _NEW_FLAGS, 0o644, dir_fd=self._fd)
+        except OSError as e:
+            raise self._error(shown, e, "create") from None
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                written = fh.write(data)
+                if durable:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+        except OSError as e:
+            raise self._error(shown, e, "write") from None
+        return written
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst``, both in this directory (a link at either name is moved or replaced, never
+        followed)."""
+        try:
+            os.rename(_plain(src), _plain(dst), src_dir_fd=self._fd, dst_dir_fd=self._fd)
+        except OSError as e:
+            raise self._error(self._shown(src), e, f"rename it to {dst}") from None
+
     def adopt(self, fh: BinaryIO, name: str) -> None:
         """Give the open file ``fh`` the new name ``name`` here: a hard link to that very inode (through
         ``/proc/self/fd``, so not to whatever is at its old name now), or, where the filesystem cannot link, a
@@ -205,6 +249,43 @@ class Confined:
         except OSError as e:
             raise self._error(shown, e, "remove") from None
         return True
+
+    def remove_tree(self, name: str, pattern: re.Pattern[str]) -> bool:
+        """Delete ``name`` (it must match ``pattern``) and, when it is a directory, everything below it: each level
+        is opened from its parent's descriptor with ``O_NOFOLLOW``, a link anywhere is deleted as a link (what it
+        points at is untouched), and nothing is ever reached by a path. False when nothing was there; a tree
+        deeper than robustdist makes, or a failure, is a :class:`CheckpointError`."""
+        shown = self._shown(_plain(name))
+        if not pattern.fullmatch(name):
+            raise ValueError(f"{shown} is not a name robustdist writes here ({pattern.pattern})")
+        if self.kind(name) is None:
+            return False
+        self._remove_below(self._fd, name, shown, _MAX_DEPTH)
+        return True
+
+    def _remove_below(self, parent: int, name: str, shown: str, depth: int) -> None:
+        try:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=parent)
+                return
+            if depth <= 0:
+                raise CheckpointCorruptError(f"{shown}: deeper than the {_MAX_DEPTH} levels robustdist makes; not "
+                                             f"deleted. Fix: remove it by hand.")
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+            try:
+                for i, entry in enumerate(os.listdir(fd)):
+                    if i >= _MAX_NAMES:
+                        raise CheckpointCorruptError(f"{shown}: more than {_MAX_NAMES} names; not a directory "
+                                                     "robustdist made. Fix: remove it by hand.")
+                    self._remove_below(fd, entry, os.path.join(shown, entry), depth - 1)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=parent)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise self._error(shown, e, "remove") from None
 
     def sync(self) -> None:
         """Make the renames and creations in this directory durable."""

@@ -257,16 +257,99 @@ def test_a_directory_planted_at_the_tier_path_is_refused(tmp_path, planted):
     assert not list(tmp_path.rglob("step_*"))
 
 
-def test_a_link_planted_inside_the_tier_is_never_written_through(tmp_path):
+@pytest.mark.parametrize("level", ["owner_00000", "owner_00000/own"])
+def test_a_link_planted_inside_the_tier_is_never_written_through(tmp_path, level):
     local = LocalTier(tmp_path / "shm", lineage="x")
     outside = tmp_path / "outside"
-    outside.mkdir()
-    Path(local.directory, "owner_00000").symlink_to(outside)
+    (outside / "own").mkdir(parents=True)
+    Path(local.directory, level).parent.mkdir(parents=True, exist_ok=True)
+    Path(local.directory, level).symlink_to(outside if level == "owner_00000" else outside / "own")
     state = _state(0)
     from robustdist.runtime.errors import CheckpointError
 
     state.save_local(local, 1)
-    with pytest.raises(CheckpointError, match="refused to write through"):
+    with pytest.raises(CheckpointError, match=f"{level}: is a symbolic link; expected a directory"):
         local.wait()
+    assert [p.name for p in outside.rglob("*")] == ["own"]
+    local.close(clean=True)
+    assert not Path(local.directory).exists()
+    assert (outside / "own").is_dir()  # close removed the tier: the link, never what it points at
+
+
+def _outside_files(tmp_path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (tmp_path / "outside").rglob("*") if p.is_file()}
+
+
+def test_a_link_planted_at_a_step_is_replaced_and_deleted_as_a_link(tmp_path):
+    """A re-save of a step sets the existing copy aside and deletes it: a link planted there is renamed and
+    deleted as a link; nothing it points at is written or deleted."""
+    local = LocalTier(tmp_path / "shm", lineage="x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "payload.pt").write_bytes(b"precious")
+    own = Path(local.directory, "owner_00000", "own")
+    own.mkdir(parents=True)
+    (own / "step_0000000001").symlink_to(outside)
+    state = _state(0)
+    state.save_local(local, 1)
+    local.wait()
+    assert (own / "step_0000000001").is_dir() and not (own / "step_0000000001").is_symlink()
+    assert _outside_files(tmp_path) == {"payload.pt": b"precious"}
+    local.close(clean=True)
+    assert not Path(local.directory).exists()
+    assert _outside_files(tmp_path) == {"payload.pt": b"precious"}
+
+
+@pytest.mark.parametrize("where", ["inside_a_rotated_step", "leftover_staging", "inside_the_tier"])
+def test_rotation_cleanup_and_close_delete_links_never_their_targets(tmp_path, where):
+    local = LocalTier(tmp_path / "shm", lineage="x")
+    outside = tmp_path / "outside"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "deep" / "keep.bin").write_bytes(b"precious")
+    own = Path(local.directory, "owner_00000", "own")
+    state = _state(0)
+    state.save_local(local, 1)
+    local.wait()
+    planted = {"inside_a_rotated_step": own / "step_0000000001" / "extra",
+               "leftover_staging": own / ".tmp-step_0000000002-0123456789ab" / "x" / "extra",
+               "inside_the_tier": Path(local.directory, "extra")}[where]
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.symlink_to(outside / "deep")
+    state.save_local(local, 2)  # removes the leftover staging, then rotates step 1 out
+    local.wait()
+    assert sorted(p.name for p in own.iterdir()) == ["step_0000000002"]
+    assert _outside_files(tmp_path) == {"keep.bin": b"precious"}
+    local.close(clean=True)
+    assert not Path(local.directory).exists()
+    assert _outside_files(tmp_path) == {"keep.bin": b"precious"}
+
+
+def test_a_staging_directory_swapped_for_a_link_mid_write_is_not_written_through(tmp_path, monkeypatch):
+    """Someone who can write the tier's directory swaps the staging directory for a link to elsewhere between the
+    copy's files and its meta: the meta still goes into the directory robustdist made (reached by descriptor,
+    not by path), nothing is written outside, and the link that took the step's name is refused at load."""
+    from robustdist.checkpoint import _faults
+
+    local = LocalTier(tmp_path / "shm", lineage="x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    own = Path(local.directory, "owner_00000", "own")
+
+    def swap(phase: str) -> None:
+        if phase == "local_writing":
+            (staging,) = own.glob(".tmp-step_*")
+            staging.rename(tmp_path / "moved")
+            staging.symlink_to(outside)
+
+    monkeypatch.setattr(_faults, "HOOK", swap)
+    state = _state(0)
+    state.save_local(local, 1)
+    local.wait()
+    monkeypatch.setattr(_faults, "HOOK", None)
     assert list(outside.iterdir()) == []
-    local.close()
+    assert sorted(p.name for p in (tmp_path / "moved").iterdir()) == ["meta.json", "payload.pt", "replicated.pt"]
+    assert (own / "step_0000000001").is_symlink()
+    with pytest.warns(Warning, match="step_0000000001: not a real directory"):
+        assert local.load(state=_state(1).entries(loading=True)) is None  # the link at the step's name is no copy
+    local.close(clean=True)
+    assert list(outside.iterdir()) == [] and not Path(local.directory).exists()

@@ -38,8 +38,6 @@ PENDING = {
     "checkpoint/_sharded.py": 1,
     "checkpoint/_shared.py": 3,
     "checkpoint/checkpointer.py": 1,
-    "checkpoint/local/layout.py": 10,
-    "checkpoint/local/tier.py": 3,
     "frameworks/accelerate.py": 9,
     "frameworks/lightning.py": 7,
     "ray/train.py": 3,  # its staging directory (mkdtemp, rmtree); the files go in through Confined

@@ -22,21 +22,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import contextlib
 import re
-import shutil
 import stat
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from robustdist.checkpoint import _faults
+from robustdist.checkpoint._confined import Confined
 from robustdist.checkpoint._safeio import check_torch_zip, lexists_dir, open_in, read_in
 from robustdist.checkpoint._schema import KINDS, MAX_STEP, is_int
 from robustdist.checkpoint.local import memory
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
+from robustdist.runtime.log import get_logger
 
-__all__ = ["PAYLOAD", "REPLICATED", "Holding", "check_root", "commit_copy", "read_verified", "remove_stale", "rotate",
-           "rotate_all", "scan", "siblings", "step_path", "tier_root"]
+__all__ = ["PAYLOAD", "REPLICATED", "Holding", "check_root", "commit_copy", "make_root", "open_root", "read_verified",
+           "remove_root", "remove_stale", "rotate", "rotate_all", "scan", "siblings", "step_path", "tier_root"]
 
 FORMAT = 1
 META = "meta.json"
@@ -51,7 +53,9 @@ _STEP_RE = re.compile(r"step_(\d{10,19})")
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 _SAVE = re.compile(r"[0-9a-f]{12,32}")
 _OLD_RE = re.compile(r"\.old-step_(\d{10,19})-[0-9a-f]{12}")
+_LEFTOVER_RE = re.compile(r"\.(?:tmp|old)-[A-Za-z0-9_.-]{1,190}")
 PREFIX = "robustdist-"
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,16 +82,6 @@ def step_path(root: str, owner: int, role: str, step: int) -> str:
     return os.path.join(root, f"owner_{owner:05d}", role, f"step_{step:010d}")
 
 
-def _role_dir(root: str, owner: int, role: str) -> str:
-    return os.path.join(root, f"owner_{owner:05d}", role)
-
-
-def _real_role_dir(root: str, owner: int, role: str) -> str | None:
-    """The role directory, if it and its owner directory are real directories (never a path through a link)."""
-    base = _role_dir(root, owner, role)
-    return base if lexists_dir(os.path.dirname(base)) and lexists_dir(base) else None
-
-
 def tier_root(base: str, lineage: str) -> str:
     """The tier's own directory under ``base``: ``<base>/robustdist-<uid>-<hash of the lineage>``. Only this
     directory is ever written, rotated or removed, so jobs that share ``base`` never touch each other's copies."""
@@ -109,11 +103,11 @@ def siblings(root: str) -> list[tuple[str, int]]:
     return out
 
 
-def check_root(root: str) -> None:
+def check_root(root: str, st: os.stat_result | None = None) -> None:
     """The tier's directory must be a real directory owned by this user and closed to others: ``/dev/shm`` is
     shared by every user of the node, and a directory someone else made (or a link planted at its name) would
-    let them read or replace the copies."""
-    st = os.lstat(root)
+    let them read or replace the copies. ``st``: the status of the directory already opened (else its path's)."""
+    st = st if st is not None else os.lstat(root)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(
             st.st_mode) else f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else \
@@ -123,75 +117,115 @@ def check_root(root: str) -> None:
                               "checkpoint.local_dir to a directory of your own.")
 
 
-def _entries(root: str, owner: int, role: str) -> tuple[str, list[str]]:
-    """The role directory of this owner and its entries (none when it is missing or not a real directory)."""
-    base = _real_role_dir(root, owner, role)
-    if base is None:
-        return "", []
+def make_root(root: str) -> None:
+    """Create the tier's directory (and the base above it, as the user named it) and check it."""
+    base, name = os.path.split(root)
+    with Confined(base, create=True) as folder:
+        folder.mkdir(name, 0o700)
+    check_root(root)
+
+
+def open_root(root: str) -> Confined:
+    """The tier's directory, opened from its base without following a link, and checked as :func:`check_root`
+    does (on the directory opened, not on whatever its path names a moment later)."""
+    base, name = os.path.split(root)
+    with Confined(base) as folder:
+        own = folder.sub(name)
     try:
-        return base, os.listdir(base)
-    except OSError:
-        return base, []
+        check_root(root, own.stat())
+    except BaseException:
+        own.close()
+        raise
+    return own
+
+
+def remove_root(root: str) -> None:
+    """Delete the tier's directory and everything in it (never through a link)."""
+    base, name = os.path.split(root)
+    with Confined(base) as folder:
+        folder.remove_tree(name, re.compile(re.escape(name)))
+
+
+def _role(root: str, owner: int, role: str, *, create: bool) -> Confined | None:
+    """This owner's role directory, opened confined (``create``: made when missing); None when it is missing."""
+    with open_root(root) as tier:
+        owner_name = f"owner_{owner:05d}"
+        if not create and tier.kind(owner_name) is None:
+            return None
+        with tier.sub(owner_name, create=create, mode=0o700) as folder:
+            if not create and folder.kind(role) is None:
+                return None
+            return folder.sub(role, create=create, mode=0o700)
 
 
 def remove_stale(root: str, owner: int, role: str) -> None:
     """Remove the staging and set-aside directories an interrupted write of this owner's copies left."""
-    base, names = _entries(root, owner, role)
-    for name in names:
-        if name.startswith((".tmp-", ".old-")):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    with contextlib.suppress(CheckpointError):
+        folder = _role(root, owner, role, create=False)
+        if folder is None:
+            return
+        with folder:
+            for name in folder.names():
+                if _LEFTOVER_RE.fullmatch(name):
+                    _remove(folder, name, _LEFTOVER_RE)
+
+
+def _remove(folder: Confined, name: str, pattern: re.Pattern[str]) -> None:
+    try:
+        folder.remove_tree(name, pattern)
+    except CheckpointError as e:
+        log.warning("in-memory tier: could not remove %s: %s", os.path.join(folder.path, name), e)
 
 
 def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: dict[str, Any],
                 meta: dict[str, Any]) -> int:
     """Write ``files`` (name -> bytes-like) and ``meta.json`` into a staging directory, then rename it into place
-    (an existing copy of the same step is set aside first and deleted after). Returns the bytes written.
+    (an existing copy of the same step is set aside first and deleted after). Returns the bytes written. Every
+    file is created fresh in a directory made fresh, all of it reached from the tier's directory without
+    following a link (:class:`.._confined.Confined`).
 
     No fsync: the tier is in memory (tmpfs); it protects against process and node loss, not power loss."""
-    base = _role_dir(root, owner, role)
-    for path in (os.path.dirname(base), base):
+    final = f"step_{step:010d}"
+    staging = f".tmp-{final}-{token}"
+    folder = _role(root, owner, role, create=True)
+    assert folder is not None
+    with folder:
+        written = 0
         try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        if not lexists_dir(path):
-            raise CheckpointCorruptError(f"{path}: not a real directory (a symbolic link?); refused to write through "
-                                         "it. Fix: remove it (robustdist recreates it).")
-    final = step_path(root, owner, role, step)
-    staging = os.path.join(base, f".tmp-step_{step:010d}-{token}")
-    os.mkdir(staging)
-    written = 0
-    try:
-        entries = {}
-        for name, data in files.items():
-            with open(os.path.join(staging, name), "xb") as fh:
-                fh.write(data)
-            view = memoryview(data).cast("B")
-            entries[name] = {"size": len(view), "crc32": f"{zlib.crc32(view):08x}"}
-            written += len(view)
-        _faults.phase("local_writing")
-        with open(os.path.join(staging, META), "x") as fh:
-            json.dump({**meta, "format": FORMAT, "owner": owner, "step": step, "files": entries}, fh)
-        old = None
-        if os.path.lexists(final):
-            old = os.path.join(base, f".old-step_{step:010d}-{token}")
-            os.rename(final, old)
-        os.rename(staging, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+            with folder.sub(staging, fresh=True, mode=0o700) as copy:
+                entries = {}
+                for name, data in files.items():
+                    view = memoryview(data).cast("B")
+                    written += copy.put(name, view)
+                    entries[name] = {"size": len(view), "crc32": f"{zlib.crc32(view):08x}"}
+                _faults.phase("local_writing")
+                copy.put(META, json.dumps({**meta, "format": FORMAT, "owner": owner, "step": step,
+                                           "files": entries}).encode())
+            old = None
+            if folder.kind(final) is not None:
+                old = f".old-{final}-{token}"
+                folder.rename(final, old)
+            folder.rename(staging, final)
+            if old is not None:
+                _remove(folder, old, _LEFTOVER_RE)
+        except BaseException:
+            with contextlib.suppress(CheckpointError):
+                folder.remove_tree(staging, _LEFTOVER_RE)
+            raise
     return written
 
 
 def rotate(root: str, owner: int, role: str, keep: set[int]) -> None:
     """Delete this owner's copies (of ``role``) of every step not in ``keep``."""
-    base, names = _entries(root, owner, role)
-    for name in names:
-        m = _STEP_RE.fullmatch(name)
-        if m and int(m.group(1)) not in keep:
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    with contextlib.suppress(CheckpointError):
+        folder = _role(root, owner, role, create=False)
+        if folder is None:
+            return
+        with folder:
+            for name in folder.names():
+                m = _STEP_RE.fullmatch(name)
+                if m and int(m.group(1)) not in keep:
+                    _remove(folder, name, _STEP_RE)
 
 
 def rotate_all(root: str, keep: set[int]) -> None:

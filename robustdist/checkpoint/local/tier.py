@@ -35,7 +35,6 @@ when every rank closes cleanly (a vote in the job's store: a rank leaving on an 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -144,12 +143,7 @@ class LocalTier:
                                                           else os.environ.get("TMPDIR", "/tmp"))
         self.directory = layout.tier_root(os.path.abspath(base), self.lineage)
         """The tier's own directory: the only one it writes, rotates or removes."""
-        os.makedirs(os.path.dirname(self.directory), exist_ok=True)
-        try:
-            os.mkdir(self.directory, 0o700)
-        except FileExistsError:
-            pass
-        layout.check_root(self.directory)
+        layout.make_root(self.directory)
         self.keep_last = keep_last
         self.timeout = float(timeout) if timeout is not None else 1800.0
         self.arrival_timeout = float(arrival_timeout) if arrival_timeout is not None else 60.0
@@ -389,7 +383,10 @@ class LocalTier:
             except BaseException as e:  # raised after the vote
                 error, clean = e, False
             if self._thread is None and self._votes_clean(clean):
-                shutil.rmtree(self.directory, ignore_errors=True)
+                try:
+                    layout.remove_root(self.directory)
+                except CheckpointError as e:
+                    log.warning("in-memory tier: could not remove %s: %s", self.directory, e)
             elif self.leader:
                 log.info("in-memory checkpoints kept in %s for a restart", self.directory)
         finally:
