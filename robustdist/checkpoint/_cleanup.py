@@ -9,72 +9,90 @@
   renamed to ``.rejected-step_<n>-<token>``: no longer a step (the layout scanner, ``verify_all``, rotation
   and :func:`clean_stale` ignore it), but kept for inspection; robustdist never deletes it.
 * :func:`remove`: delete a tree, a file or a link, never following a link.
+
+Every rename and delete goes through :class:`.._confined.Confined` (by descriptor, never through a link).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import stat
+import re
 import uuid
 
 from robustdist.checkpoint import _layout
-from robustdist.checkpoint._io import fsync_dir
+from robustdist.checkpoint._confined import Confined
+from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.log import get_logger
 
-__all__ = ["clean_stale", "delete_all", "remove", "set_aside", "trash"]
+__all__ = ["clean_stale", "delete_all", "put_back", "remove", "set_aside", "trash"]
 
 log = get_logger(__name__)
 
+_OURS = re.compile(r"\.(?:tmp|old|trash)-step_[A-Za-z0-9_.-]{1,200}|step_\d{10,19}")
+"""The names robustdist deletes in a checkpoint directory: steps, their staging, set-aside and trashed copies
+(never ``.rejected-*``, the lock, or anything else)."""
 
-def remove(path: str) -> None:
-    """Delete a directory tree, or a file or link (never following it); missing is fine."""
+
+def remove(path: str, ours: re.Pattern[str] = _OURS) -> None:
+    """Delete the step, staging or trashed directory ``path`` (a tree, a file or a link, never following a link
+    at any level, through :class:`.._confined.Confined`); its name must match ``ours`` (the names robustdist
+    deletes there). Missing is fine, a failure is a warning."""
+    parent, name = os.path.split(path)
     try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        with Confined(parent) as folder:
+            folder.remove_tree(name, ours)
+    except CheckpointError as e:
+        log.warning("could not remove %s: %s (harmless: it is never read as a checkpoint; the next save's clean-up "
+                    "tries again)", path, e)
 
 
 def clean_stale(directory: str) -> None:
     """Rank 0, holding the lock: put back a re-save's committed copy that a crash left aside, then remove
     what crashed runs left (staging, replaced and rotated-out directories)."""
     committed = set(_layout.committed_steps(directory))
-    for step, name in _layout.step_dirs(directory).items():
-        final = os.path.join(directory, _layout.step_dirname(step))
-        if name.startswith(".old-") and step in committed and not os.path.lexists(final):
-            log.warning("restoring checkpoint step %d from %s: a crash interrupted its re-save", step, name)
-            os.rename(os.path.join(directory, name), final)
-    for name in os.listdir(directory):
-        if name.startswith(_layout.STALE_PREFIXES):
-            log.info("removing %s left by an earlier crash", name)
-            remove(os.path.join(directory, name))
-    fsync_dir(directory)
+    with Confined(directory) as folder:
+        for step, name in _layout.step_dirs(directory).items():
+            final = _layout.step_dirname(step)
+            if name.startswith(".old-") and step in committed and folder.lstat(final) is None:
+                log.warning("restoring checkpoint step %d from %s: a crash interrupted its re-save", step, name)
+                folder.rename(name, final)
+        for name in folder.names():
+            if _OURS.fullmatch(name) and name.startswith(_layout.STALE_PREFIXES):
+                log.info("removing %s left by an earlier crash", name)
+                remove(os.path.join(directory, name))
+        folder.sync(strict=True)
+
+
+def put_back(directory: str, old: str, final: str) -> None:
+    """Rename a re-save's set-aside copy ``old`` back to ``final`` if nothing took that name (best effort: the
+    next save's :func:`clean_stale` does it otherwise)."""
+    try:
+        with Confined(directory) as folder:
+            if folder.lstat(final) is None:
+                folder.rename(old, final)
+    except CheckpointError as e:
+        log.warning("could not put %s back as %s: %s (the next save does)", old, final, e)
 
 
 def trash(directory: str, step: int) -> str | None:
     """Rename a committed step to ``.trash-*`` (invisible to readers at once); its bytes go later."""
-    src = os.path.join(directory, _layout.step_dirname(step))
-    dst = os.path.join(directory, f".trash-{_layout.step_dirname(step)}-{uuid.uuid4().hex[:8]}")
+    src = _layout.step_dirname(step)
+    dst = f".trash-{src}-{uuid.uuid4().hex[:8]}"
     try:
-        os.rename(src, dst)
-    except OSError as e:
+        with Confined(directory) as folder:
+            folder.rename(src, dst)
+    except CheckpointError as e:
         log.warning("could not rotate out checkpoint step %d: %s (it stays; the new one is committed)", step, e)
         return None
-    return dst
+    return os.path.join(directory, dst)
 
 
 def set_aside(directory: str, name: str, step: int, token: str) -> str:
     """Rename the step directory ``name`` to ``.rejected-step_<step>-<token>`` (the caller fsyncs ``directory``)."""
-    dst = os.path.join(directory, f"{_layout.REJECTED_PREFIX}{_layout.step_dirname(step)}-{token}")
-    os.rename(os.path.join(directory, name), dst)
-    return dst
+    dst = f"{_layout.REJECTED_PREFIX}{_layout.step_dirname(step)}-{token}"
+    with Confined(directory) as folder:
+        folder.rename(name, dst)
+    return os.path.join(directory, dst)
 
 
 def delete_all(paths: list[str]) -> None:

@@ -28,25 +28,40 @@ import shutil
 import stat
 import uuid
 from types import TracebackType
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
-from robustdist.checkpoint._io import os_error
 from robustdist.checkpoint._safeio import kind_of
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["Confined"]
+__all__ = ["Confined", "fix_for", "os_error"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_NAMES = 100_000  # a directory listing bigger than this is not one robustdist made
 _MAX_DEPTH = 8  # robustdist's own trees are at most 4 levels deep
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+_NAME = re.compile(r"[^/\x00]{1,255}")  # one path component (robustdist's names, or a framework's file name)
+
+
+def fix_for(e: OSError) -> str:
+    """The fix for an ``OSError`` of a write in a checkpoint directory, in words."""
+    return {errno.EACCES: "make it writable by this user", errno.EPERM: "make it writable by this user",
+            errno.EROFS: "use a directory on a writable filesystem", errno.ENOSPC: "free space on its filesystem",
+            errno.EDQUOT: "free space (the disk quota is full)",
+            errno.ENAMETOOLONG: "use a shorter checkpoint directory path",
+            errno.ENOENT: "check that the directory exists and was not removed while the job runs"}.get(
+                e.errno or 0, "check the directory's permissions, free space and filesystem")
+
+
+def os_error(path: str, e: OSError, doing: str, *, rank: int | None = None) -> CheckpointError:
+    """A :class:`CheckpointError` for an ``OSError`` while ``doing`` something at ``path``, with the fix."""
+    return CheckpointError(f"{path}: could not {doing} ({type(e).__name__}: {e.strerror or e}). Fix: {fix_for(e)}.",
+                           rank=rank)
 
 
 def _plain(name: str) -> str:
     if not _NAME.fullmatch(name) or name in (".", ".."):
-        raise ValueError(f"{name!r} is not a plain file name robustdist writes")  # a bug in robustdist, not input
+        raise ValueError(f"{name!r} is not one path component")  # a bug in robustdist, not input
     return name
 
 
@@ -58,7 +73,8 @@ class Confined:
     manager) to release the descriptor.
     """
 
-    def __init__(self, root: str, *, create: bool = False, _fd: int | None = None) -> None:
+    def __init__(self, root: str, *, create: bool = False, what: str = "the directory",
+                 _fd: int | None = None) -> None:
         self.path = root
         if _fd is not None:
             self._fd = _fd
@@ -67,11 +83,19 @@ class Confined:
             try:
                 os.makedirs(root, exist_ok=True)
             except OSError as e:
-                raise self._error(root, e, "create the directory") from None
+                raise self._error(root, e, f"create {what}") from None
         try:
             self._fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path, followed
         except OSError as e:
-            raise self._error(root, e, "open the directory") from None
+            raise self._error(root, e, f"open {what}") from None
+
+    @classmethod
+    def at(cls, path: str) -> Confined:
+        """The directory ``path`` opened as :meth:`sub` of its parent: the parent as the user gave it, the last
+        component never through a link (for a directory robustdist made inside the configured one)."""
+        parent, name = os.path.split(path)
+        with cls(parent or ".") as folder:
+            return folder.sub(name)
 
     # --------------------------------------------------------------------------------------------- walking
     def sub(self, name: str, *, create: bool = False, fresh: bool = False, mode: int = 0o755) -> Confined:
@@ -104,6 +128,15 @@ class Confined:
             raise self._error(self._shown(name), e, "create the directory") from None
         return True
 
+    def lstat(self, name: str) -> os.stat_result | None:
+        """The status of what is at ``name`` (a link's own, never its target's); None when nothing is."""
+        try:
+            return os.stat(_plain(name), dir_fd=self._fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise self._error(self._shown(name), e, "inspect it") from None
+
     def stat(self) -> os.stat_result:
         """This directory's own status (of the directory opened, whatever its path names now)."""
         return os.fstat(self._fd)
@@ -123,7 +156,7 @@ class Confined:
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise self._error(self._shown(name), e, "inspect") from None
+            raise self._error(self._shown(name), e, "inspect it") from None
 
     # --------------------------------------------------------------------------------------------- reading
     def read(self, name: str, *, max_size: int) -> bytes | None:
@@ -164,7 +197,7 @@ class Confined:
             os.replace(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
         except OSError as e:
             self._discard(tmp)
-            raise self._error(shown, e, "replace") from None
+            raise self._error(shown, e, "replace it") from None
         if durable:
             self.sync()
 
@@ -178,30 +211,59 @@ class Confined:
         except FileExistsError:
             return False
         except OSError as e:
-            raise self._error(shown, e, "create") from None
+            raise self._error(shown, e, "create it") from None
         finally:
             self._discard(tmp)
         self.sync()
         return True
 
-    def put(self, name: str, data: bytes | bytearray | memoryview, *, durable: bool = False) -> int:
-        """Create the file ``name`` holding ``data``, where nothing may be yet (``O_EXCL | O_NOFOLLOW``: a file or
-        link planted there is refused, never written through). For a directory this process just made fresh
-        (:meth:`sub`), where no reader looks before it is renamed into place. Returns the bytes written."""
-        shown = self._shown(_plain(name))
+    def open_new(self, name: str, *, mode: int = 0o644) -> BinaryIO:
+        """A new file ``name`` open for writing (``O_EXCL | O_NOFOLLOW``: a file or link planted there is refused,
+        never written through). The caller closes it."""
         try:
-            fd = os.open(name, _NEW_FLAGS, 0o644, dir_fd=self._fd)
+            fd = os.open(_plain(name), _NEW_FLAGS, mode, dir_fd=self._fd)
         except OSError as e:
-            raise self._error(shown, e, "create") from None
+            raise self._error(self._shown(name), e, "create it") from None
+        return os.fdopen(fd, "wb")
+
+    def put(self, name: str, data: bytes | bytearray | memoryview, *, durable: bool = False,
+            mode: int = 0o644) -> int:
+        """Create the file ``name`` holding ``data``, where nothing may be yet (:meth:`open_new`). For a fresh
+        directory (:meth:`sub`) no reader looks into before it is renamed into place, or a name unique to the
+        writer. A failed write leaves nothing behind. Returns the bytes written."""
+        fh = self.open_new(name, mode=mode)
         try:
-            with os.fdopen(fd, "wb") as fh:
+            with fh:
                 written = fh.write(data)
+                fh.flush()
                 if durable:
-                    fh.flush()
                     os.fsync(fh.fileno())
         except OSError as e:
-            raise self._error(shown, e, "write") from None
+            self._discard(name)  # created with O_EXCL just now: this name is this writer's own
+            raise self._error(self._shown(name), e, "write it") from None
         return written
+
+    def open_lock(self, name: str) -> TextIO:
+        """Open, or create, the lock file ``name`` for reading and writing: never through a link, never a FIFO,
+        device or directory, never a file with more than one name (a hard link to a file elsewhere would have
+        the lock holder's line written into it). Nothing is written by opening it."""
+        shown = self._shown(_plain(name))
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644,
+                         dir_fd=self._fd)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EISDIR):  # not the file: the place
+                raise os_error(shown, e, "open the lock file") from None
+            raise CheckpointError(f"{shown}: cannot open the lock file ({e.strerror or e}); expected a regular file "
+                                  "(a symbolic link is refused). Fix: remove it; robustdist recreates it.") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = f"not a regular file (mode {stat.filemode(st.st_mode)})" if not stat.S_ISREG(st.st_mode) \
+                else f"a hard link ({st.st_nlink} names share it, possibly outside the directory)"
+            raise CheckpointError(f"{shown}: the lock file is {what}; expected one robustdist created. Fix: remove "
+                                  "it; robustdist recreates it.")
+        return os.fdopen(fd, "r+", encoding="utf-8", errors="replace")
 
     def rename(self, src: str, dst: str) -> None:
         """Rename ``src`` to ``dst``, both in this directory (a link at either name is moved or replaced, never
@@ -224,13 +286,13 @@ class Confined:
             finally:
                 os.close(proc)
         except FileExistsError as e:
-            raise self._error(shown, e, "create") from None
+            raise self._error(shown, e, "create it") from None
         except OSError:  # no /proc, or another filesystem: copy from the descriptor
             pass
         try:
             fd = os.open(name, _NEW_FLAGS, 0o644, dir_fd=self._fd)
         except OSError as e:
-            raise self._error(shown, e, "create") from None
+            raise self._error(shown, e, "create it") from None
         with os.fdopen(fd, "wb") as out:
             fh.seek(0)
             shutil.copyfileobj(fh, out, 1 << 20)
@@ -247,7 +309,7 @@ class Confined:
         except FileNotFoundError:
             return False
         except OSError as e:
-            raise self._error(shown, e, "remove") from None
+            raise self._error(shown, e, "remove it") from None
         return True
 
     def remove_tree(self, name: str, pattern: re.Pattern[str]) -> bool:
@@ -285,12 +347,16 @@ class Confined:
         except FileNotFoundError:
             return
         except OSError as e:
-            raise self._error(shown, e, "remove") from None
+            raise self._error(shown, e, "remove it") from None
 
-    def sync(self) -> None:
-        """Make the renames and creations in this directory durable."""
-        with contextlib.suppress(OSError):  # some filesystems (FUSE mounts) refuse fsync on a directory
+    def sync(self, *, strict: bool = False) -> None:
+        """Make the renames and creations in this directory durable. ``strict``: a failure is an error (else
+        ignored: some filesystems, FUSE mounts, refuse fsync on a directory)."""
+        try:
             os.fsync(self._fd)
+        except OSError as e:
+            if strict:
+                raise self._error(self.path, e, "sync the directory") from None
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -313,7 +379,7 @@ class Confined:
         try:
             fd = os.open(tmp, _NEW_FLAGS, 0o644, dir_fd=self._fd)
         except OSError as e:
-            raise self._error(self._shown(name), e, "write") from None
+            raise self._error(self._shown(name), e, "write it") from None
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
@@ -322,14 +388,19 @@ class Confined:
                     os.fsync(fh.fileno())
         except OSError as e:
             self._discard(tmp)
-            raise self._error(self._shown(name), e, "write") from None
+            raise self._error(self._shown(name), e, "write it") from None
         return tmp
 
-    def _discard(self, tmp: str) -> None:
+    def _discard(self, tmp: str) -> None:  # a name this writer created itself
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=self._fd)
 
     def _error(self, shown: str, e: OSError, doing: str, *, wanted: str | None = None) -> CheckpointError:
+        error = self._named(shown, e, doing, wanted)
+        error.os_error = e  # type: ignore[attr-defined]  # the cause, for callers that tell "unwritable" apart
+        return error
+
+    def _named(self, shown: str, e: OSError, doing: str, wanted: str | None) -> CheckpointError:
         if e.errno in (errno.ELOOP, errno.EMLINK) or (wanted and e.errno == errno.ENOTDIR):
             found = "a symbolic link" if e.errno in (errno.ELOOP, errno.EMLINK) else "not a directory"
             return CheckpointCorruptError(
@@ -342,4 +413,4 @@ class Confined:
             return CheckpointCorruptError(
                 f"{shown}: is a directory; expected a file robustdist writes there. Fix: remove the directory "
                 f"{shown}; robustdist recreates the file.")
-        return os_error(shown, e, f"{doing} it")
+        return os_error(shown, e, doing)

@@ -16,12 +16,13 @@ import hashlib
 import json
 import os
 import socket
-import stat
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
+from robustdist.checkpoint._confined import Confined, fix_for, os_error  # noqa: F401 - re-exported
+from robustdist.checkpoint._safeio import open_in
 from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.log import get_logger
 
@@ -53,9 +54,9 @@ class HashingWriter:
     later and the digest stays in order. Hashing then costs almost nothing beyond the write itself.
     """
 
-    def __init__(self, path: str, on_write: Callable[[int], None] | None = None):
-        self.path = path
-        self._fh: BinaryIO = open(path, "xb")  # noqa: SIM115 - closed in close()
+    def __init__(self, folder: Confined, name: str, on_write: Callable[[int], None] | None = None):
+        self.path = os.path.join(folder.path, name)
+        self._fh: BinaryIO = folder.open_new(name)  # closed in close()
         self._sha = Crc32()
         self.size = 0
         self._on_write = on_write
@@ -128,7 +129,7 @@ class HashingWriter:
 
 def _digest_file(path: str, digest: Any) -> tuple[int, str]:
     size = 0
-    with open(path, "rb") as fh:
+    with open_in(os.path.dirname(path), os.path.basename(path)) as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
@@ -150,61 +151,19 @@ def checksum_entry(path: str) -> dict[str, Any]:
 
 
 def fsync_dir(path: str) -> None:
-    """Make renames and creations inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Make renames and creations inside ``path`` durable (a failure is a :class:`CheckpointError`)."""
+    with Confined(path) as folder:
+        folder.sync(strict=True)
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    """Write JSON to ``path`` through a tmp file in the same directory, fsync, rename, fsync the directory."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+    """Write JSON to ``path`` (in a directory robustdist made or was given) by :meth:`Confined.write`: a new file
+    under a random name, fsynced, renamed over ``path``, the directory fsynced; never through a link."""
+    with Confined(os.path.dirname(path) or ".") as folder:
+        folder.write(os.path.basename(path), json.dumps(data, indent=2, sort_keys=True).encode())
 
 
-def fix_for(e: OSError) -> str:
-    """The fix for an ``OSError`` of a write in a checkpoint directory, in words."""
-    return {errno.EACCES: "make it writable by this user", errno.EPERM: "make it writable by this user",
-            errno.EROFS: "use a directory on a writable filesystem", errno.ENOSPC: "free space on its filesystem",
-            errno.EDQUOT: "free space (the disk quota is full)",
-            errno.ENAMETOOLONG: "use a shorter checkpoint directory path",
-            errno.ENOENT: "check that the directory exists and was not removed while the job runs"}.get(
-                e.errno or 0, "check the directory's permissions, free space and filesystem")
-
-
-def os_error(path: str, e: OSError, doing: str, *, rank: int | None = None) -> CheckpointError:
-    """A :class:`CheckpointError` for an ``OSError`` while ``doing`` something at ``path``, with the fix."""
-    return CheckpointError(f"{path}: could not {doing} ({type(e).__name__}: {e.strerror or e}). Fix: {fix_for(e)}.",
-                           rank=rank)
-
-
-def _open_lock_file(path: str) -> Any:
-    """Open (or create) the lock file itself: never through a link, never a FIFO or device (the directory is
-    input, and a ``.lock`` pointing elsewhere would make the lock holder's line overwrite that file)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EISDIR):  # not the file itself: the place
-            raise os_error(path, e, "open the lock file") from None
-        raise CheckpointError(f"{path}: cannot open the lock file ({e.strerror or e}); expected a regular file "
-                              "(a symbolic link is refused). Fix: remove it; robustdist recreates it.") from e
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-        os.close(fd)
-        what = f"not a regular file (mode {stat.filemode(st.st_mode)})" if not stat.S_ISREG(st.st_mode) \
-            else f"a hard link ({st.st_nlink} names share it, possibly outside the directory)"
-        raise CheckpointError(f"{path}: the lock file is {what}; expected one robustdist created. Fix: remove it; "
-                              "robustdist recreates it.")
-    return os.fdopen(fd, "r+", encoding="utf-8", errors="replace")
-
-
+LOCK = ".lock"
 _held: dict[str, Any] = {}  # POSIX locks do not conflict within one process: track this process's own
 
 
@@ -217,7 +176,7 @@ class DirLock:
     """
 
     def __init__(self, directory: str):
-        self.path = os.path.join(directory, ".lock")
+        self.path = os.path.join(directory, LOCK)
         self._fh: Any = None
 
     def acquire(self) -> None:
@@ -226,7 +185,8 @@ class DirLock:
             raise CheckpointError(f"{os.path.dirname(self.path)} is already being written by another "
                                   f"AtomicCheckpointer in this process (pid {os.getpid()}); expected one writer per "
                                   "directory. Fix: reuse that checkpointer, or close() it first.")
-        fh = _open_lock_file(self.path)
+        with Confined(os.path.dirname(self.path)) as folder:
+            fh = folder.open_lock(LOCK)
         try:
             fcntl.lockf(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -62,6 +62,7 @@ A background save's error is kept by ``AtomicCheckpointer`` and raised at the ne
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -74,11 +75,12 @@ import torch
 
 from robustdist._version import __version__
 from robustdist.checkpoint import _cleanup, _faults, _layout
-from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir, os_error, write_json_atomic
+from robustdist.checkpoint._confined import Confined
+from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir, os_error
 from robustdist.checkpoint._shared import refusal, this_node, unseen_files
 from robustdist.checkpoint._types import Context, FileEntry, SaveJob
 from robustdist.runtime.dist import default_store
-from robustdist.runtime.errors import CheckpointError, ranks_phrase
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, ranks_phrase
 from robustdist.runtime.log import get_logger
 
 __all__ = ["Committer", "staging_dir", "write_file"]
@@ -94,7 +96,8 @@ def staging_dir(directory: str, step: int, token: str) -> str:
 
 def write_file(staging: str, name: str, obj: Any) -> FileEntry:
     """``torch.save`` ``obj`` to ``<staging>/<name>`` (a new file), checksummed while written, fsynced."""
-    writer = HashingWriter(os.path.join(staging, name), on_write=lambda n: _faults.phase("writing"))
+    with Confined.at(staging) as folder:
+        writer = HashingWriter(folder, name, on_write=lambda n: _faults.phase("writing"))
     try:
         torch.save(obj, writer)
     except BaseException as e:
@@ -144,7 +147,8 @@ class Committer:
                 _cleanup.clean_stale(ctx.directory)
                 self._check_order(step)
                 token = uuid.uuid4().hex[:12]
-                os.makedirs(staging_dir(ctx.directory, step, token))
+                with Confined(ctx.directory, create=True) as folder:
+                    folder.sub(os.path.basename(staging_dir(ctx.directory, step, token)), fresh=True).close()
             except Exception as e:
                 token = e
         if isinstance(token, OSError):  # an unwritable directory, a path too long: named, with the fix
@@ -321,23 +325,33 @@ class Committer:
     def _rename_into_place(self, job: SaveJob, manifest: dict[str, Any]) -> tuple[bool, bool, str] | None:
         """Rank 0's step 5: None, or ``(whether the step is committed, whether <dir> was fsynced, the problem)``."""
         directory = self.ctx.directory
-        final = os.path.join(directory, _layout.step_dirname(job.step))
-        old = None
+        final = _layout.step_dirname(job.step)
+        staging = os.path.basename(job.staging)
+        old = renamed = None
         try:
-            write_json_atomic(os.path.join(job.staging, _layout.MANIFEST), manifest)
-            _faults.phase("manifest_written")
-            if os.path.lexists(final):  # re-saving a step: move the old one aside, delete it after the commit
-                old = os.path.join(directory, f".old-{_layout.step_dirname(job.step)}-{job.token}")
-                os.rename(final, old)
-                _faults.phase("moved_aside")
-            os.rename(job.staging, final)
+            with Confined(directory) as folder:
+                with folder.sub(staging) as files:
+                    files.write(_layout.MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+                    written = files.stat()
+                _faults.phase("manifest_written")
+                if folder.lstat(final) is not None:  # re-saving a step: move the old one aside, delete it after
+                    old = f".old-{final}-{job.token}"
+                    folder.rename(final, old)
+                    _faults.phase("moved_aside")
+                folder.rename(staging, final)
+                renamed = final
+                with folder.sub(final) as now:  # the directory written is the one committed (never a link)
+                    if (now.stat().st_dev, now.stat().st_ino) != (written.st_dev, written.st_ino):
+                        raise CheckpointCorruptError(
+                            f"{job.staging}: was replaced by another directory while the step was committed; "
+                            "expected the staging directory robustdist wrote. Fix: make sure nothing else writes "
+                            f"the checkpoint directory {directory}.")
         except Exception as e:
             _cleanup.remove(job.staging)
-            if old is not None and not os.path.lexists(final):
-                try:  # put the committed copy back under its name (else the next save's clean-up does)
-                    os.rename(old, final)
-                except OSError:
-                    pass
+            if renamed is not None:  # what took the step's name is not what was written: it is not a step
+                _cleanup.remove(os.path.join(directory, renamed))
+            if old is not None:
+                _cleanup.put_back(directory, old, final)  # else the next save's clean-up does
             return False, False, f"{type(e).__name__}: {e}"
         synced = False
         try:
@@ -348,7 +362,7 @@ class Committer:
             return True, synced, f"{type(e).__name__}: {e}"
         finally:
             if old is not None:
-                _cleanup.remove(old)
+                _cleanup.remove(os.path.join(directory, old))
         return None
 
     def _tidy(self, job: SaveJob) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from robustdist.checkpoint._confined import Confined
 from robustdist.checkpoint._io import checksum_entry
 from robustdist.checkpoint._pickle_scan import scan
 from robustdist.checkpoint._safeio import check_torch_zip, open_in, read_in
@@ -214,7 +215,12 @@ def save_sharded(entries: dict[str, Any], path: str, group: Any) -> dict[str, An
     """Write ``entries`` with DCP into ``path``; return this rank's files (``sharded/<name>``) with size/sha."""
     import torch.distributed.checkpoint as dcp
 
-    os.makedirs(path, exist_ok=True)
+    staging, sharded = os.path.split(path)
+    # made here without following a link (the staging directory too, where this rank's node does not see rank
+    # 0's: the commit then names the files rank 0 cannot see); DCP's writer then writes into it by path
+    with Confined(os.path.dirname(staging)) as directory, \
+            directory.sub(os.path.basename(staging), create=True) as folder:
+        folder.sub(sharded, create=True).close()
     dcp.save(_state_dicts(entries), storage_writer=dcp.FileSystemWriter(path), process_group=group,
              no_dist=not _dist.is_up())
     rank = _dist.rank(group)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 import time
@@ -40,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from robustdist.checkpoint._confined import Confined
 from robustdist.checkpoint._types import Context, FileEntry
 from robustdist.runtime.errors import CheckpointError, ranks_phrase
 from robustdist.runtime.log import get_logger
@@ -49,6 +51,7 @@ __all__ = ["GRACE_S", "PROBE_PREFIX", "check_shared_dir", "probe_name", "refusal
 
 log = get_logger(__name__)
 PROBE_PREFIX = ".robustdist-probe-"
+_PROBE_RE = re.compile(re.escape(PROBE_PREFIX) + r"[A-Za-z0-9_.-]{1,150}")
 GRACE_S = 1.0
 """Seconds a missing probe or reported file is looked for again before it counts as unseen."""
 _MAX_PROBE = 256
@@ -81,21 +84,14 @@ def probe_name(rank: int) -> str:
 
 def _write_probe(directory: str, name: str, token: str) -> tuple[str | None, bool]:
     """Create ``<directory>/<name>`` holding ``token``: ``(None, False)`` or ``(the error, whether unwritable)``."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    path, created = os.path.join(directory, name), False
     try:
-        fd = os.open(path, flags, 0o600)
-        created = True
-        try:
-            data = token.encode()
-            while data:
-                data = data[os.write(fd, data):]
-        finally:
-            os.close(fd)
-    except OSError as e:
-        if created:  # created, then the write failed (a full disk, a quota): leave nothing behind
-            _remove(path)
-        return f"{type(e).__name__}: {e.strerror or e}", e.errno in _UNWRITABLE
+        with Confined(directory) as folder:
+            folder.put(name, token.encode(), mode=0o600)  # O_EXCL | O_NOFOLLOW; nothing left on a failed write
+    except CheckpointError as e:
+        cause = getattr(e, "os_error", None)
+        if not isinstance(cause, OSError):
+            return e.message, False
+        return f"{type(cause).__name__}: {cause.strerror or cause}", cause.errno in _UNWRITABLE
     return None, False
 
 
@@ -109,27 +105,24 @@ def _kind(mode: int) -> str:
 
 def _read_probe(directory: str, name: str, token: str) -> str | None:
     """None if ``<directory>/<name>`` is a regular file holding exactly ``token``; else what is there instead."""
-    if not name.startswith(PROBE_PREFIX) or "/" in name or "\0" in name:
+    if not _PROBE_RE.fullmatch(name):
         return "no probe (an invalid name was reported)"
     try:
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+        with Confined(directory) as folder:
+            info = folder.lstat(name)
+            if info is None:
+                return _NO_PROBE
+            if stat.S_ISLNK(info.st_mode):
+                return "a symbolic link, not the probe"
+            if not stat.S_ISREG(info.st_mode):
+                return f"{_kind(info.st_mode)}, not the probe"
+            if info.st_size > _MAX_PROBE:
+                return f"a {info.st_size}-byte file, not the probe"
+            data = folder.read(name, max_size=_MAX_PROBE)  # not a link, a regular file, bounded: checked again
+    except CheckpointError as e:
+        return f"an unreadable file ({e.message})"
+    if data is None:
         return _NO_PROBE
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return "a symbolic link, not the probe"
-        return f"an unreadable file ({type(e).__name__}: {e.strerror or e})"
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return f"{_kind(info.st_mode)}, not the probe"
-        if info.st_size > _MAX_PROBE:
-            return f"a {info.st_size}-byte file, not the probe"
-        data = os.read(fd, _MAX_PROBE + 1)
-    except OSError as e:
-        return f"an unreadable file ({type(e).__name__}: {e.strerror or e})"
-    finally:
-        os.close(fd)
     if data != token.encode():
         return "a file with other content (stale or forged), not the probe"
     return None
@@ -179,7 +172,7 @@ def check_shared_dir(ctx: Context, *, writing: bool) -> bool:
         unseen: list[dict[int, str]] = ctx.collectives.all_gather(mine, "shared-directory verdict")
     finally:
         if problem is None:
-            _remove(os.path.join(ctx.directory, name))
+            _remove(ctx.directory, name)
     failures = [(reader, writer, why) for reader, found in enumerate(unseen) for writer, why in sorted(found.items())]
     if failures:
         _raise_unshared(ctx, everyone, failures, writing)
@@ -187,11 +180,13 @@ def check_shared_dir(ctx: Context, *, writing: bool) -> bool:
     return True
 
 
-def _remove(path: str) -> None:
+def _remove(directory: str, name: str) -> None:
     try:
-        os.unlink(path)
-    except OSError as e:
-        log.warning("could not remove the probe file %s: %s (harmless: it is never read as a checkpoint)", path, e)
+        with Confined(directory) as folder:
+            folder.remove(name, _PROBE_RE)
+    except CheckpointError as e:
+        log.warning("could not remove the probe file %s: %s (harmless: it is never read as a checkpoint)",
+                    os.path.join(directory, name), e)
 
 
 def _writes_ok(ctx: Context, everyone: list[Row], writing: bool) -> bool:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from robustdist.checkpoint import _layout, _payload
 from robustdist.checkpoint._collective import checkpoint_collectives
-from robustdist.checkpoint._io import os_error
+from robustdist.checkpoint._confined import Confined
 from robustdist.checkpoint._loading import is_ray_checkpoint, load_checkpoint
 from robustdist.checkpoint._protocol import Committer, staging_dir
 from robustdist.checkpoint._schema import MAX_STEP, is_int
@@ -87,10 +87,9 @@ class AtomicCheckpointer:
         _check_args(keep_last, timeout, arrival_timeout)
         directory = os.path.abspath(os.fspath(directory))
         try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as e:  # read-only, a path too long, a file in the way: named on every rank
-            raise os_error(directory, e, "create the checkpoint directory",
-                           rank=_dist.rank() if _dist.is_multi() else None) from None
+            Confined(directory, create=True, what="the checkpoint directory").close()
+        except CheckpointError as e:  # read-only, a path too long, a file in the way: named on every rank
+            raise type(e)(e.message, rank=_dist.rank() if _dist.is_multi() else None) from None
         # The directory itself may be a link you made (/scratch -> /lustre/...): resolved once, here. Everything
         # inside it is opened without following links (see _safeio), so the records in it stay readable.
         directory = os.path.realpath(directory)

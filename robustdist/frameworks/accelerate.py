@@ -40,7 +40,8 @@ from collections.abc import Callable
 from typing import Any
 
 from robustdist.checkpoint._cleanup import remove
-from robustdist.checkpoint._io import Crc32, checksum_entry, fsync_dir, write_json_atomic
+from robustdist.checkpoint._confined import Confined
+from robustdist.checkpoint._io import Crc32, checksum_entry, write_json_atomic
 from robustdist.checkpoint._safeio import check_torch_zip, lexists_dir, open_in, read_in
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.dist import Collectives
@@ -89,6 +90,8 @@ def prepared_scaler(optimizer: Any) -> Any:
 
 
 _REFUSED: dict[str, set[int]] = {}
+_OURS = re.compile(r"\.(?:tmp|trash|old)-checkpoint_[A-Za-z0-9_.-]{1,200}|checkpoint_\d{1,18}")
+"""The names this module deletes in the directory (never ``.rejected-*`` or anything else)."""
 """Per directory (its real path), the steps load_state refused in this process: the next save sets them aside."""
 _CALLS = {"accelerate-save": itertools.count(1), "accelerate-load": itertools.count(1)}
 
@@ -197,7 +200,7 @@ def _agree(coll: Collectives, stage: str, fn: Callable[[], Any], *, cleanup: str
     if not failures:
         return
     if cleanup is not None and coll.rank == 0:
-        remove(cleanup)
+        remove(cleanup, _OURS)
     shown = "; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items()))
     doing = {"prepare": "prepared the staging folder for", "write": "wrote", "commit": "committed"}[stage]
     raise CheckpointError(f"save_state failed while it {doing} the checkpoint "
@@ -206,21 +209,21 @@ def _agree(coll: Collectives, stage: str, fn: Callable[[], Any], *, cleanup: str
 
 
 def _prepare(base: str, staging: str) -> None:
-    os.makedirs(base, exist_ok=True)
-    if not lexists_dir(base):
-        raise CheckpointError(f"{base}: is not a directory (a link or a file); expected the checkpoint directory. "
-                              "Fix: point save_state at a real directory.")
-    for name in os.listdir(base):  # staging folders of saves that never committed (a crash mid-save)
-        if name.startswith((_STAGING, _TRASH)):
-            remove(os.path.join(base, name))
-        match = _OLD_RE.match(name)
-        if match is not None:  # a re-save that crashed between its renames: its old copy is still the committed one
-            final = os.path.join(base, f"checkpoint_{match.group(1)}")
-            if os.path.lexists(final):
-                remove(os.path.join(base, name))
-            else:
-                os.rename(os.path.join(base, name), final)
-    os.mkdir(staging)
+    with Confined(base, create=True, what="the checkpoint directory") as folder:
+        if not lexists_dir(base):
+            raise CheckpointError(f"{base}: is not a directory (a link or a file); expected the checkpoint "
+                                  "directory. Fix: point save_state at a real directory.")
+        for name in folder.names():  # staging folders of saves that never committed (a crash mid-save)
+            if name.startswith((_STAGING, _TRASH)) and _OURS.fullmatch(name):
+                remove(os.path.join(base, name), _OURS)
+            match = _OLD_RE.match(name)
+            if match is not None:  # a re-save that crashed between its renames: its old copy is still committed
+                final = f"checkpoint_{match.group(1)}"
+                if folder.lstat(final) is not None:
+                    remove(os.path.join(base, name), _OURS)
+                else:
+                    folder.rename(name, final)
+        folder.sub(os.path.basename(staging), fresh=True).close()
 
 
 def _walk(folder: str) -> tuple[list[str], list[str]]:
@@ -257,34 +260,36 @@ def _commit(base: str, staging: str, final: str, step: int, world: int, keep_las
     entries = {}
     for name in files:
         path = os.path.join(staging, name)
-        with open(path, "rb") as fh:  # the other ranks' files too: fsync makes them durable from here
+        with open_in(staging, name) as fh:  # the other ranks' files too: fsync makes them durable from here
             os.fsync(fh.fileno())
         entries[name] = checksum_entry(path)
     write_json_atomic(os.path.join(staging, MANIFEST),
                       {"format": FORMAT, "step": step, "world_size": world, "files": entries})
     name = os.path.basename(final)
-    if os.path.lexists(final):
-        if not (lexists_dir(final) and os.path.lexists(os.path.join(final, MANIFEST))):
-            raise CheckpointError(f"{final}: exists, and robustdist did not commit it (no {MANIFEST}); expected it "
-                                  "absent or robustdist's. Nothing is overwritten. Fix: move it away, or save to "
-                                  "another directory.")
-        aside = os.path.join(base, f"{_OLD}{step}-{uuid.uuid4().hex[:8]}")
-        os.rename(final, aside)  # until the next rename, .old- is the committed copy (committed_states finds it)
-        os.rename(staging, final)
-        fsync_dir(base)
-        remove(aside)
-    else:
-        os.rename(staging, final)
-    fsync_dir(base)
+    with Confined(base) as folder:
+        if folder.lstat(name) is not None:
+            if not (lexists_dir(final) and os.path.lexists(os.path.join(final, MANIFEST))):
+                raise CheckpointError(f"{final}: exists, and robustdist did not commit it (no {MANIFEST}); expected "
+                                      "it absent or robustdist's. Nothing is overwritten. Fix: move it away, or save "
+                                      "to another directory.")
+            aside = f"{_OLD}{step}-{uuid.uuid4().hex[:8]}"
+            folder.rename(name, aside)  # until the next rename, .old- is the committed copy (committed_states)
+            folder.rename(os.path.basename(staging), name)
+            folder.sync(strict=True)
+            remove(os.path.join(base, aside), _OURS)
+        else:
+            folder.rename(os.path.basename(staging), name)
+        folder.sync(strict=True)
     log.debug("committed %s", name)
     _set_aside(base, step)
     if keep_last is not None:
         for old in [s for s in committed_states(base) if s < step][: max(0, len(committed_states(base)) - keep_last)]:
-            aside = os.path.join(base, f"{_TRASH}{old}-{uuid.uuid4().hex[:8]}")
+            aside = f"{_TRASH}{old}-{uuid.uuid4().hex[:8]}"
             try:
-                os.rename(os.path.join(base, _committed(base)[old]), aside)
-                remove(aside)
-            except (OSError, KeyError) as e:  # rotation is housekeeping: the new checkpoint is committed already
+                with Confined(base) as folder:
+                    folder.rename(_committed(base)[old], aside)
+                remove(os.path.join(base, aside), _OURS)
+            except (CheckpointError, KeyError) as e:  # rotation is housekeeping: the new checkpoint is committed
                 log.warning("could not rotate checkpoint_%d out of %s (%s); it stays", old, base, e)
 
 
@@ -298,12 +303,13 @@ def _set_aside(base: str, step: int) -> None:
         if newer > step or (newer in refused and newer != step):
             target = os.path.join(base, f"{_REJECTED}{newer}-{uuid.uuid4().hex[:8]}")
             try:
-                os.rename(os.path.join(base, name), target)
+                with Confined(base) as folder:
+                    folder.rename(name, os.path.basename(target))
                 log.warning("%s %s: set aside as %s (kept, never loaded)", name,
                             "was refused by load_state" if newer in refused else
                             f"is numbered past the step just saved ({step}), from a run that resumed from an older "
                             "checkpoint", target)
-            except OSError as e:
+            except CheckpointError as e:
                 log.warning("could not set %s aside (%s)", name, e)
 
 

@@ -24,6 +24,7 @@ Lightning is imported when one of them is first called, never at import.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,10 +32,11 @@ import uuid
 import zlib
 from typing import Any
 
-from robustdist.checkpoint._io import Crc32, fsync_dir
+from robustdist.checkpoint._confined import Confined
+from robustdist.checkpoint._io import Crc32
 from robustdist.checkpoint._safeio import check_torch_zip, open_in, read_in
 from robustdist.runtime import dist as _dist
-from robustdist.runtime.errors import CheckpointCorruptError, ConfigError, NonFiniteLossError
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, ConfigError, NonFiniteLossError
 from robustdist.runtime.log import get_logger
 
 __all__ = ["RECORD_SUFFIX", "callback", "checkpoint_io"]
@@ -89,11 +91,10 @@ def _build() -> dict[str, type]:
             return _load(os.fspath(path), map_location, True if weights_only is None else weights_only)
 
         def remove_checkpoint(self, path: Any) -> None:
-            for name in (os.fspath(path), os.fspath(path) + RECORD_SUFFIX):
-                try:
-                    os.unlink(name)
-                except FileNotFoundError:
-                    pass
+            folder, name = os.path.split(os.fspath(path))
+            with Confined(folder or ".") as directory:
+                for each in (name, name + RECORD_SUFFIX):  # the file and its record, never through a link
+                    directory.remove(each, re.compile(re.escape(name) + f"(?:{re.escape(RECORD_SUFFIX)})?"))
 
     class RobustCallback(Callback):
         """The watchdog and the NaN policy (robustdist.frameworks.lightning)."""
@@ -151,32 +152,30 @@ def _build() -> dict[str, type]:
 
 
 def _save(checkpoint: dict[str, Any], path: str) -> None:
+    """Write ``path`` and its record as new files (``O_EXCL``, never through a link) under temporary names in the
+    same directory, fsync them, rename both into place, fsync the directory (:class:`Confined`)."""
     import torch
 
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    token = uuid.uuid4().hex[:8]
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{token}")
+    folder_path, name = os.path.split(path)
+    tmp = f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+    ours = re.compile(re.escape(tmp) + f"(?:{re.escape(RECORD_SUFFIX)})?")
     crc = Crc32()
-    try:
-        with open(tmp, "xb") as fh:
-            torch.save(checkpoint, _Hashing(fh, crc))
-            fh.flush()
-            os.fsync(fh.fileno())
-            size = fh.tell()
-        record = json.dumps({"format": "robustdist-lightning/1", "size": size, "crc32": crc.hexdigest()})
-        tmp_record = tmp + RECORD_SUFFIX
-        with open(tmp_record, "x", encoding="utf-8") as fh:
-            fh.write(record)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)  # a crash between the two renames leaves a record that disagrees: the file is refused
-        os.replace(tmp_record, path + RECORD_SUFFIX)
-        fsync_dir(folder)
-    finally:
-        for leftover in (tmp, tmp + RECORD_SUFFIX):
-            if os.path.lexists(leftover):
-                os.unlink(leftover)
+    with Confined(folder_path or ".", create=True) as folder:
+        try:
+            with folder.open_new(tmp) as fh:
+                torch.save(checkpoint, _Hashing(fh, crc))
+                fh.flush()
+                os.fsync(fh.fileno())
+                size = fh.tell()
+            record = json.dumps({"format": "robustdist-lightning/1", "size": size, "crc32": crc.hexdigest()})
+            folder.put(tmp + RECORD_SUFFIX, record.encode(), durable=True)
+            folder.rename(tmp, name)  # a crash between the two renames leaves a record that disagrees: refused
+            folder.rename(tmp + RECORD_SUFFIX, name + RECORD_SUFFIX)
+            folder.sync(strict=True)
+        finally:
+            for leftover in (tmp, tmp + RECORD_SUFFIX):
+                with contextlib.suppress(CheckpointError):
+                    folder.remove(leftover, ours)
 
 
 class _Hashing:

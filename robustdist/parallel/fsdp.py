@@ -271,6 +271,14 @@ def wrap_fsdp(model: nn.Module, config: FsdpConfig | HardenConfig | None = None,
         raise TopologyError(f"the calibration is for {calibration.world_size} rank(s) but the process group has "
                             f"{_dist.world_size()}; expected the same world. Fix: call fsdp_calibrate() after the "
                             "group exists, or pass calibration=None.", rank=_dist.error_rank())
+    if not any(_w.is_fsdp(m) for m in model.modules()) and \
+            any(type(p).__name__ == "DTensor" for p in model.parameters()):  # a model error before a torch one
+        raise ConfigError(
+            f"{_w.class_name(model)} has parameters split across ranks by tensor parallelism (DTensor, "
+            "parallelize_module) and no FSDP2 module; wrap_fsdp shards over a 1-D mesh of its own, which cannot "
+            "be combined with another one, expected a bare module or one you sharded. Fix: apply fully_shard "
+            "yourself over the data-parallel dimension of your 2-D mesh (dp, tp) and give the result to harden "
+            "(it is kept as it is), or remove the tensor parallelism.", rank=_dist.error_rank())
     missing = fsdp2_missing(target.type)
     if missing:
         raise UnsupportedVersionError(
@@ -286,14 +294,6 @@ def wrap_fsdp(model: nn.Module, config: FsdpConfig | HardenConfig | None = None,
             rank=_dist.error_rank())
     if _w.is_fsdp(model):
         _adopt(model, calibration, bn_mode)
-    elif not any(_w.is_fsdp(m) for m in model.modules()) and \
-            any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        raise ConfigError(
-            f"{_w.class_name(model)} has parameters split across ranks by tensor parallelism (DTensor, "
-            "parallelize_module) and no FSDP2 module; wrap_fsdp shards over a 1-D mesh of its own, which cannot "
-            "be combined with another one, expected a bare module or one you sharded. Fix: apply fully_shard "
-            "yourself over the data-parallel dimension of your 2-D mesh (dp, tp) and give the result to harden "
-            "(it is kept as it is), or remove the tensor parallelism.", rank=_dist.error_rank())
     else:
         model = _shard(model, cfg, calibration, policy, described, target, bn_mode, on_meta)
     if on_meta:

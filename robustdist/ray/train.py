@@ -24,14 +24,15 @@ already imported in the process (a Ray Train worker always has it), so importing
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
-import shutil
+import re
 import sys
-import tempfile
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -216,26 +217,36 @@ def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any
     in Ray's storage."""
     import ray.train
 
+    from robustdist.checkpoint._confined import Confined
+    from robustdist.runtime.errors import CheckpointError
+
     files = [n for n in manifest.get("files", {}) if _owner(n, world_size) == rank]
     crc = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:8]
     name = f"{os.path.basename(step_dir)}-{crc}"
     parent = os.path.dirname(step_dir)
     prefix = f"{STAGE_PREFIX}{rank}-"
-    for leftover in os.listdir(parent):  # this rank's scratch from an attempt killed mid-report (only its own)
-        if leftover.startswith(prefix):
-            shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
-    stage = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    ours = re.compile(re.escape(prefix) + r"[A-Za-z0-9_]{1,64}")  # this rank's scratch (older ones: mkdtemp's)
+    stage_name = f"{prefix}{uuid.uuid4().hex[:12]}"
+    with Confined(parent) as folder:
+        for leftover in folder.names():  # this rank's scratch from an attempt killed mid-report (only its own)
+            if ours.fullmatch(leftover):
+                with contextlib.suppress(CheckpointError):
+                    folder.remove_tree(leftover, ours)
+        staged = folder.sub(stage_name, fresh=True, mode=0o700)
+    stage = os.path.join(parent, stage_name)
     try:
-        from robustdist.checkpoint._confined import Confined
-
-        with Confined(stage) as confined:
+        with staged:
             for rel in files + (["manifest.json"] if rank == 0 else []):
                 entry = manifest.get("files", {}).get(rel)
-                _stage(step_dir, rel, confined, entry.get("size") if isinstance(entry, dict) else None)
-        checkpoint = ray.train.Checkpoint.from_directory(stage) if os.listdir(stage) else None
+                _stage(step_dir, rel, staged, entry.get("size") if isinstance(entry, dict) else None)
+            checkpoint = ray.train.Checkpoint.from_directory(stage) if staged.names() else None
         ray.train.report(dict(metrics), checkpoint=checkpoint, checkpoint_dir_name=name)
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        try:
+            with Confined(parent) as folder:
+                folder.remove_tree(stage_name, ours)
+        except CheckpointError as e:
+            log.warning("could not remove the report's scratch directory %s: %s", stage, e)
     _wait_registered(name, timeout)
     return name
 

@@ -7,6 +7,7 @@ Every Trainer runs in a process of its own (``run_ranks``): Lightning keeps proc
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,34 @@ def test_a_bad_policy_is_a_config_error():
         rdl.callback(nan_policy="rollback")
     with pytest.raises(ConfigError, match=r"hang_timeout=0\); expected seconds > 0"):
         rdl.callback(hang_timeout=0)
+
+
+def _save_and_remove(rank, directory):
+    from robustdist.frameworks import lightning as rdl
+
+    io = rdl.checkpoint_io()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, f"{directory}/step=2.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, f"{directory}/step=4.ckpt")
+    saved = sorted(p.name for p in Path(directory).iterdir() if not p.is_symlink())
+    links = sorted(p.name for p in Path(directory).iterdir() if p.is_symlink())
+    io.remove_checkpoint(f"{directory}/step=6.ckpt")  # a link planted at a name Lightning rotates out
+    return saved, links, torch.equal(io.load_checkpoint(f"{directory}/step=4.ckpt")["state_dict"]["w"], torch.ones(3))
+
+
+def test_names_planted_as_links_are_replaced_and_removed_never_written_through(tmp_path):
+    """A hard link and a symbolic link to files elsewhere planted at the names the plugin writes, and a link at a
+    name it removes: each name is replaced or removed as a name; the files elsewhere keep their bytes."""
+    directory, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    directory.mkdir()
+    elsewhere.mkdir()
+    for name in ("hard", "soft", "removed"):
+        (elsewhere / name).write_bytes(b"precious")
+    (directory / "step=2.ckpt").hardlink_to(elsewhere / "hard")
+    (directory / "step=4.ckpt.robustdist.json").symlink_to(elsewhere / "soft")
+    (directory / "step=6.ckpt").symlink_to(elsewhere / "removed")
+    ((saved, links, loaded),) = run_ranks(_save_and_remove, 1, init=False, timeout=TIMEOUT, args=(str(directory),),
+                                          env=ALONE)
+    assert saved == ["step=2.ckpt", "step=2.ckpt.robustdist.json", "step=4.ckpt", "step=4.ckpt.robustdist.json"]
+    assert links == ["step=6.ckpt"] and loaded
+    assert not os.path.lexists(directory / "step=6.ckpt")
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == {n: b"precious" for n in ("hard", "soft", "removed")}

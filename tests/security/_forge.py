@@ -151,11 +151,12 @@ def opened_paths() -> Iterator[list[str]]:
 
 
 def outside(paths: list[str], root: Path) -> list[str]:
-    """Absolute paths not lexically inside ``root`` (relative ones are dir_fd opens inside a confined walk).
+    """Absolute paths not lexically inside ``root``, or ``root`` itself (relative ones are dir_fd opens inside a
+    confined walk).
     Interpreter files (imports) are ignored."""
     root_s = os.path.abspath(root) + os.sep
     prefixes = tuple(os.path.abspath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
-    return [p for p in paths if os.path.isabs(p) and not os.path.abspath(p).startswith(root_s)
+    return [p for p in paths if os.path.isabs(p) and not (os.path.abspath(p) + os.sep).startswith(root_s)
             and not p.startswith(prefixes) and not p.endswith((".py", ".pyc", ".so"))]
 
 

@@ -6,6 +6,7 @@ good step exists, that load() fell back to it. The CLI gives a named reason, nev
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -215,3 +216,43 @@ def test_resume_with_only_a_broken_step_raises_a_named_error(tmp_path):
         AtomicCheckpointer(directory).load()
     assert "no valid checkpoint in" in str(exc.value) and "replicated.pt: not a torch zip file" in str(exc.value)
     assert not isinstance(exc.value, TypeError)
+
+
+@pytest.mark.parametrize(("phase", "reason"), [
+    ("files_written", r"\.tmp-step_0000000003-[0-9a-f]+: is a symbolic link"),
+    ("manifest_written", r"step_0000000003: is a symbolic link"),
+    ("manifest_written:directory", r"was replaced by another directory while the step was committed")])
+def test_a_staging_directory_swapped_for_a_link_mid_save_is_not_written_through(tmp_path, monkeypatch, phase, reason):
+    """Someone who can write the checkpoint directory swaps the save's staging directory for a link to elsewhere
+    mid-save: nothing is written outside (the manifest is written, and the staging directory renamed, by
+    descriptor from the checkpoint directory, never through a link), the step is not committed, the older
+    steps stay, and the next save removes the link, never what it points at."""
+    from robustdist.checkpoint import _faults
+
+    directory = tmp_path / "ckpt"
+    two_steps(directory)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "data").write_text("precious")
+
+    def swap(name: str) -> None:
+        if name == phase.split(":")[0]:
+            (staging,) = directory.glob(".tmp-step_*")
+            staging.rename(tmp_path / "moved")
+            if phase.endswith(":directory"):  # a directory of someone else's, with a manifest of its own
+                staging.mkdir()
+                shutil.copy(tmp_path / "moved" / "manifest.json", staging / "manifest.json")
+            else:
+                staging.symlink_to(victim, target_is_directory=True)
+
+    with AtomicCheckpointer(directory) as ckpt:
+        monkeypatch.setattr(_faults, "HOOK", swap)
+        with pytest.raises(CheckpointError, match=reason):
+            ckpt.save(3, state_for(3))
+        monkeypatch.setattr(_faults, "HOOK", None)
+        assert sorted(p.name for p in victim.iterdir()) == ["data"] and (victim / "data").read_text() == "precious"
+        assert ckpt.steps() == [1, 2]
+        ckpt.save(4, state_for(4))
+        assert ckpt.steps() == [1, 2, 4]
+    assert not list(directory.glob(".tmp-step_*")) and not (directory / "step_0000000003").exists()
+    assert sorted(p.name for p in victim.iterdir()) == ["data"] and (victim / "data").read_text() == "precious"

@@ -5,8 +5,10 @@ links, renames or deletes a path is counted per module, and the counts must equa
 * ``_confined`` is the helper itself; ``_safeio`` is its read half.
 * LEGIT: paths that are not a checkpoint directory (a config file, ``/proc``, the test harness, a stack-dump
   file the user names, a Ray temp directory).
-* PENDING: checkpoint-directory writers not yet moved onto the helper (issue #33 is partly done; see
-  docs/status.md). Converting one lowers its count here; a new raw call anywhere fails this test.
+
+Every checkpoint-directory writer is on the helper (the last ones moved in issue #33): a new raw call anywhere
+fails this test. DCP's own ``FileSystemWriter`` writes the sharded files by path, inside a directory
+``checkpoint._sharded`` made confined; it is torch's code, not counted here.
 """
 
 from __future__ import annotations
@@ -31,17 +33,6 @@ LEGIT = {
     "testing/nodelab.py": 8,  # the test harness
     "testing/ranks.py": 4,
 }
-PENDING = {
-    "checkpoint/_cleanup.py": 5,
-    "checkpoint/_io.py": 6,
-    "checkpoint/_protocol.py": 4,
-    "checkpoint/_sharded.py": 1,
-    "checkpoint/_shared.py": 3,
-    "checkpoint/checkpointer.py": 1,
-    "frameworks/accelerate.py": 9,
-    "frameworks/lightning.py": 7,
-    "ray/train.py": 3,  # its staging directory (mkdtemp, rmtree); the files go in through Confined
-}
 
 
 def _is_path_call(node: ast.Call) -> bool:
@@ -65,11 +56,11 @@ def _counts() -> Counter[str]:
 
 def test_every_raw_file_call_is_in_the_table():
     found = {m: n for m, n in _counts().items() if m not in HELPERS}
-    expected = {**LEGIT, **PENDING}
+    expected = dict(LEGIT)
     new = {m: n for m, n in found.items() if m not in expected}
     assert not new, (f"raw open/unlink/rename/... calls outside robustdist.checkpoint._confined: {new}. Expected "
                      "every file robustdist writes or deletes in a checkpoint directory to go through Confined. Fix: "
                      "use Confined (or, for a path that is not a checkpoint directory, add it to LEGIT with why).")
     changed = {m: (expected[m], found.get(m, 0)) for m in expected if found.get(m, 0) != expected[m]}
-    assert not changed, (f"(table, now) counts changed: {changed}. Fix: a module moved onto Confined lowers its "
-                         "PENDING count (remove it at 0); a module that gained a raw call must not.")
+    assert not changed, (f"(table, now) counts changed: {changed}. Fix: a module that gained a raw call must use "
+                         "Confined instead; one that lost its legitimate calls leaves LEGIT.")
