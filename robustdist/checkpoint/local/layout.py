@@ -19,13 +19,14 @@ exact size) and checked against their CRC before use. A copy that fails any of t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import contextlib
 import re
 import stat
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,16 +159,23 @@ def _role(root: str, owner: int, role: str, *, create: bool) -> Confined | None:
             return folder.sub(role, create=create, mode=0o700)
 
 
-def remove_stale(root: str, owner: int, role: str) -> None:
-    """Remove the staging and set-aside directories an interrupted write of this owner's copies left."""
+def _remove_matching(root: str, owner: int, role: str, pattern: re.Pattern[str],
+                     wanted: Callable[[re.Match[str]], bool]) -> None:
+    """Delete the entries of this owner's role directory that match ``pattern`` and that ``wanted`` picks."""
     with contextlib.suppress(CheckpointError):
         folder = _role(root, owner, role, create=False)
         if folder is None:
             return
         with folder:
             for name in folder.names():
-                if _LEFTOVER_RE.fullmatch(name):
-                    _remove(folder, name, _LEFTOVER_RE)
+                m = pattern.fullmatch(name)
+                if m and wanted(m):
+                    _remove(folder, name, pattern)
+
+
+def remove_stale(root: str, owner: int, role: str) -> None:
+    """Remove the staging and set-aside directories an interrupted write of this owner's copies left."""
+    _remove_matching(root, owner, role, _LEFTOVER_RE, lambda m: True)
 
 
 def _remove(folder: Confined, name: str, pattern: re.Pattern[str]) -> None:
@@ -217,15 +225,7 @@ def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: 
 
 def rotate(root: str, owner: int, role: str, keep: set[int]) -> None:
     """Delete this owner's copies (of ``role``) of every step not in ``keep``."""
-    with contextlib.suppress(CheckpointError):
-        folder = _role(root, owner, role, create=False)
-        if folder is None:
-            return
-        with folder:
-            for name in folder.names():
-                m = _STEP_RE.fullmatch(name)
-                if m and int(m.group(1)) not in keep:
-                    _remove(folder, name, _STEP_RE)
+    _remove_matching(root, owner, role, _STEP_RE, lambda m: int(m.group(1)) not in keep)
 
 
 def rotate_all(root: str, keep: set[int]) -> None:
