@@ -270,3 +270,58 @@ def check_same_keys(where: str, live: Any, saved: Any) -> None:
             raise _bad(where, f"holds a different number of inner schedulers than the live {type(live).__name__}")
         for i, (child, child_saved) in enumerate(zip(inner, saved[key])):
             check_same_keys(f"{where} inner scheduler {i}", child, child_saved)
+
+
+FILE_CAP_FLOOR = 1 << 30
+"""Bytes any payload file may hold, whatever the live state (plain data has no live size to go by)."""
+FILE_CAP_RATIO = 100
+"""A payload file may hold this many times the bytes of the live tensors it is restored into (an optimizer's state
+is two or three times its parameters; a model of N bytes never needs a file of 100 N)."""
+
+
+def tensor_bytes(value: Any, budget: int = 1_000_000) -> int:
+    """The bytes of the tensors a live value holds: a module's parameters and buffers, an optimizer's parameters
+    and state, the tensors in any other object's state dict or in plain data (at most ``budget`` values walked)."""
+    if isinstance(value, nn.Module):
+        return sum(t.numel() * t.element_size() for t in (*value.parameters(), *value.buffers()))
+    if isinstance(value, torch.optim.Optimizer):
+        params = [p for group in value.param_groups for p in group["params"]]
+        return sum(p.numel() * p.element_size() for p in params) + tensor_bytes(list(value.state.values()), budget)
+    if not isinstance(value, (dict, list, tuple, torch.Tensor)) and callable(getattr(value, "state_dict", None)):
+        try:
+            value = value.state_dict()
+        except Exception:  # a live object whose state cannot be taken counts as holding none
+            return 0
+    total, stack = 0, [value]
+    while stack and budget > 0:
+        item, budget = stack.pop(), budget - 1
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def file_cap(live: list[Any], override: int | None) -> int:
+    """The largest payload file restoring into ``live`` may read: ``override``, or
+    :data:`FILE_CAP_FLOOR` plus :data:`FILE_CAP_RATIO` times the live tensors' bytes."""
+    if override is not None:
+        return override
+    return FILE_CAP_FLOOR + FILE_CAP_RATIO * sum(tensor_bytes(v) for v in live)
+
+
+def check_file_size(path: str, size: int, live: list[Any], override: int | None) -> None:
+    """Refuse, before reading it, a payload file larger than the live state it fills can need: a
+    :class:`CheckpointError`, not a corrupt verdict (``verify-checkpoint``, which has no live state, passes the
+    step, and the step is never treated as damaged)."""
+    cap = file_cap(live, override)
+    if size > cap:
+        how = "the max_file_bytes you passed" if override is not None else (
+            f"{FILE_CAP_RATIO} times the {sum(tensor_bytes(v) for v in live)} bytes of live tensors it is restored "
+            f"into, plus {FILE_CAP_FLOOR >> 20} MiB")
+        raise CheckpointError(  # a judgment against the live state, as a shape mismatch is: not corruption
+            f"{path}: {size} bytes, more than a payload restoring into the live state can need ({cap} bytes: {how}); "
+            "refused without reading it (not found corrupt). Fix: if this checkpoint is yours and its plain data "
+            "really is that large, pass AtomicCheckpointer(..., max_file_bytes=N) with N at least its size")

@@ -95,7 +95,7 @@ def torch_load(step_dir: str, name: str, manifest: dict[str, Any], map_location:
     """Verify one file against the manifest and deserialise it from the same open file, weights only."""
     path = os.path.join(step_dir, name)
     with _layout.open_verified(step_dir, name, manifest["files"][name]) as fh:
-        check_torch_zip(fh, path)
+        check_torch_zip(fh, path, values=_schema.MAX_PAYLOAD_VALUES, payload=True)
         try:
             return torch.load(fh, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as e:
@@ -129,7 +129,7 @@ def _candidates(ctx: Context, step: Any) -> Iterator[list[tuple[int | None, str]
 
 def _load_payload(step_dir: str, name: str, manifest: dict[str, Any], map_location: MAP_LOCATION) -> Any:
     payload = torch_load(step_dir, name, manifest, map_location)
-    _schema.check_size(os.path.join(step_dir, name), payload, _schema.MAX_VALUES + 16)
+    _schema.check_size(os.path.join(step_dir, name), payload, _schema.MAX_PAYLOAD_VALUES)
     return payload
 
 
@@ -188,17 +188,22 @@ def _check_live(where: str, live: Any, saved: Any, kind: str) -> None:
 
 
 def _check(rank: int, step: int | None, step_dir: str, state: dict[str, Any], per_rank: dict[str, Any],
-           map_location: MAP_LOCATION) -> _Checked:
+           map_location: MAP_LOCATION, max_file: int | None = None) -> _Checked:
     manifest = _layout.read_manifest(step_dir, step)
     kinds: dict[str, str] = manifest.get("entries", {})
     where = f"checkpoint step {manifest['step']}"
     state = _restore.present(state, kinds, where)
     replicated, mine, dcp_metadata = {}, None, None
     if _layout.REPLICATED in manifest["files"]:
+        live = [v for name, v in state.items() if kinds.get(name) != "sharded"]
+        _live.check_file_size(os.path.join(step_dir, _layout.REPLICATED),
+                              manifest["files"][_layout.REPLICATED]["size"], live, max_file)
         payload = _load_payload(step_dir, _layout.REPLICATED, manifest, map_location)
         replicated = _schema.check_replicated(os.path.join(step_dir, _layout.REPLICATED), payload, kinds)
     own = _layout.rank_file(rank)
     if own in manifest["files"]:
+        _live.check_file_size(os.path.join(step_dir, own), manifest["files"][own]["size"], list(per_rank.values()),
+                              max_file)
         mine = _schema.check_rank_payload(os.path.join(step_dir, own),
                                           _load_payload(step_dir, own, manifest, map_location))
     if any(kinds.get(name) == "sharded" for name in state):
@@ -251,7 +256,7 @@ def _check_here(ctx: Context, step: int | None, step_dir: str, state: dict[str, 
                 map_location: MAP_LOCATION, listed: bool) -> tuple[_Checked | None, tuple[Any, ...]]:
     """Step 2 on this rank: the checked candidate (or None) and ``(problem, gone, corrupt, needs copies)``."""
     try:
-        checked = _check(ctx.rank, step, step_dir, state, per_rank, map_location)
+        checked = _check(ctx.rank, step, step_dir, state, per_rank, map_location, ctx.max_file_bytes)
         return checked, (None, False, False, checked.plan.needs_copies)
     except CheckpointError as e:  # a listed candidate that no longer exists was rotated away, not damaged
         gone = step is not None and listed and not os.path.lexists(step_dir)

@@ -115,7 +115,8 @@ def open_in(step_dir: str, name: str, *, size: int | None = None, max_size: int 
 def read_in(step_dir: str, name: str, *, max_size: int) -> bytes:
     """The whole content of a small file (a manifest, DCP metadata), read with :func:`open_in`."""
     with open_in(step_dir, name, max_size=max_size) as fh:
-        data = fh.read(max_size + 1)
+        # read(n) takes n bytes of memory up front: ask for what the file holds (one more, to see it grow)
+        data = fh.read(min(os.fstat(fh.fileno()).st_size, max_size) + 1)
     if len(data) > max_size:
         raise CheckpointCorruptError(f"{os.path.join(step_dir, name)}: grew past the {max_size} bytes allowed "
                                      "while being read")
@@ -159,11 +160,14 @@ class _Window(io.RawIOBase):
         return n
 
 
-def check_torch_zip(fh: BinaryIO, where: str, *, offset: int = 0, length: int | None = None) -> None:
+def check_torch_zip(fh: BinaryIO, where: str, *, offset: int = 0, length: int | None = None,
+                    values: int = MAX_PICKLE_TREE, payload: bool = False) -> None:
     """A torch file (or a slice of one) must be a zip that starts at its first byte (torch.load reads anything else
     as a legacy pickle, which this check would not have scanned) and whose members are all stored uncompressed and
     add up to no more than its own size: torch.save never compresses, and a compressed member is a decompression
-    bomb (1 KiB inflating to 1 MiB, a 64 MiB file to 64 GiB)."""
+    bomb (1 KiB inflating to 1 MiB, a 64 MiB file to 64 GiB). Its pickle is scanned (:mod:`._pickle_scan`) with
+    ``values`` as the bound on the tree any value stands for (a robustdist payload: the values its schema allows);
+    ``payload``: a robustdist payload, which never calls what :data:`._pickle_scan.PAYLOAD_REFUSED` names."""
     if length is None:
         length = os.fstat(fh.fileno()).st_size - offset
     fh.seek(offset)
@@ -180,11 +184,12 @@ def check_torch_zip(fh: BinaryIO, where: str, *, offset: int = 0, length: int | 
             _check_layout(members, archive.start_dir, where)
             record = _the_pickle(members, where)
             data = _stored_bytes(fh, offset, record, where)
+            empty = _empty_records(members, record)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError) as e:
         raise CheckpointCorruptError(f"{where}: not a torch zip file ({str(e)[:200]})") from None
     finally:
         fh.seek(offset)
-    scan(data, where, MAX_PICKLE_TREE)
+    scan(data, where, values, payload=payload, empty_keys=empty)
 
 
 _EOCD = struct.Struct("<4sHHHHIIH")  # the end-of-central-directory record
@@ -258,6 +263,14 @@ def _the_pickle(members: list[zipfile.ZipInfo], where: str) -> zipfile.ZipInfo:
         raise CheckpointCorruptError(f"{where}: holds {len(pickles)} data.pkl records under its archive name "
                                      f"{prefix!r:.80} and {len(stray)} elsewhere; expected exactly one")
     return pickles[0]
+
+
+def _empty_records(members: list[zipfile.ZipInfo], record: zipfile.ZipInfo) -> frozenset[str]:
+    """The storage keys whose record (``<archive>/data/<key>``, beside the pickle) is empty: torch caches a storage
+    it made only when it holds data, so each use of such a key makes a new one (the scan charges each)."""
+    folder = (record.filename[: -len("data.pkl")] + "data/").lower()  # torch finds records without regard to case
+    return frozenset(m.filename[len(folder):] for m in members
+                     if m.file_size == 0 and m.filename.lower().startswith(folder))
 
 
 def _stored_bytes(fh: BinaryIO, offset: int, m: zipfile.ZipInfo, where: str) -> bytes:

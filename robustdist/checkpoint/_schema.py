@@ -35,6 +35,7 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_DCP_METADATA_BYTES = 64 << 20
 MAX_STEP = 2**63 - 1
 MAX_VALUES = 1_000_000  # plain values in one payload, counted as a tree (save refuses more, so load can too)
+MAX_PAYLOAD_VALUES = MAX_VALUES + 16  # in a payload file: the entries plus the payload's own records
 MAX_PICKLE_TREE = 20 * MAX_VALUES  # pickle nodes behind one value (a tensor takes ~15: its storage, sizes, ...)
 
 _RANK_FILE = re.compile(r"rank_(\d{5,})\.pt")
@@ -152,18 +153,33 @@ def _refuse_views(where: str, name: str, value: Any) -> None:
 
 def expanded_view(value: Any) -> tuple[str, torch.Tensor] | None:
     """The first tensor in ``value`` (dicts, lists, tuples) that :func:`overlapping` calls an expanded view, with
-    its path (``['key'][0]``); None when there is none."""
+    its path (``['key'][0]``); None when there is none. The walk keeps no paths (a million values would cost a
+    string each); only a tree that holds such a view is walked again to name where."""
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if overlapping(item):
+                return _path_to(value, item), item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return None
+
+
+def _path_to(value: Any, target: torch.Tensor) -> str:
+    """Where ``target`` is in ``value``, as ``['key'][0]``."""
     stack: list[tuple[str, Any]] = [("", value)]
     while stack:
         path, item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            if overlapping(item):
-                return path, item
-        elif isinstance(item, dict):
+        if item is target:
+            return path
+        if isinstance(item, dict):
             stack.extend((f"{path}[{k!r:.40}]", v) for k, v in item.items())
         elif isinstance(item, (list, tuple)):
             stack.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
-    return None
+    return ""
 
 
 def check_rank_payload(where: str, payload: Any) -> dict[str, Any]:
@@ -246,7 +262,8 @@ def check_size(where: str, value: Any, limit: int) -> None:
     while stack:
         item = stack.pop()
         seen += 1
-        if seen > limit:
+        if seen + len(stack) > limit:  # what waits on the stack counts too: a list that holds itself 2000 times
+            # would otherwise grow the stack by 2000 entries a step, to gigabytes, before the count reached limit
             raise _bad(where, f"holds more than {limit} values counted as a tree (shared or repeated references); "
                               "expected no more than its size in bytes")
         if isinstance(item, dict):

@@ -20,6 +20,7 @@ non-tensor item with ``torch.load(weights_only=False)``, either of which runs co
 
 from __future__ import annotations
 
+import collections
 import io
 import math
 import os
@@ -61,6 +62,9 @@ _PATH_GLOBALS = frozenset({("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"
                            ("pathlib._local", "PurePosixPath")})
 
 
+_MAX_PATHS = 4  # DCP writes one (storage_meta.checkpoint_id)
+
+
 def _path_standin(*parts: Any) -> str:
     if len(parts) > 256 or not all(isinstance(p, str) for p in parts) or sum(map(len, parts)) > 4096:
         raise pickle.UnpicklingError("a path in DCP metadata is not a short list of strings")
@@ -70,13 +74,33 @@ _DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    paths = 0
+
+    def _path(self, *parts: Any) -> str:
+        # each call makes a string of up to 4 KiB from a few bytes of pickle (REDUCE on memoised parts): counted
+        self.paths += 1
+        if self.paths > _MAX_PATHS:
+            raise pickle.UnpicklingError(f"DCP metadata holds more than {_MAX_PATHS} paths; DCP writes one")
+        return _path_standin(*parts)
+
+    @staticmethod
+    def _ordered_dict(*args: Any, **kwargs: Any) -> Any:
+        # DCP's pickle calls OrderedDict() and then adds the items; called with a memoised dict, each call of a few
+        # bytes would copy all of it
+        if args or kwargs:
+            raise pickle.UnpicklingError("collections.OrderedDict is called with arguments (a copy of them); DCP "
+                                         "calls it with none")
+        return collections.OrderedDict()
+
     def find_class(self, module: str, name: str) -> Any:
         if not _NAME.fullmatch(name):  # a dotted path reaches attributes of attributes: never
             raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+        if (module, name) == ("collections", "OrderedDict"):
+            return self._ordered_dict
         if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
         if (module, name) in _PATH_GLOBALS:
-            return _path_standin
+            return self._path
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")

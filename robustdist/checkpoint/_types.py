@@ -70,6 +70,8 @@ class Context:
     """Seconds bounding every wait."""
     collectives: Collectives
     """The bounded, named collectives over ``group`` (:mod:`._collective`)."""
+    max_file_bytes: int | None = None
+    """The largest payload file a load reads; None: derived from the live state (:func:`._live.file_cap`)."""
 
     @property
     def err_rank(self) -> int | None:

@@ -59,7 +59,7 @@ def verify_step(step_dir: str, step: int | None = None) -> dict[str, Any]:
             continue
         path = os.path.join(step_dir, name)
         payload = torch_load(step_dir, name, manifest, "cpu")
-        _schema.check_size(path, payload, _schema.MAX_VALUES + 16)
+        _schema.check_size(path, payload, _schema.MAX_PAYLOAD_VALUES)
         if name == REPLICATED:
             _schema.check_replicated(path, payload, kinds)
             for entry, kind in kinds.items():

@@ -37,6 +37,7 @@ from robustdist.checkpoint._shared import check_shared_dir
 from robustdist.checkpoint._snapshot import collect
 from robustdist.checkpoint._types import CheckpointInfo, Context, LoadedCheckpoint, SaveJob
 from robustdist.runtime import dist as _dist
+from robustdist.runtime import exit_drain
 from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.log import get_logger
 
@@ -55,7 +56,11 @@ WAIT_GRACE_S = 60.0
 """Seconds ``wait()``/``close()`` give a background save beyond ``timeout`` (its own waits are bounded by it)."""
 
 
-def _check_args(keep_last: object, timeout: object, arrival_timeout: object) -> None:
+def _check_args(keep_last: object, timeout: object, arrival_timeout: object, max_file_bytes: object = None) -> None:
+    if max_file_bytes is not None and (not isinstance(max_file_bytes, int) or isinstance(max_file_bytes, bool)
+                                       or max_file_bytes < 1):
+        raise CheckpointError(f"max_file_bytes={max_file_bytes!r:.40}; expected a positive number of bytes or None "
+                              "(derived from the live state). Fix: pass the size of the largest payload file.")
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
         raise CheckpointError(f"keep_last={keep_last!r}; expected an integer >= 1 (the newest checkpoint is always "
                               "kept). Fix: pass keep_last=1 or more.")
@@ -79,12 +84,17 @@ class AtomicCheckpointer:
         arrival_timeout: seconds every rank has to reach ``save()``/``load()`` once another rank has (default
             60); a rank that does not is named on the ranks that did.
         config_fingerprint: recorded in the manifest (``HardenConfig.fingerprint()``).
+        max_file_bytes: the largest payload file (``replicated.pt``, ``rank_*.pt``) a load reads. Default: 1 GiB
+            plus 100 times the bytes of the live tensors it is restored into; a larger file is refused unread (a
+            hostile directory cannot make a small model's load read gigabytes). Raise it only for plain data
+            (entries with no live object to size) that really is larger.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keep_last: int = 3, async_save: bool = False,
                  group: ProcessGroup | None = None, timeout: float | None = None,
-                 arrival_timeout: float | None = None, config_fingerprint: str | None = None):
-        _check_args(keep_last, timeout, arrival_timeout)
+                 arrival_timeout: float | None = None, config_fingerprint: str | None = None,
+                 max_file_bytes: int | None = None):
+        _check_args(keep_last, timeout, arrival_timeout, max_file_bytes)
         directory = os.path.abspath(os.fspath(directory))
         try:
             Confined(directory, create=True, what="the checkpoint directory").close()
@@ -101,12 +111,14 @@ class AtomicCheckpointer:
         """The group created here (destroyed by ``close()``); None when the caller passed one."""
         if distributed and group is None:
             group = self._own_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+            exit_drain.install()
         rank = _dist.rank(group) if distributed else 0
         world_size = _dist.world_size(group) if distributed else 1
         collectives = checkpoint_collectives(group, rank, world_size, timeout=seconds,
                                              arrival_timeout=self.arrival_timeout)
         self._ctx = Context(directory=directory, group=group, rank=rank, world_size=world_size,
-                            distributed=distributed, timeout=seconds, collectives=collectives)
+                            distributed=distributed, timeout=seconds, collectives=collectives,
+                            max_file_bytes=max_file_bytes)
         self._committer = Committer(self._ctx, keep_last=keep_last, config_fingerprint=config_fingerprint)
         self._shared_ok = world_size <= 1
         """Whether every rank was seen to share the directory (:mod:`._shared`), checked at the first save/load."""

@@ -41,7 +41,7 @@ from typing import Any
 
 from robustdist.checkpoint._cleanup import remove
 from robustdist.checkpoint._confined import Confined
-from robustdist.checkpoint._io import Crc32, checksum_entry, write_json_atomic
+from robustdist.checkpoint._io import Crc32, checksum_entry
 from robustdist.checkpoint._safeio import check_torch_zip, lexists_dir, open_in, read_in
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.dist import Collectives
@@ -263,23 +263,13 @@ def _commit(base: str, staging: str, final: str, step: int, world: int, keep_las
         with open_in(staging, name) as fh:  # the other ranks' files too: fsync makes them durable from here
             os.fsync(fh.fileno())
         entries[name] = checksum_entry(path)
-    write_json_atomic(os.path.join(staging, MANIFEST),
-                      {"format": FORMAT, "step": step, "world_size": world, "files": entries})
     name = os.path.basename(final)
     with Confined(base) as folder:
-        if folder.lstat(name) is not None:
-            if not (lexists_dir(final) and os.path.lexists(os.path.join(final, MANIFEST))):
-                raise CheckpointError(f"{final}: exists, and robustdist did not commit it (no {MANIFEST}); expected "
-                                      "it absent or robustdist's. Nothing is overwritten. Fix: move it away, or save "
-                                      "to another directory.")
-            aside = f"{_OLD}{step}-{uuid.uuid4().hex[:8]}"
-            folder.rename(name, aside)  # until the next rename, .old- is the committed copy (committed_states)
-            folder.rename(os.path.basename(staging), name)
-            folder.sync(strict=True)
-            remove(os.path.join(base, aside), _OURS)
-        else:
-            folder.rename(os.path.basename(staging), name)
-        folder.sync(strict=True)
+        with folder.sub(os.path.basename(staging)) as files:  # never through a link swapped in for it
+            files.write(MANIFEST, json.dumps({"format": FORMAT, "step": step, "world_size": world, "files": entries},
+                                             indent=2, sort_keys=True).encode())
+            written = files.stat()
+        _commit_renames(base, folder, staging, name, step, written)
     log.debug("committed %s", name)
     _set_aside(base, step)
     if keep_last is not None:
@@ -291,6 +281,34 @@ def _commit(base: str, staging: str, final: str, step: int, world: int, keep_las
                 remove(os.path.join(base, aside), _OURS)
             except (CheckpointError, KeyError) as e:  # rotation is housekeeping: the new checkpoint is committed
                 log.warning("could not rotate checkpoint_%d out of %s (%s); it stays", old, base, e)
+
+
+def _commit_renames(base: str, folder: Confined, staging: str, name: str, step: int,
+                    written: os.stat_result) -> None:
+    """Rename the staging directory to ``name`` (a re-save moves the old copy aside first), then check that what
+    now has the name is the directory whose manifest was written: a staging directory swapped for a link or
+    another directory mid-save is never committed (what took the name is removed, the old copy put back)."""
+    final = os.path.join(base, name)
+    aside = None
+    if folder.lstat(name) is not None:
+        if not (lexists_dir(final) and os.path.lexists(os.path.join(final, MANIFEST))):
+            raise CheckpointError(f"{final}: exists, and robustdist did not commit it (no {MANIFEST}); expected "
+                                  "it absent or robustdist's. Nothing is overwritten. Fix: move it away, or save "
+                                  "to another directory.")
+        aside = f"{_OLD}{step}-{uuid.uuid4().hex[:8]}"
+        folder.rename(name, aside)  # until the next rename, .old- is the committed copy (committed_states)
+    folder.rename(os.path.basename(staging), name)
+    now = folder.lstat(name)
+    if now is None or (now.st_dev, now.st_ino) != (written.st_dev, written.st_ino):
+        remove(final, _OURS)  # a link is removed as a link (what it points at untouched)
+        if aside is not None:
+            folder.rename(aside, name)
+        raise CheckpointCorruptError(f"{staging}: was replaced by a link or another directory while the checkpoint "
+                                     "was committed; expected the staging directory robustdist wrote. Nothing was "
+                                     f"committed. Fix: make sure nothing else writes {base}.")
+    folder.sync(strict=True)
+    if aside is not None:
+        remove(os.path.join(base, aside), _OURS)
 
 
 def _set_aside(base: str, step: int) -> None:

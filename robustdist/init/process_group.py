@@ -77,6 +77,7 @@ from robustdist.init import elastic_store as _elastic_store
 from robustdist.init import rendezvous as _rendezvous
 from robustdist.init import store as _init_store
 from robustdist.runtime import dist as _dist
+from robustdist.runtime import exit_drain, group_teardown
 from robustdist.runtime import netenv
 from robustdist.runtime.agreement import check_agreement, local_fingerprint
 from robustdist.runtime.dist import default_store
@@ -314,11 +315,12 @@ def safe_init_process_group(cfg: HardenConfig | DistributedConfig | None = None,
                                   single=topo.world_size == 1 and topo.launcher == "single")
     group = dist.group.WORLD
     _created.add(group)
+    exit_drain.install()  # a collective just before the script exits must not abort it (see exit_drain)
     report.timings["init"] = time.perf_counter() - start
     try:
         _validate(report, dcfg, fingerprint, share_attempt=share)
     except BaseException:
-        dist.destroy_process_group()
+        group_teardown.destroy_default_group()
         raise
     _attempts[group] = report.attempt
     log.info("process group ready: backend %s, world size %d, attempt %d, timings %s", report.backend,
@@ -348,6 +350,7 @@ def adopt_group(cfg: HardenConfig | DistributedConfig | None = None, *,
 def _adopt(dcfg: DistributedConfig, fingerprint: str, topo: Topology) -> InitReport:
     report = InitReport(distributed=True, created=False, backend=_dist.backend_kind(), rank=dist.get_rank(),
                         world_size=dist.get_world_size(), topology=topo)
+    exit_drain.install()
     owned = dist.group.WORLD in _created
     if not owned and _elastic_store.needed(os.environ, "env://"):
         message = (f"the process group was created outside robustdist under torchrun with restarts enabled "
@@ -411,7 +414,7 @@ def destroy_process_group_if_owned(report: InitReport) -> bool:
     A group robustdist only adopted is left to its creator; the gloo side group robustdist made to validate
     it (for a non-gloo backend) is destroyed, so repeated adopt/close cycles leak nothing."""
     if report.created and _dist.is_up():
-        dist.destroy_process_group()
+        group_teardown.destroy_default_group()  # a DDP module freed later must not own the group last
         report.side_group = None
         return True
     if report.side_group is not None and _dist.is_up():

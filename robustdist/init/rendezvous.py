@@ -56,8 +56,8 @@ from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 from robustdist.runtime.topology import Topology
 
-__all__ = ["Endpoint", "connect_tcp", "endpoint", "for_group", "open_store", "preflight", "try_connect",
-           "wait_for_arrivals"]
+__all__ = ["Endpoint", "StoreLost", "connect_tcp", "endpoint", "for_group", "open_store", "preflight", "try_connect",
+           "next_generation", "wait_for_arrivals"]
 
 log = get_logger(__name__)
 _RESOLVE_S = 10.0  # at most this long (and never past init_timeout) for MASTER_ADDR to resolve
@@ -71,6 +71,19 @@ _ADDR_FIX = ("MASTER_ADDR must name the master node by an address every node rea
 _generation = 0
 _left_behind: list[tuple[threading.Thread, float]] = []  # handshakes still running after their deadline
 _exit_hook = False
+
+
+class StoreLost(InitError):
+    """The store stopped answering while this rank waited for the others to arrive (raised by
+    :func:`wait_for_arrivals`). A client of a store rank 0 serves may connect again (see
+    :func:`robustdist.init.store.rendezvous_store`)."""
+
+
+def next_generation() -> int:
+    """The number of this process's next rendezvous round (every rank counts its own rounds alike)."""
+    global _generation
+    _generation += 1
+    return _generation
 
 
 @dataclass(frozen=True)
@@ -299,10 +312,8 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
                       init_timeout: float, serves_it: bool, generation: int | None = None) -> None:
     """Step 3: return once every rank has set its key in ``store``; else name the absent ranks by ``deadline``.
     ``generation`` (default: this process's next) names the round; every rank must use the same."""
-    global _generation
     if generation is None:
-        _generation += 1
-        generation = _generation
+        generation = next_generation()
     base, world = f"robustdist/rendezvous/{generation}", topo.world_size
     try:
         store.set(f"{base}/{rank}", node_label())
@@ -323,7 +334,7 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
             return
         missing = json.loads(store.get(f"{base}/abandoned"))
     except (RuntimeError, OSError, ValueError) as e:  # DistError is a RuntimeError
-        raise InitError(
+        raise StoreLost(
             f"the c10d store at {where} stopped answering while this rank waited for the others to arrive ({e}). "
             "Expected it to stay up until every rank had arrived. Fix: the rank serving it (rank 0, or torchrun's "
             "agent on the master node) failed or exited: see its log; its error names the ranks that were absent.",
@@ -346,6 +357,11 @@ def _absent(missing: list[int], topo: Topology, rank: int, where: str, init_time
 
 def for_group(store: Any, timeout_s: float) -> Any:
     """The store as ``init_process_group`` would use one from its handlers: the collective timeout, and the
-    ``default_pg`` prefix (so keys match what a plain ``init_process_group`` writes)."""
+    ``default_pg`` prefix (so keys match what a plain ``init_process_group`` writes).
+
+    From this process's second round on, the prefix also carries the round's generation: a rank-0-served store
+    is multi-tenant, so rank 0 re-initialising while something still holds its previous group (a DDP or FSDP
+    model the script kept) serves the new group from the previous store, keys and all, and gloo would read the
+    previous group's addresses from it."""
     store.set_timeout(timedelta(seconds=timeout_s))
-    return dist.PrefixStore("default_pg", store)
+    return dist.PrefixStore("default_pg" if _generation <= 1 else f"default_pg/{_generation}", store)

@@ -12,10 +12,39 @@ from robustdist.init import elastic_store as _elastic_store
 from robustdist.init import reach as _reach
 from robustdist.init import rendezvous as _rendezvous
 from robustdist.runtime.errors import InitError
+from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 from robustdist.runtime.topology import Topology
 
 __all__ = ["rendezvous_store"]
+
+log = get_logger(__name__)
+
+
+def _arrive(ep: Any, dcfg: DistributedConfig, topo: Topology, mode: str, deadline: float,
+            where: str) -> tuple[Any, int, bool]:
+    """Open (or serve) the store and wait for every rank: ``(store, attempt part, serves_it)``.
+
+    A client of a store rank 0 serves connects again when that store closes before every rank arrived, until
+    the deadline: in a process that re-initialises (harden() after a refused one, a close then a new group), this
+    rank can reach rank 0's previous store in the moment before rank 0 frees it, and then serves the new one on
+    the same port. The round's keys are per generation, so the new store holds nothing of the old round."""
+    generation = _rendezvous.next_generation()
+    while True:
+        store, serves = _rendezvous.open_store(ep, topo, deadline, dcfg.init_timeout)
+        attempt = _elastic_store.contribution(mode, topo.rank, store, os.environ)
+        try:
+            _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=where,
+                                          init_timeout=dcfg.init_timeout, serves_it=serves, generation=generation)
+            return store, attempt, serves
+        except _rendezvous.StoreLost as e:
+            served_by_rank0 = ep.scheme != "file" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            if serves or not served_by_rank0 or time.monotonic() >= deadline:
+                raise
+            log.info("rank %d: the store at %s closed before every rank arrived (%s); connecting again",
+                     topo.rank, where, e.__cause__)
+            del store
+            time.sleep(0.05)
 
 
 def rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int, bool]:
@@ -34,12 +63,11 @@ def rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int,
             store = _elastic_store.attempt_store(ep.host, ep.port, topo.rank, topo.world_size, dcfg.init_timeout)
             attempt, share, serves = _elastic_store.attempt_of(store), False, topo.rank == 0
             where[0] = f"this attempt's store, published in torchrun's agent store at {ep.host}:{ep.port}"
+            _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=where[0],
+                                          init_timeout=dcfg.init_timeout, serves_it=serves)
         else:
-            store, serves = _rendezvous.open_store(ep, topo, deadline, dcfg.init_timeout)
-            attempt = _elastic_store.contribution(mode, topo.rank, store, os.environ)
+            store, attempt, serves = _arrive(ep, dcfg, topo, mode, deadline, where[0])
             share = mode in ("agent-store", "restart-count")
-        _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=where[0],
-                                      init_timeout=dcfg.init_timeout, serves_it=serves)
         # Can every node reach the address gloo will bind on every other node? (else init hangs for `timeout`)
         _reach.check_peers(store, topo.rank, topo.world_size, timeout_s=max(10.0, deadline - time.monotonic()))
         return store, attempt, share

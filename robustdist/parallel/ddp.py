@@ -33,6 +33,7 @@ from robustdist.parallel.state_dict import is_compiled
 from robustdist.parallel.syncbn import convert_batchnorm_for
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
+from robustdist.runtime import exit_drain, group_teardown
 from robustdist.runtime.errors import ConfigError, RobustDistError
 from robustdist.runtime.log import get_logger, warn
 from robustdist.runtime.topology import detect_topology
@@ -227,6 +228,7 @@ def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = No
     if not distributed:
         log.debug("no process group of more than one rank: returning the model on %s, unwrapped", target)
         return model.to(target)
+    exit_drain.install()  # DDP's collectives run on gloo workers too (see robustdist.runtime.exit_drain)
     mode = config.sync_batchnorm if sync_batchnorm is None else sync_batchnorm
     if mode not in ("auto", True, False):
         raise RobustDistError(f"sync_batchnorm={mode!r}; expected 'auto', True or False. Fix: pass one of those.")
@@ -255,9 +257,6 @@ def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = No
 _convert_bn = convert_batchnorm_for  # the name robustdist < 0.3 used
 
 
-_GROUP_PIN = "_robustdist_group_after_reducer"
-
-
 def pin_group_past_reducer(model: nn.Module) -> int:
     """Call before destroying the group the DDP modules in ``model`` use; returns how many it pinned.
 
@@ -276,7 +275,6 @@ def pin_group_past_reducer(model: nn.Module) -> int:
     for module in model.modules():
         group = getattr(module, "process_group", None) if isinstance(module, _TorchDDP) else None
         if group is not None:
-            module.__dict__.pop(_GROUP_PIN, None)  # re-inserted: the last attribute the module frees
-            module.__dict__[_GROUP_PIN] = group
+            group_teardown.pin_module(module, group)  # re-inserted: the last attribute the module frees
             count += 1
     return count

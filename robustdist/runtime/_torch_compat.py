@@ -274,6 +274,63 @@ def _attr(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
+REBUILD_HOOKS_AT: dict[str, int] = {
+    "torch._utils _rebuild_tensor_v2": 5, "torch._utils _rebuild_tensor_v3": 5, "torch._utils _rebuild_qtensor": 6,
+    "torch._utils _rebuild_parameter": 2, "torch._utils _rebuild_parameter_with_state": 2,
+}
+"""The calls torch.save writes to rebuild a tensor that take its backward hooks (pickle's ``module name``), and the
+argument's position: torch.save always writes an empty ``OrderedDict()`` there."""
+
+
+FROM_TYPE = "torch._tensor _rebuild_from_type_v2"
+"""``_rebuild_from_type_v2(func, new_type, args, state)``: calls ``func(*args)`` (a rebuild function), for a tensor
+with Python attributes or of a subclass."""
+COPYING_REBUILDS = frozenset({"torch._utils _rebuild_device_tensor_from_cpu_tensor",
+                              "torch._utils _rebuild_device_tensor_from_numpy"})
+"""Rebuild calls that copy their data into a new tensor (``data.to(dtype)``): an expanded view of one byte passed to
+one becomes gigabytes. torch.save writes them only for tensors of devices with no storage (XLA and the like)."""
+
+
+STATEFUL_REBUILDS = frozenset({"torch._utils _rebuild_parameter_with_state", FROM_TYPE})
+"""Rebuild calls that set a tensor's Python attributes from a state dict, one by one (``_backward_hooks`` and
+``grad`` included): torch.save writes them only for a parameter or tensor with attributes, or a subclass."""
+
+
+@functools.lru_cache(maxsize=1)
+def tensor_classes() -> frozenset[str]:
+    """torch's legacy tensor classes (``torch DoubleTensor``, ...) as a pickle names them: the weights-only unpickler
+    lets a pickle call one, and ``DoubleTensor(2**26)`` is 512 MiB from a few bytes."""
+    return frozenset(f"{c.__module__} {c.__name__}" for c in getattr(torch, "_tensor_classes", ()))
+
+
+def makes_tensor(callable_: str) -> bool:
+    """Whether a pickle's callable (``module name``) is one of torch's tensor rebuild functions."""
+    return callable_.startswith("torch._utils ") or callable_ == FROM_TYPE
+
+
+def canonical_global(arg: str) -> str:
+    """A GLOBAL's ``module name`` as torch's weights-only unpickler resolves it: Python 2 names (``__builtin__``,
+    ``copy_reg``, ...) are mapped through torch's own tables first, so ``__builtin__ bytearray`` is
+    ``builtins bytearray``."""
+    module, _, name = arg.partition(" ")
+    mapped = torch._utils.NAME_MAPPING.get((module, name))
+    if mapped is not None:
+        module, name = mapped
+    else:
+        module = torch._utils.IMPORT_MAPPING.get(module, module)
+    return f"{module} {name}"
+
+
+def _probe_rebuild_hooks() -> Any:
+    import inspect
+
+    for name, at in REBUILD_HOOKS_AT.items():
+        params = list(inspect.signature(getattr(torch._utils, name.split()[1])).parameters)
+        if params[at] != "backward_hooks":
+            return None
+    return True
+
+
 def _probe_dcp_slice() -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -299,6 +356,20 @@ def _probe_live_iterator() -> Any:
 
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = (
+    PrivateAPI("torch._tensor_classes", "torch",
+               "the opcode scan refuses a payload calling a legacy tensor class (DoubleTensor(2**26): 512 MiB from a "
+               "few bytes); without it those calls are charged as plain objects", _VERIFIED,
+               lambda: _attr(torch, "_tensor_classes") or None),
+    PrivateAPI("torch._utils.IMPORT_MAPPING, NAME_MAPPING", "torch",
+               "the opcode scan reads a pickle's globals as torch's weights-only unpickler maps them (__builtin__ "
+               "is builtins), so an old spelling cannot pass a refused call", _VERIFIED,
+               lambda: (_attr(torch._utils, "IMPORT_MAPPING") is not None
+                        and _attr(torch._utils, "NAME_MAPPING") is not None) or None),
+    PrivateAPI("torch._utils._rebuild_tensor_v2/_v3, _rebuild_qtensor, _rebuild_parameter(_with_state), "
+               "_rebuild_device_tensor_from_cpu_tensor/_numpy, torch._tensor._rebuild_from_type_v2", "torch",
+               "the opcode scan before loading a checkpoint charges what each tensor a pickle rebuilds costs and "
+               "requires its backward hooks to be the empty OrderedDict torch.save writes; a renamed function is "
+               "charged as a plain object", _VERIFIED, _probe_rebuild_hooks),
     PrivateAPI("torch.distributed.distributed_c10d._get_default_store", "torch",
                "naming the ranks that did not arrive at a barrier, and counting restart attempts in the job's "
                "store; without it those messages name fewer ranks", _VERIFIED,

@@ -311,7 +311,6 @@ def test_two_nodes_sharing_one_directory_save_and_resume_as_before(tmp_path):
         assert (out["step"], out["steps"], out["world_size"], out["same"]) == (3, [1, 2, 3], 2, True)
         assert out["per_rank"] == {"r": rank} and out["note"] == {"step": 3}
         assert out["seen_after_save"] == out["seen"] and not [n for n in out["seen"] if "probe" in n]
-        assert out["times"][0] < out["times"][1] + 1.0  # the one-off check costs well under a second here
 
 
 @needs_isolation

@@ -620,3 +620,76 @@ def _prepare_after_a_no_grad_forward(rank):
 def test_a_forward_before_prepare_does_not_let_a_second_wrapper_through():
     for rank, message in enumerate(run_ranks(_prepare_after_a_no_grad_forward, 2, init=False, timeout=TIMEOUT)):
         assert message is not None and "was called through a second DistributedDataParallel" in message
+
+
+def _swap_mid_commit(rank, directory, outside, moved):
+    """save_state, with the staging directory moved away and replaced by a link to ``outside`` between the
+    checksum pass and the manifest (as a writer of the checkpoint directory could)."""
+    from robustdist.frameworks import accelerate as rda
+    from robustdist.runtime.errors import CheckpointError
+
+    accelerator, model, optimizer, counter = _prepared()
+    real = rda.checksum_entry
+
+    def swap_then_checksum(path):
+        for staging in Path(directory).glob(".tmp-checkpoint_*"):
+            if not staging.is_symlink():
+                staging.rename(moved)
+                staging.symlink_to(outside, target_is_directory=True)
+        return real(path)
+
+    rda.checksum_entry = swap_then_checksum
+    try:
+        rda.save_state(accelerator, directory, 1)
+    except CheckpointError as e:
+        return type(e).__name__, str(e), rda.committed_states(directory)
+    return None, None, rda.committed_states(directory)
+
+
+def test_a_staging_directory_swapped_for_a_link_mid_commit_is_never_written_through_or_committed(tmp_path):
+    directory, outside, moved = tmp_path / "ckpt", tmp_path / "outside", tmp_path / "moved"
+    outside.mkdir()
+    (kind, message, committed), = run_ranks(
+        _swap_mid_commit, 1, init=False, timeout=TIMEOUT, args=(str(directory), str(outside), str(moved)),
+        env={"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "LOCAL_WORLD_SIZE": None, "MASTER_ADDR": None,
+             "MASTER_PORT": None})
+    assert kind == "CheckpointError" and "is a symbolic link" in message and "nothing was committed" in message, \
+        (kind, message)
+    assert committed == [] and not os.path.lexists(directory / "checkpoint_1")
+    assert list(outside.iterdir()) == []  # no manifest written through the link
+
+
+def _swap_before_rename(rank, directory, moved):
+    """save_state, with the staging directory (its manifest written) moved away and another real directory put
+    at its name just before the commit's rename."""
+    from robustdist.checkpoint._confined import Confined
+    from robustdist.frameworks import accelerate as rda
+    from robustdist.runtime.errors import CheckpointError
+
+    accelerator, model, optimizer, counter = _prepared()
+    real = Confined.rename
+
+    def swap_then_rename(self, old, new):
+        if old.startswith(".tmp-checkpoint_") and new.startswith("checkpoint_"):
+            os.rename(os.path.join(directory, old), moved)
+            os.mkdir(os.path.join(directory, old))
+        return real(self, old, new)
+
+    Confined.rename = swap_then_rename
+    try:
+        rda.save_state(accelerator, directory, 1)
+    except CheckpointError as e:
+        return str(e), rda.committed_states(directory), sorted(os.listdir(directory))
+    return None, rda.committed_states(directory), sorted(os.listdir(directory))
+
+
+def test_a_staging_directory_replaced_by_another_before_the_rename_is_not_committed(tmp_path):
+    directory, moved = tmp_path / "ckpt", tmp_path / "moved"
+    (message, committed, names), = run_ranks(
+        _swap_before_rename, 1, init=False, timeout=TIMEOUT, args=(str(directory), str(moved)),
+        env={"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "LOCAL_WORLD_SIZE": None, "MASTER_ADDR": None,
+             "MASTER_PORT": None})
+    assert message is not None and "was replaced by a link or another directory while the checkpoint was " \
+        "committed; expected the staging directory robustdist wrote" in message and "Fix: make sure nothing else" \
+        in message, message
+    assert committed == [] and "checkpoint_1" not in names, names

@@ -312,3 +312,45 @@ def test_cuda_device_is_set_before_init_and_passed_as_device_id(single, monkeypa
         server.join(30)
     assert isinstance(exc.value.__cause__, RuntimeError)
     assert calls == [("set_device", "cuda:1"), ("init", "nccl", "cuda:1", 42.0)]
+
+
+def test_a_client_whose_store_closes_before_everyone_arrived_connects_to_the_next(single):
+    """Rank 1 arrives in rank 0's previous store in the moment before rank 0 frees it (a re-init in one process);
+    the store then closes under rank 1, and rank 0 serves the next one on the same port. Rank 1 connects again
+    and arrives there, instead of failing with "stopped answering" while rank 0 waits for it."""
+    from robustdist.init import elastic_store as _elastic_store
+    from robustdist.init import store as _init_store
+
+    _two_rank_env(single, RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(free_port()))
+    rank_one = detect_topology()
+    rank_zero = dataclasses.replace(rank_one, rank=0, local_rank=0)
+    dcfg = dataclasses.replace(HardenConfig().distributed, init_timeout=30)
+    ep = _rendezvous.endpoint("env://", rank_zero)
+    deadline = time.monotonic() + 30
+    old, serves = _rendezvous.open_store(ep, rank_zero, deadline, 30)
+    assert serves
+    generation = _rendezvous._generation + 1
+    result: dict = {}
+
+    def rank_one_arrives():
+        try:
+            result["value"] = _init_store._arrive(ep, dcfg, rank_one, _elastic_store.attempt_mode(os.environ, "env://"),
+                                                  deadline, "test")
+        except BaseException as e:  # the assertion below names it
+            result["error"] = e
+
+    client = threading.Thread(target=rank_one_arrives, daemon=True)
+    client.start()
+    while not old.check([f"robustdist/rendezvous/{generation}/1"]):  # rank 1 is in the previous store
+        assert time.monotonic() < deadline and client.is_alive(), result
+        time.sleep(0.01)
+    del old  # rank 0 frees its previous store: the server stops under rank 1
+    time.sleep(0.3)
+    new, serves = _rendezvous.open_store(ep, rank_zero, deadline, 30)  # and serves the next on the same port
+    _rendezvous.wait_for_arrivals(new, 0, rank_zero, deadline, where="test", init_timeout=30, serves_it=serves,
+                                  generation=generation)
+    client.join(30)
+    assert "error" not in result, result
+    store, _, client_serves = result["value"]
+    assert not client_serves and store.get(f"robustdist/rendezvous/{generation}/0")  # it arrived in the new one
+    assert new.check([f"robustdist/rendezvous/{generation}/1"])

@@ -14,7 +14,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from robustdist import harden
-from robustdist.parallel.ddp import _GROUP_PIN, pin_group_past_reducer
+from robustdist.parallel.ddp import pin_group_past_reducer
+from robustdist.runtime.group_teardown import GROUP_PIN as _GROUP_PIN
 from robustdist.testing.ranks import run_ranks
 
 

@@ -41,7 +41,9 @@ def _train(config: dict) -> None:
 
     ctx = ray.train.get_context()
     run_dir = Path(config["dir"])
-    (run_dir / f"pid-{ctx.get_world_rank()}").write_text(str(os.getpid()))
+    tmp = run_dir / f".pid-{ctx.get_world_rank()}.tmp"  # renamed into place: the test never reads a half-written one
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, run_dir / f"pid-{ctx.get_world_rank()}")
     if config.get("fail"):
         raise RuntimeError("boom: the train function failed on purpose")
     deadline = time.monotonic() + config.get("hold_s", 0.0)

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import struct
 import sys
 import threading
@@ -113,8 +114,10 @@ def dotted_name_pickle(marker: Path) -> bytes:
                 c.co_linetable, c.co_freevars, c.co_cellvars)
     module = "torch.distributed.checkpoint.metadata"
 
-    def body(obj: Any) -> bytes:  # an object's opcodes without PROTO and STOP (protocol 3: no frames)
-        return pickle.dumps(obj, protocol=3)[2:-1]
+    def body(obj: Any) -> bytes:  # an object's opcodes without PROTO and STOP (protocol 3: no frames), and
+        # only the memo entries it reads (numbered from 0: only the first body may keep any, as pickle writes each
+        # index once)
+        return pickletools.optimize(pickle.dumps(obj, protocol=3))[2:-1]
 
     def glob(name: str) -> bytes:
         return b"".join(b"\x8c" + struct.pack("<B", len(s)) + s for s in (module.encode(), name.encode())) + b"\x93"

@@ -353,3 +353,30 @@ def test_a_staging_directory_swapped_for_a_link_mid_write_is_not_written_through
         assert local.load(state=_state(1).entries(loading=True)) is None  # the link at the step's name is no copy
     local.close(clean=True)
     assert list(outside.iterdir()) == [] and not Path(local.directory).exists()
+
+
+@pytest.mark.parametrize("level", ["owner", "role"])
+def test_a_directory_swapped_for_a_link_after_the_scan_is_not_read_through(tiers, monkeypatch, level):
+    """The copies are found by a scan, checked, then read: an owner or role directory moved out of the tier and
+    replaced by a link just before the read is refused at the read (each level is opened from the tier's root without
+    following links), and the load falls back to the durable tier, the moved copy unread."""
+    from robustdist.checkpoint.local import layout, restore
+
+    durable, local, copy, reference, tmp = tiers
+    moved = copy.parent.parent if level == "owner" else copy.parent
+    outside = tmp / "outside"
+    real_read = layout.read_verified
+
+    def swap_then_read(holding: Any, name: str) -> Any:  # after every check by path, just before the read
+        if moved.is_dir() and not moved.is_symlink():
+            moved.rename(outside)
+            moved.symlink_to(outside, target_is_directory=True)
+        return real_read(holding, name)
+
+    monkeypatch.setattr(restore.layout, "read_verified", swap_then_read)
+    state = _state(2)
+    with pytest.warns(Warning) as seen:
+        loaded = state.load(durable, local=local)
+    assert loaded is not None and (loaded.step, loaded.source) == (4, "durable")
+    text = " ".join(str(w.message) for w in seen)
+    assert "is a symbolic link; refused" in text, text

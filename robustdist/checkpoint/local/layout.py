@@ -74,6 +74,14 @@ class Holding:
     failed save repeated after a restart) are never combined."""
     files: dict[str, dict[str, Any]]
     kinds: dict[str, str]
+    root: str = ""
+    """The tier's directory: every read walks from it one component at a time, never through a link (an owner
+    or role directory swapped for a link after the scan is refused, not followed)."""
+
+    @property
+    def relative(self) -> str:
+        """``path`` below ``root``."""
+        return os.path.relpath(self.path, self.root)
 
     def describe(self) -> str:
         return f"{'its own copy' if self.role == 'own' else 'the replica'} of rank {self.owner}'s step {self.step}"
@@ -308,14 +316,14 @@ def scan(root: str) -> tuple[list[Holding], list[str]]:
                     skipped.append(f"{path}: not a real directory (a symbolic link?); refused")
                     continue
                 try:
-                    raw = read_in(path, META, max_size=MAX_META_BYTES)
+                    raw = read_in(root, f"{owner_name}/{role}/{name}/{META}", max_size=MAX_META_BYTES)
                     meta = _check_meta(path, json.loads(raw.decode("utf-8")), owner, step)
                 except (CheckpointCorruptError, ValueError, RecursionError) as e:
                     skipped.append(f"{path}: {str(e)[:300]}")
                     continue
                 found.append(Holding(owner=owner, role=role, step=step, path=path, world_size=meta["world_size"],
                                      lineage=meta["lineage"], save=meta["save"], files=meta["files"],
-                                     kinds=meta["kinds"]))
+                                     kinds=meta["kinds"], root=root))
     return found, skipped
 
 
@@ -336,7 +344,7 @@ def read_verified(holding: Holding, name: str) -> bytearray:
     if available is not None and entry["size"] > available:
         raise CheckpointCorruptError(f"{shown}: {memory.size(entry['size'])}, more than the RAM available "
                                      f"({memory.size(available)}); refused without reading it")
-    with open_in(holding.path, name, size=entry["size"]) as fh:
+    with open_in(holding.root, f"{holding.relative}/{name}", size=entry["size"]) as fh:
         check_torch_zip(fh, shown)  # a torch zip at all (read from the file: a chunk, not the whole)
         crc, got = 0, 0
         while chunk := fh.read(_CHUNK):

@@ -136,7 +136,8 @@ class _Skip(Exception):
 # ---------------------------------------------------------------------- reading
 def _torch_loads(data: Any, where: str) -> Any:
     fh = io.BytesIO(data)
-    check_torch_zip(fh, where, length=len(memoryview(data)))
+    check_torch_zip(fh, where, length=len(memoryview(data)), values=_schema.MAX_PAYLOAD_VALUES,
+                    payload=True)
     try:
         payload = torch.load(fh, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -144,7 +145,7 @@ def _torch_loads(data: Any, where: str) -> Any:
             from e
     except Exception as e:
         raise CheckpointCorruptError(f"{where}: not a loadable torch file ({type(e).__name__}: {str(e)[:200]})") from e
-    _schema.check_size(where, payload, _schema.MAX_VALUES + 16)
+    _schema.check_size(where, payload, _schema.MAX_PAYLOAD_VALUES)
     return payload
 
 

@@ -54,6 +54,7 @@ from robustdist.checkpoint.local.lineage import LINEAGE, lineage_of
 from robustdist.checkpoint.local.memory import node_need
 from robustdist.checkpoint.local.wire import as_tensor, exchange
 from robustdist.runtime import dist as _dist
+from robustdist.runtime import exit_drain
 from robustdist.runtime.dist import Collectives, default_store
 from robustdist.runtime.errors import CheckpointError, ranks_phrase
 from robustdist.runtime.log import get_logger
@@ -151,6 +152,7 @@ class LocalTier:
         self.group: ProcessGroup | None = None
         if self.distributed:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+            exit_drain.install()
         try:
             self.rank = _dist.rank(self.group) if self.distributed else 0
             self.world_size = _dist.world_size(self.group) if self.distributed else 1
