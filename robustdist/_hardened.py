@@ -18,9 +18,10 @@ from robustdist.config.schema import HardenConfig
 from robustdist.health import restart_guard as _restart_guard
 from robustdist.health.step_guard import StepDecision, StepGuard, Watchdog
 from robustdist.init.process_group import InitReport, destroy_process_group_if_owned
-from robustdist.parallel.ddp import pin_group_past_reducer
 from robustdist.ray import train as _ray_train
 from robustdist.ray.reporting import RayReporting
+from robustdist.runtime import dist as _dist
+from robustdist.runtime import group_teardown
 from robustdist.runtime.errors import CheckpointError, ConfigError, RestartLoopError
 from robustdist.runtime.log import get_logger, logging_configured
 from robustdist.runtime.topology import Topology
@@ -322,8 +323,10 @@ class Hardened(RayReporting):
             elif self.checkpointer is not None:
                 self.checkpointer.close()
         finally:
-            if self.init_report.created:  # a DDP freed after the group is destroyed must not own it last
-                pin_group_past_reducer(self.model)
+            # A DDP freed after its group is destroyed must not own it last (runtime.group_teardown): a group
+            # robustdist made is pinned as it is destroyed; one Ray or the script destroys later, here.
+            if not self.init_report.created and _dist.is_up():
+                group_teardown.pin_ddp_modules()
             destroy_process_group_if_owned(self.init_report)
         if reporting is not None:
             raise reporting

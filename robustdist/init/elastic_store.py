@@ -133,8 +133,14 @@ def attempt_of(store: Any) -> int:
     return int(store.get(_ATTEMPT))
 
 
-def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
-    """The store for this attempt (a server on rank 0, a client elsewhere), by ``timeout_s`` (the init timeout)."""
+def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float, *,
+                  generation: int = 1) -> Any:
+    """The store for this attempt (a server on rank 0, a client elsewhere), by ``timeout_s`` (the init timeout).
+
+    ``generation`` is the process's rendezvous round: a second group made in the same process publishes its
+    store under a key of its own, so a client cannot take the previous round's record, whose store a kept
+    model may still hold open (its token would match)."""
+    key = _KEY if generation <= 1 else f"{_KEY}/{generation}"
     deadline = time.monotonic() + timeout_s
     endpoint = _rendezvous.Endpoint("env", f"MASTER_ADDR={addr!r}, MASTER_PORT={port}", host=addr, port=port,
                                     addresses=[addr])
@@ -146,14 +152,14 @@ def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: f
         token = uuid.uuid4().hex
         server.set(_TOKEN, token)
         server.set(_ATTEMPT, str(count_attempt(agent)))
-        agent.set(_KEY, json.dumps({"addr": addr, "port": server.port, "token": token}))
+        agent.set(key, json.dumps({"addr": addr, "port": server.port, "token": token}))
         log.debug("attempt store on %s:%d", addr, server.port)
         return server
     last_error = "no address published yet"
     while time.monotonic() < deadline:
         try:
-            agent.wait([_KEY], timedelta(seconds=max(0.1, deadline - time.monotonic())))
-            info = json.loads(agent.get(_KEY))
+            agent.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            info = json.loads(agent.get(key))
             host, fresh_port = str(info["addr"]), int(info["port"])
             # a previous attempt's dead server refuses at once: then read the published address again
             store, _, detail = _rendezvous.try_connect(host, fresh_port, world_size,

@@ -277,7 +277,10 @@ def _serve(ep: Endpoint, world_size: int, deadline: float, rank: int) -> Any:
         return dist.TCPStore(ep.host, ep.port, world_size, is_master=True, timeout=_remaining(deadline),
                              wait_for_workers=False, multi_tenant=True, use_libuv=use_libuv)
 
-    store, error, _ = bounded(make, deadline, "store-serve")
+    # The master's own client connects to ep.host: on an address this node does not own, that retries in C++
+    # until its timeout, past the deadline, so the thread is joined at exit (see bounded).
+    store, error, _ = bounded(make, deadline, "store-serve",
+                              ends_by=time.monotonic() + 2 * max(0.1, deadline - time.monotonic()))
     if store is not None:
         return store
     raise InitError(

@@ -21,30 +21,42 @@ __all__ = ["rendezvous_store"]
 log = get_logger(__name__)
 
 
+_RECONNECT_S = 10.0  # how long a client looks for rank 0's next store after losing one
+_RECONNECTS = 3  # at most this many times per rendezvous
+
+
 def _arrive(ep: Any, dcfg: DistributedConfig, topo: Topology, mode: str, deadline: float,
             where: str) -> tuple[Any, int, bool]:
     """Open (or serve) the store and wait for every rank: ``(store, attempt part, serves_it)``.
 
-    A client of a store rank 0 serves connects again when that store closes before every rank arrived, until
-    the deadline: in a process that re-initialises (harden() after a refused one, a close then a new group), this
-    rank can reach rank 0's previous store in the moment before rank 0 frees it, and then serves the new one on
-    the same port. The round's keys are per generation, so the new store holds nothing of the old round."""
+    A client of a store rank 0 serves connects again when that store closes before every rank arrived: in a
+    process that re-initialises (harden() after a refused one, a close then a new group), this rank can reach
+    rank 0's previous store in the moment before rank 0 frees it, and rank 0 then serves the next one on the same
+    port. The round's keys are per generation, so a store still holding an old round is no confusion. Only
+    :data:`_RECONNECT_S` seconds (and :data:`_RECONNECTS` times): when nothing serves again, rank 0 failed or
+    gave up, and the loss itself is the error ("stopped answering ... rank 0 failed or exited")."""
     generation = _rendezvous.next_generation()
-    while True:
-        store, serves = _rendezvous.open_store(ep, topo, deadline, dcfg.init_timeout)
+    served_by_rank0 = ep.scheme != "file" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store, serves = _rendezvous.open_store(ep, topo, deadline, dcfg.init_timeout)
+    for reconnects in range(_RECONNECTS + 1):
         attempt = _elastic_store.contribution(mode, topo.rank, store, os.environ)
         try:
             _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=where,
                                           init_timeout=dcfg.init_timeout, serves_it=serves, generation=generation)
             return store, attempt, serves
-        except _rendezvous.StoreLost as e:
-            served_by_rank0 = ep.scheme != "file" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            if serves or not served_by_rank0 or time.monotonic() >= deadline:
+        except _rendezvous.StoreLost as lost:
+            if serves or not served_by_rank0 or reconnects == _RECONNECTS or time.monotonic() >= deadline:
                 raise
-            log.info("rank %d: the store at %s closed before every rank arrived (%s); connecting again",
-                     topo.rank, where, e.__cause__)
+            log.info("rank %d: the store at %s closed before every rank arrived (%s); looking for rank 0's next "
+                     "one for up to %g s", topo.rank, where, lost.__cause__, _RECONNECT_S)
             del store
-            time.sleep(0.05)
+            try:
+                store, serves = _rendezvous.open_store(ep, topo, min(deadline, time.monotonic() + _RECONNECT_S),
+                                                       dcfg.init_timeout)
+            except InitError as again:
+                log.info("rank %d: no store at %s again (%s)", topo.rank, where, str(again)[:200])
+                raise lost from lost.__cause__
+    raise AssertionError("unreachable")
 
 
 def rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int, bool]:
@@ -60,11 +72,13 @@ def rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int,
 
     def rendezvous() -> tuple[Any, int, bool]:
         if mode == "fresh-store" and ep.host and ep.port:
-            store = _elastic_store.attempt_store(ep.host, ep.port, topo.rank, topo.world_size, dcfg.init_timeout)
+            generation = _rendezvous.next_generation()  # a re-init in this process publishes a store of its own
+            store = _elastic_store.attempt_store(ep.host, ep.port, topo.rank, topo.world_size, dcfg.init_timeout,
+                                                 generation=generation)
             attempt, share, serves = _elastic_store.attempt_of(store), False, topo.rank == 0
             where[0] = f"this attempt's store, published in torchrun's agent store at {ep.host}:{ep.port}"
             _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=where[0],
-                                          init_timeout=dcfg.init_timeout, serves_it=serves)
+                                          init_timeout=dcfg.init_timeout, serves_it=serves, generation=generation)
         else:
             store, attempt, serves = _arrive(ep, dcfg, topo, mode, deadline, where[0])
             share = mode in ("agent-store", "restart-count")

@@ -10,7 +10,7 @@ Ray's ``prepare_model`` hands a script) freed after ``h.close()``; gdb showed th
 ``~Reducer -> ~ProcessGroup -> ~ProcessGroupGloo -> std::thread::join`` and a gloo worker in
 ``~AsyncBroadcastWork -> decref_pyobject -> take_gil``.
 
-:func:`pin_holders` gives every live DDP module that holds the group one more reference to the group's Python
+:func:`pin_ddp_modules` gives every live DDP module one more reference to the group's Python
 object, stored as its last attribute, so it is released after the Reducer (and the Logger that holds the
 Reducer): the group's last owner is then that Python object, whose destructor releases the GIL before
 destroying the group (torch >= 2.8). The pin is freed with the module, so nothing outlives it.
@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from robustdist.runtime import dist as _dist
 
-__all__ = ["GROUP_PIN", "destroy_default_group", "pin_holders", "pin_module"]
+__all__ = ["GROUP_PIN", "destroy_default_group", "pin_ddp_modules", "pin_module"]
 
 log = logging.getLogger(__name__)
 
@@ -45,43 +45,53 @@ def pin_module(module: Any, group: Any) -> None:
     attrs[GROUP_PIN] = group
 
 
-def pin_holders(group: Any) -> int:
-    """Pin ``group`` on every live DDP module that holds it as its ``process_group``; returns how many.
+def _ddp_classes() -> list[type]:
+    """torch's DistributedDataParallel and every subclass of it defined so far."""
+    classes, todo = [], [_TorchDDP]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    return classes
 
-    Found among the group's referrers (one garbage-collector pass over the tracked objects: 24-26 ms
-    with 284k-315k objects here, benchmarks/findings.md T1), so a DDP module robustdist never saw (the script's own)
-    is pinned too."""
-    if group is None:
-        return 0
+
+def pin_ddp_modules() -> int:
+    """Pin every live DDP module's group (whichever group it is on) as its last attribute; returns how many.
+
+    ``destroy_process_group()`` tears down every group, not only the default one, and a group another library
+    destroys later (Ray Train's) needs the same, so every DDP module is pinned, not only those on the default
+    group. Found as the referrers of the DDP classes (an instance refers to its class): one garbage-collector
+    pass over the tracked objects, 29-33 ms with 284k-315k objects here (benchmarks/findings.md T1), so a DDP
+    module robustdist never saw (the script's own, the one Ray's ``prepare_model`` made) is pinned too."""
+    classes = _ddp_classes()
+    exact = set(classes)
     count = 0
-    referrers = gc.get_referrers(group)
+    referrers = gc.get_referrers(*classes)
     try:
         for ref in referrers:
-            if isinstance(ref, _TorchDDP):
-                attrs: Any = ref.__dict__
-            elif isinstance(ref, dict):
-                attrs = ref
-            else:
+            if type(ref) not in exact:  # a dict or module naming the class, a subclass itself
                 continue
-            if attrs.get("process_group") is group and "reducer" in attrs:
-                attrs.pop(GROUP_PIN, None)
-                attrs[GROUP_PIN] = group
+            attrs = ref.__dict__
+            group = attrs.get("process_group")
+            if group is not None and "reducer" in attrs:
+                pin_module(ref, group)
                 count += 1
     finally:
-        # The list holds this frame's locals' referrers, and so (through the calling frames) a cycle that would
-        # keep the old group, and with it rank 0's store server, alive until the next collection: a rank that
-        # re-initialises at once could then connect to that old server.
+        # The list holds the calling frames' objects: a frame -> list -> frame cycle would keep an old group,
+        # and with it rank 0's store server, alive until the next collection, where a rank re-initialising at
+        # once could reach it.
         referrers.clear()
         del referrers
     return count
 
 
 def destroy_default_group() -> None:
-    """Pin the default group on every DDP module that holds it, then destroy it (a no-op without one)."""
+    """Pin every DDP module's group (:func:`pin_ddp_modules`), then destroy the default group and with it every
+    other (a no-op without one)."""
     if not _dist.is_up():
         return
     start = time.perf_counter()
-    pinned = pin_holders(dist.group.WORLD)
+    pinned = pin_ddp_modules()
     dist.destroy_process_group()
-    log.debug("default group destroyed (%d DDP module(s) pinned it) in %.3f s", pinned,
+    log.debug("default group destroyed (%d DDP module(s) pinned their group) in %.3f s", pinned,
               time.perf_counter() - start)

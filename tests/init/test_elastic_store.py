@@ -55,3 +55,27 @@ def test_rank_zero_never_publishing_is_a_bounded_init_error():
     agent.set(_elastic_store._KEY, json.dumps({"addr": "127.0.0.1", "port": free_port(), "token": "old"}))
     with pytest.raises(InitError, match=r"could not reach rank 0's store for this torchrun attempt within 2 s.*Fix"):
         _elastic_store.attempt_store("127.0.0.1", port, 1, 2, 2)
+
+
+def test_a_second_group_in_one_process_waits_for_its_own_store_not_the_kept_one():
+    """A process that makes a second group (a re-init) while a kept model still holds the first one's store
+    open: rank 1 must not take the first round's record, whose store still answers with the right token."""
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)
+    first = _elastic_store.attempt_store("127.0.0.1", port, 0, 2, 30)  # round 1's, still open
+    got = {}
+
+    def rank_one():
+        got["store"] = _elastic_store.attempt_store("127.0.0.1", port, 1, 2, 30, generation=2)
+
+    thread = threading.Thread(target=rank_one)
+    thread.start()
+    threading.Event().wait(1.0)
+    assert thread.is_alive() and "store" not in got  # waiting for round 2's record
+    second = _elastic_store.attempt_store("127.0.0.1", port, 0, 2, 30, generation=2)
+    thread.join(30)
+    assert not thread.is_alive()
+    got["store"].set("hello", "from rank 1")
+    assert second.get("hello") == b"from rank 1" and not first.check(["hello"])
+    del agent

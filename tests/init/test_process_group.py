@@ -354,3 +354,40 @@ def test_a_client_whose_store_closes_before_everyone_arrived_connects_to_the_nex
     store, _, client_serves = result["value"]
     assert not client_serves and store.get(f"robustdist/rendezvous/{generation}/0")  # it arrived in the new one
     assert new.check([f"robustdist/rendezvous/{generation}/1"])
+
+
+def test_a_client_whose_rank_zero_is_gone_for_good_says_so_without_waiting_out_the_deadline(single):
+    """Rank 0 lost for good (crashed) after rank 1 arrived: rank 1 looks for a next store only briefly, then
+    reports the loss itself ("stopped answering ... rank 0 failed or exited"), not a connection refused at the
+    end of init_timeout that blames the port setup."""
+    from robustdist.init import elastic_store as _elastic_store
+    from robustdist.init import store as _init_store
+
+    single.setattr(_init_store, "_RECONNECT_S", 1.0)
+    _two_rank_env(single, RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(free_port()))
+    rank_one = detect_topology()
+    rank_zero = dataclasses.replace(rank_one, rank=0, local_rank=0)
+    dcfg = dataclasses.replace(HardenConfig().distributed, init_timeout=120)
+    ep = _rendezvous.endpoint("env://", rank_zero)
+    deadline = time.monotonic() + 120
+    old, _ = _rendezvous.open_store(ep, rank_zero, deadline, 120)
+    generation = _rendezvous._generation + 1
+    result: dict = {}
+
+    def rank_one_arrives():
+        started = time.monotonic()
+        try:
+            _init_store._arrive(ep, dcfg, rank_one, _elastic_store.attempt_mode(os.environ, "env://"), deadline, "x")
+        except BaseException as e:
+            result["error"], result["after"] = e, time.monotonic() - started
+
+    client = threading.Thread(target=rank_one_arrives, daemon=True)
+    client.start()
+    while not old.check([f"robustdist/rendezvous/{generation}/1"]):
+        assert time.monotonic() < deadline and client.is_alive(), result
+        time.sleep(0.01)
+    del old  # and nothing serves again
+    client.join(100)
+    assert isinstance(result.get("error"), _rendezvous.StoreLost), result
+    assert "stopped answering" in str(result["error"]) and "rank 0" in str(result["error"])
+    assert result["after"] < 60  # well before the 120 s deadline: the reconnect window is 1 s here

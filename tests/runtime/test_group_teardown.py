@@ -44,21 +44,24 @@ def test_a_scripts_own_ddp_freed_after_close_does_not_free_the_group_last():
     assert results == [[(True, False)] * rounds] * 2
 
 
-def _pin_count(rank: int) -> tuple[int, int, int]:
-    models = [TorchDDP(nn.Linear(2, 1)) for _ in range(2)]
+class _ScriptDDP(TorchDDP):
+    """A subclass, as a script or a framework may define one."""
+
+
+def _pin_count(rank: int) -> tuple[int, int, list[bool], bool]:
     other = dist.new_group([0, 1])
-    side = TorchDDP(nn.Linear(2, 1), process_group=other)  # another group: not pinned for the default one
-    pinned = group_teardown.pin_holders(dist.group.WORLD)
-    again = group_teardown.pin_holders(dist.group.WORLD)  # idempotent: still one pin each, still last
-    counts = sum(list(vars(m)).count(group_teardown.GROUP_PIN) for m in models)
-    del side
-    dist.destroy_process_group(other)
-    return pinned, again, counts
+    models = [TorchDDP(nn.Linear(2, 1)), _ScriptDDP(nn.Linear(2, 1)),
+              TorchDDP(nn.Linear(2, 1), process_group=other)]  # destroy_process_group() tears down this one too
+    config = {"process_group": dist.group.WORLD, "reducer": "not a DDP"}  # a dict that only looks like one
+    pinned = group_teardown.pin_ddp_modules()
+    again = group_teardown.pin_ddp_modules()  # idempotent: still one pin each, still last
+    last = [list(vars(m)).count(group_teardown.GROUP_PIN) == 1 and list(vars(m))[-1] == group_teardown.GROUP_PIN
+            and vars(m)[group_teardown.GROUP_PIN] is m.process_group for m in models]
+    return pinned, again, last, group_teardown.GROUP_PIN in config
 
 
-def test_every_ddp_on_the_group_is_pinned_once_and_no_other():
-    assert run_ranks(_pin_count, 2, timeout=60) == [(2, 2, 2)] * 2
-    assert group_teardown.pin_holders(None) == 0
+def test_every_ddp_module_on_any_group_is_pinned_once_and_nothing_else():
+    assert run_ranks(_pin_count, 2, timeout=60) == [(3, 3, [True] * 3, False)] * 2
 
 
 def _reinit_keeping_the_model(rank: int, rounds: int) -> list[float]:
