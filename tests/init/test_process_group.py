@@ -314,80 +314,67 @@ def test_cuda_device_is_set_before_init_and_passed_as_device_id(single, monkeypa
     assert calls == [("set_device", "cuda:1"), ("init", "nccl", "cuda:1", 42.0)]
 
 
+class _RankOneInOldStore:
+    """Rank 0's previous store (served here) with rank 1 (a thread running the real rendezvous) arrived in it."""
+
+    def __init__(self, mp, init_timeout: float):
+        from robustdist.init import elastic_store as _elastic_store
+        from robustdist.init import store as _init_store
+
+        _two_rank_env(mp, RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(free_port()))
+        rank_one = detect_topology()
+        self.rank_zero = dataclasses.replace(rank_one, rank=0, local_rank=0)
+        dcfg = dataclasses.replace(HardenConfig().distributed, init_timeout=init_timeout)
+        self.ep = _rendezvous.endpoint("env://", self.rank_zero)
+        self.deadline = time.monotonic() + init_timeout
+        self.old, serves = _rendezvous.open_store(self.ep, self.rank_zero, self.deadline, init_timeout)
+        assert serves
+        self.generation = _rendezvous._generation + 1
+        self.result: dict = {}
+        mode = _elastic_store.attempt_mode(os.environ, "env://")
+
+        def rank_one_arrives():
+            started = time.monotonic()
+            try:
+                self.result["value"] = _init_store._arrive(self.ep, dcfg, rank_one, mode, self.deadline, "test")
+            except BaseException as e:  # the assertions name it
+                self.result["error"] = e
+            self.result["after"] = time.monotonic() - started
+
+        self.client = threading.Thread(target=rank_one_arrives, daemon=True)
+        self.client.start()
+        while not self.old.check([f"robustdist/rendezvous/{self.generation}/1"]):  # rank 1 is in the old store
+            assert time.monotonic() < self.deadline and self.client.is_alive(), self.result
+            time.sleep(0.01)
+
+
 def test_a_client_whose_store_closes_before_everyone_arrived_connects_to_the_next(single):
     """Rank 1 arrives in rank 0's previous store in the moment before rank 0 frees it (a re-init in one process);
     the store then closes under rank 1, and rank 0 serves the next one on the same port. Rank 1 connects again
     and arrives there, instead of failing with "stopped answering" while rank 0 waits for it."""
-    from robustdist.init import elastic_store as _elastic_store
-    from robustdist.init import store as _init_store
-
-    _two_rank_env(single, RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(free_port()))
-    rank_one = detect_topology()
-    rank_zero = dataclasses.replace(rank_one, rank=0, local_rank=0)
-    dcfg = dataclasses.replace(HardenConfig().distributed, init_timeout=30)
-    ep = _rendezvous.endpoint("env://", rank_zero)
-    deadline = time.monotonic() + 30
-    old, serves = _rendezvous.open_store(ep, rank_zero, deadline, 30)
-    assert serves
-    generation = _rendezvous._generation + 1
-    result: dict = {}
-
-    def rank_one_arrives():
-        try:
-            result["value"] = _init_store._arrive(ep, dcfg, rank_one, _elastic_store.attempt_mode(os.environ, "env://"),
-                                                  deadline, "test")
-        except BaseException as e:  # the assertion below names it
-            result["error"] = e
-
-    client = threading.Thread(target=rank_one_arrives, daemon=True)
-    client.start()
-    while not old.check([f"robustdist/rendezvous/{generation}/1"]):  # rank 1 is in the previous store
-        assert time.monotonic() < deadline and client.is_alive(), result
-        time.sleep(0.01)
-    del old  # rank 0 frees its previous store: the server stops under rank 1
+    lab = _RankOneInOldStore(single, 30)
+    del lab.old  # rank 0 frees its previous store: the server stops under rank 1
     time.sleep(0.3)
-    new, serves = _rendezvous.open_store(ep, rank_zero, deadline, 30)  # and serves the next on the same port
-    _rendezvous.wait_for_arrivals(new, 0, rank_zero, deadline, where="test", init_timeout=30, serves_it=serves,
-                                  generation=generation)
-    client.join(30)
-    assert "error" not in result, result
-    store, _, client_serves = result["value"]
-    assert not client_serves and store.get(f"robustdist/rendezvous/{generation}/0")  # it arrived in the new one
-    assert new.check([f"robustdist/rendezvous/{generation}/1"])
+    new, serves = _rendezvous.open_store(lab.ep, lab.rank_zero, lab.deadline, 30)  # the next, on the same port
+    _rendezvous.wait_for_arrivals(new, 0, lab.rank_zero, lab.deadline, where="test", init_timeout=30,
+                                  serves_it=serves, generation=lab.generation)
+    lab.client.join(30)
+    assert "error" not in lab.result, lab.result
+    store, _, client_serves = lab.result["value"]
+    assert not client_serves and store.get(f"robustdist/rendezvous/{lab.generation}/0")  # arrived in the new one
+    assert new.check([f"robustdist/rendezvous/{lab.generation}/1"])
 
 
 def test_a_client_whose_rank_zero_is_gone_for_good_says_so_without_waiting_out_the_deadline(single):
     """Rank 0 lost for good (crashed) after rank 1 arrived: rank 1 looks for a next store only briefly, then
     reports the loss itself ("stopped answering ... rank 0 failed or exited"), not a connection refused at the
     end of init_timeout that blames the port setup."""
-    from robustdist.init import elastic_store as _elastic_store
     from robustdist.init import store as _init_store
 
     single.setattr(_init_store, "_RECONNECT_S", 1.0)
-    _two_rank_env(single, RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(free_port()))
-    rank_one = detect_topology()
-    rank_zero = dataclasses.replace(rank_one, rank=0, local_rank=0)
-    dcfg = dataclasses.replace(HardenConfig().distributed, init_timeout=120)
-    ep = _rendezvous.endpoint("env://", rank_zero)
-    deadline = time.monotonic() + 120
-    old, _ = _rendezvous.open_store(ep, rank_zero, deadline, 120)
-    generation = _rendezvous._generation + 1
-    result: dict = {}
-
-    def rank_one_arrives():
-        started = time.monotonic()
-        try:
-            _init_store._arrive(ep, dcfg, rank_one, _elastic_store.attempt_mode(os.environ, "env://"), deadline, "x")
-        except BaseException as e:
-            result["error"], result["after"] = e, time.monotonic() - started
-
-    client = threading.Thread(target=rank_one_arrives, daemon=True)
-    client.start()
-    while not old.check([f"robustdist/rendezvous/{generation}/1"]):
-        assert time.monotonic() < deadline and client.is_alive(), result
-        time.sleep(0.01)
-    del old  # and nothing serves again
-    client.join(100)
-    assert isinstance(result.get("error"), _rendezvous.StoreLost), result
-    assert "stopped answering" in str(result["error"]) and "rank 0" in str(result["error"])
-    assert result["after"] < 60  # well before the 120 s deadline: the reconnect window is 1 s here
+    lab = _RankOneInOldStore(single, 120)
+    del lab.old  # and nothing serves again
+    lab.client.join(100)
+    assert isinstance(lab.result.get("error"), _rendezvous.StoreLost), lab.result
+    assert "stopped answering" in str(lab.result["error"]) and "rank 0" in str(lab.result["error"])
+    assert lab.result["after"] < 60  # well before the 120 s deadline: the reconnect window is 1 s here
