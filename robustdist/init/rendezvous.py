@@ -56,8 +56,8 @@ from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 from robustdist.runtime.topology import Topology
 
-__all__ = ["Endpoint", "StoreLost", "connect_tcp", "endpoint", "for_group", "open_store", "preflight", "try_connect",
-           "next_generation", "wait_for_arrivals"]
+__all__ = ["Endpoint", "connect_tcp", "endpoint", "for_group", "open_store", "preflight", "try_connect",
+           "next_generation", "store_lost", "wait_for_arrivals"]
 
 log = get_logger(__name__)
 _RESOLVE_S = 10.0  # at most this long (and never past init_timeout) for MASTER_ADDR to resolve
@@ -73,10 +73,11 @@ _left_behind: list[tuple[threading.Thread, float]] = []  # handshakes still runn
 _exit_hook = False
 
 
-class StoreLost(InitError):
-    """The store stopped answering while this rank waited for the others to arrive (raised by
-    :func:`wait_for_arrivals`). A client of a store rank 0 serves may connect again (see
+def store_lost(error: BaseException) -> bool:
+    """Whether ``error`` is :func:`wait_for_arrivals`' "the store stopped answering" (an :class:`InitError` with
+    ``store_lost`` set): a client of a store rank 0 serves may then look for rank 0's next one (see
     :func:`robustdist.init.store.rendezvous_store`)."""
+    return isinstance(error, InitError) and getattr(error, "store_lost", False) is True
 
 
 def next_generation() -> int:
@@ -337,11 +338,13 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
             return
         missing = json.loads(store.get(f"{base}/abandoned"))
     except (RuntimeError, OSError, ValueError) as e:  # DistError is a RuntimeError
-        raise StoreLost(
+        lost = InitError(
             f"the c10d store at {where} stopped answering while this rank waited for the others to arrive ({e}). "
             "Expected it to stay up until every rank had arrived. Fix: the rank serving it (rank 0, or torchrun's "
             "agent on the master node) failed or exited: see its log; its error names the ranks that were absent.",
-            rank=rank) from e
+            rank=rank)
+        lost.store_lost = True  # type: ignore[attr-defined]
+        raise lost from e
     raise _absent(missing, topo, rank, where, init_timeout)
 
 

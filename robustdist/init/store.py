@@ -44,8 +44,9 @@ def _arrive(ep: Any, dcfg: DistributedConfig, topo: Topology, mode: str, deadlin
             _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=where,
                                           init_timeout=dcfg.init_timeout, serves_it=serves, generation=generation)
             return store, attempt, serves
-        except _rendezvous.StoreLost as lost:
-            if serves or not served_by_rank0 or reconnects == _RECONNECTS or time.monotonic() >= deadline:
+        except InitError as lost:
+            if not _rendezvous.store_lost(lost) or serves or not served_by_rank0 or reconnects == _RECONNECTS \
+                    or time.monotonic() >= deadline:
                 raise
             log.info("rank %d: the store at %s closed before every rank arrived (%s); looking for rank 0's next "
                      "one for up to %g s", topo.rank, where, lost.__cause__, _RECONNECT_S)
