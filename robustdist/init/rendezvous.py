@@ -63,6 +63,7 @@ log = get_logger(__name__)
 _RESOLVE_S = 10.0  # at most this long (and never past init_timeout) for MASTER_ADDR to resolve
 _PROBE_S = 1.0  # the plain-socket connect that says why no store came
 _HANDSHAKE_S = 5.0  # a store client's handshake, once something accepts: a real store answers in milliseconds
+_SERVE_SLACK_S = 60.0  # rank 0's store constructor gives up this long after the deadline (see _serve)
 _EXIT_WAIT_S = 3.0  # at most this long at exit for handshakes left running (see _bounded)
 _LINGER_S = 0.6  # a rank serving the store keeps it up this long after abandoning, so the others read why
 _ADDR_FIX = ("MASTER_ADDR must name the master node by an address every node reaches: launch torchrun with "
@@ -275,13 +276,16 @@ def _serve(ep: Endpoint, world_size: int, deadline: float, rank: int) -> Any:
     use_libuv = os.environ.get("USE_LIBUV", "1") == "1"
 
     def make() -> Any:
-        return dist.TCPStore(ep.host, ep.port, world_size, is_master=True, timeout=_remaining(deadline),
+        # The master's own client connects to ep.host. On an address this node does not own it retries until
+        # its timeout, and torch aborts the process when the constructor then gives up ("terminate called
+        # without an active exception", seen on torch 2.8 and 2.15 when the process was still alive at that
+        # moment). So its timeout runs _SERVE_SLACK_S past the deadline: this rank's InitError, and its exit,
+        # come first. (The later store operations use the collective timeout, set by for_group.)
+        return dist.TCPStore(ep.host, ep.port, world_size, is_master=True,
+                             timeout=_remaining(deadline) + timedelta(seconds=_SERVE_SLACK_S),
                              wait_for_workers=False, multi_tenant=True, use_libuv=use_libuv)
 
-    # The master's own client connects to ep.host: on an address this node does not own, that retries in C++
-    # until its timeout, past the deadline, so the thread is joined at exit (see bounded).
-    store, error, _ = bounded(make, deadline, "store-serve",
-                              ends_by=time.monotonic() + 2 * max(0.1, deadline - time.monotonic()))
+    store, error, _ = bounded(make, deadline, "store-serve")
     if store is not None:
         return store
     raise InitError(
