@@ -27,6 +27,7 @@ import pytest
 import torch.distributed as dist
 
 from robustdist.config.schema import DistributedConfig, HardenConfig
+from robustdist.init import rendezvous
 from robustdist.init.process_group import destroy_process_group_if_owned, safe_init_process_group
 from robustdist.runtime.errors import ConfigError, InitError
 from robustdist.testing.ranks import free_port, run_ranks
@@ -240,6 +241,52 @@ def test_master_port_held_by_another_service():
     assert "choose a free MASTER_PORT (torchrun --master_port)" in message0 and elapsed0 < 2.0
     assert "it is not a c10d store (it accepted the connection and sent nothing" in message1
     assert elapsed1 < INIT + MARGIN
+
+
+def test_a_store_that_closes_mid_handshake_is_waited_for(monkeypatch):
+    """rank 0 re-initialising in its process: its previous store resets this rank's handshake as it closes, and
+    its next store comes up only after torch's handshake bound (a harden/close loop hit it: rank 1 reported "not
+    a c10d store" and rank 0 waited 300 s). The rank waits for the next store, as for one not yet started."""
+    monkeypatch.setattr(rendezvous, "_HANDSHAKE_S", 1.0)
+    closing = _server(b"")
+    port, accepted = closing.__enter__()
+    served: list = []
+
+    def swap() -> None:  # once a handshake met the reset, close; serve again well past the handshake bound
+        until = time.monotonic() + 10
+        while len(accepted) < 2 and time.monotonic() < until:
+            time.sleep(0.01)
+        reset = len(accepted)
+        closing.__exit__(None, None, None)
+        time.sleep(4 * rendezvous._HANDSHAKE_S)
+        served.append((reset, dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                                            timeout=timedelta(seconds=30))))
+
+    thread = threading.Thread(target=swap, daemon=True)
+    thread.start()
+    try:
+        store, kind, detail = rendezvous.try_connect("127.0.0.1", port, 2, time.monotonic() + 30)
+    finally:
+        thread.join(20)
+    assert served, "the test's store did not start"
+    reset, server = served[0]
+    assert reset >= 2, reset  # a handshake really was reset before the store came
+    assert store is not None, (kind, detail)
+    store.set("from-client", "1")
+    assert server.get("from-client") == b"1"
+
+
+def test_a_port_that_keeps_failing_the_handshake_is_named_after_the_retry_window(monkeypatch):
+    """The retry is bounded: something that keeps answering, and is no store, is named after _SPOKE_RETRY_S,
+    long before the deadline."""
+    monkeypatch.setattr(rendezvous, "_HANDSHAKE_S", 0.5)
+    monkeypatch.setattr(rendezvous, "_SPOKE_RETRY_S", 3.0)
+    with _server(b"HTTP/1.1 400 Bad Request\r\n\r\n") as (port, _):
+        start = time.monotonic()
+        store, kind, detail = rendezvous.try_connect("127.0.0.1", port, 2, start + 60)
+        elapsed = time.monotonic() - start
+    assert store is None and kind == "spoke" and detail.startswith("the store handshake failed: "), (kind, detail)
+    assert 3.0 <= elapsed < 20, elapsed
 
 
 # ---------------------------------------------------------------------------------------------- 4. file://
