@@ -63,7 +63,7 @@ log = get_logger(__name__)
 _RESOLVE_S = 10.0  # at most this long (and never past init_timeout) for MASTER_ADDR to resolve
 _PROBE_S = 1.0  # the plain-socket connect that says why no store came
 _HANDSHAKE_S = 5.0  # a store client's handshake, once something accepts: a real store answers in milliseconds
-_SPOKE_RETRY_S = 10.0  # how long a failed handshake is tried again: a previous store closing fails it for milliseconds
+_SPOKE_TRIES = 2  # failed handshakes in a row, the port accepting each time, that make it "not a c10d store"
 _SERVE_SLACK_S = 60.0  # rank 0's store constructor gives up this long after the deadline (see _serve)
 _EXIT_WAIT_S = 3.0  # at most this long at exit for handshakes left running (see _bounded)
 _LINGER_S = 0.6  # a rank serving the store keeps it up this long after abandoning, so the others read why
@@ -208,15 +208,16 @@ def try_connect(host: str, port: int, world_size: int, deadline: float, *,
 
     Returns ``(store, "", "")``, or ``(None, kind, detail)`` with a :func:`robustdist.runtime.netenv.probe` kind: plain
     socket connects (cheap, in Python, retried with a backoff while ``retry_refused``) until something accepts,
-    then the store handshake, bounded by :data:`_HANDSHAKE_S` (torch retries it inside that bound). A handshake
-    that fails is not the end: torch retries inside its bound whatever the failure, so a re-initialising rank 0
-    whose previous store closed as this rank connected (its next store not up within the bound: seen in a
-    harden/close loop) failed it too. After a failed handshake the port is probed again: nothing listening is
-    waited for as usual; a port that keeps accepting and failing handshakes for :data:`_SPOKE_RETRY_S` (never past
-    the deadline) is ``"spoke"``. A handshake still unanswered at the deadline is ``"accepted"``.
+    then the store handshake, bounded by :data:`_HANDSHAKE_S`. torch retries a handshake inside that bound
+    whatever the failure, so a failed one may only mean the server went away meanwhile: a re-initialising rank 0
+    whose previous store closed as this rank connected, its next store not up within the bound (seen in a
+    harden/close loop). So the port is probed again: nothing listening is waited for as before the handshake
+    (with ``retry_refused=False``, ``"refused"`` is returned at once); a port that accepts again and fails
+    :data:`_SPOKE_TRIES` handshakes in a row is ``"spoke"``, with torch's last error. A handshake still unanswered
+    at the deadline is ``"spoke"`` if one had failed, else ``"accepted"``.
     """
     kind, detail, delay = "refused", "connection refused", 0.05
-    spoke_until: float | None = None
+    failed: list[str] = []  # the handshake failures since something last accepted after a refusal
     while (remaining := deadline - time.monotonic()) > 0:
         kind, detail = netenv.probe(host, port, min(_PROBE_S, remaining), listen=False)
         if kind == "accepted":
@@ -230,16 +231,17 @@ def try_connect(host: str, port: int, world_size: int, deadline: float, *,
             if store is not None:
                 return store, "", ""
             if not finished:
+                if failed:
+                    return None, "spoke", failed[-1]
                 return None, "accepted", "it accepted the connection and did not answer the store handshake"
-            kind, detail = "spoke", f"the store handshake failed: {_first_line(error)}"
-            spoke_until = spoke_until or min(deadline, time.monotonic() + _SPOKE_RETRY_S)
-            if time.monotonic() >= spoke_until:
-                return None, kind, detail
-            log.debug("%s:%d: %s; trying again for %.1f s", host, port, detail, spoke_until - time.monotonic())
+            failed.append(f"the store handshake failed: {_first_line(error)}")
+            if len(failed) >= _SPOKE_TRIES:
+                return None, "spoke", failed[-1]
+            log.debug("%s:%d: %s; probing it again", host, port, failed[-1])
         elif not retry_refused:
             break
-        else:
-            spoke_until = None  # whatever failed the handshake is gone: wait for the next server as usual
+        elif kind == "refused":
+            failed.clear()  # whatever failed the handshake has gone: wait for the next server as usual
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(2 * delay, 0.5)
     return None, kind, detail
