@@ -7,7 +7,7 @@ and fails naming the edge. The layers, bottom up (docs/development.md draws the 
 0. ``runtime`` (and ``_version``): group state, store, bounded collectives, errors, logging, topology;
 1. ``config``;
 2. ``init``, ``parallel``, ``data`` and the stand-alone ``bf16``: each imports the floors below, never its peers;
-3. ``checkpoint``; 4. ``health``; 5. ``ray`` and ``frameworks`` (Accelerate), peers;
+3. ``checkpoint``; 4. ``health``; 5. ``ray``, ``frameworks`` (Accelerate) and ``recovery``, peers;
 6. the facade at the top level: ``harden``, ``_hardened``, ``cli``, ``doctor``, ``__main__``, ``ray_setup``.
 
 ``testing`` (``run_ranks``, the node lab) imports only ``runtime`` and is never imported by the product.
@@ -25,7 +25,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "robustdist"
 ROOT = PACKAGE.parent
 
 LAYER = {"runtime": 0, "config": 1, "init": 2, "parallel": 2, "data": 2, "bf16": 2, "checkpoint": 3, "health": 4,
-         "ray": 5, "frameworks": 5, "facade": 6}
+         "ray": 5, "frameworks": 5, "recovery": 5, "facade": 6}
 # Top-level modules that belong to a floor: the version sits with the runtime; the rest is the facade.
 TOP_LEVEL = {"_version": "runtime", "harden": "facade", "_hardened": "facade", "cli": "facade", "doctor": "facade",
              "__main__": "facade", "ray_setup": "facade"}
@@ -235,10 +235,10 @@ def test_the_top_level_shows_the_parts():
     """At most a dozen modules and packages at the top (dunder files and py.typed aside); the rest in packages."""
     entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and not p.name.startswith("__")
                      and p.name != "py.typed")
-    assert len(entries) <= 17, f"robustdist/ has {len(entries)} entries at its top level: {entries}"
+    assert len(entries) <= 18, f"robustdist/ has {len(entries)} entries at its top level: {entries}"
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert packages == {"runtime", "config", "init", "parallel", "data", "checkpoint", "health", "ray", "frameworks",
-                        "testing"}
+                        "recovery", "testing"}
 
 
 def test_is_distributed_is_asked_in_one_place():

@@ -1,0 +1,138 @@
+"""A fault on one rank becomes a generation change every live rank sees (robustdist.recovery.faults), and the
+rank blocked in a gloo collective gets out of it (with robustdist.runtime.group_sockets): real ranks, a real
+TCPStore, a real gloo group."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from robustdist.health.watchdog_store import connector
+from robustdist.recovery.faults import Fault, FaultWatch, declare_fault, read_fault
+from robustdist.runtime.group_sockets import GroupSockets
+from robustdist.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _store(rank: int, world: int) -> dist.TCPStore:
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
+                         timeout=timedelta(seconds=60))
+
+
+def _two_generations(rank: int, world: int) -> list[tuple[int, str, float]]:
+    """Generation 0: rank 1 faults; generation 1: rank 0 and rank 2 fault at once. Every rank's watch sees each
+    fault; each reports (generation, who, seconds from the declaration to its callback)."""
+    store = _store(rank, world)
+    out = []
+    for gen, faulty in ((0, {1}), (1, {0, world - 1})):
+        seen = threading.Event()
+        watch = FaultWatch(connector(store, 30), generation=gen, world_size=world, rank=rank,
+                           on_fault=lambda f: seen.set()).start()
+        store.set(f"armed/{gen}/{rank}", "1")
+        store.wait([f"armed/{gen}/{r}" for r in range(world)], timedelta(seconds=60))
+        if rank in faulty:
+            declare_fault(store, generation=gen, rank=rank, what=f"ValueError: boom on rank {rank}")
+        assert seen.wait(30), f"rank {rank} did not see generation {gen}'s fault"
+        watch.close()
+        assert not watch.alive
+        fault = watch.fault
+        assert fault is not None
+        # the reasons of every rank that faulted, once all of them declared (a watch may fire after the first)
+        store.wait([f"robustdist/recovery/{gen}/why/{r}" for r in faulty], timedelta(seconds=30))
+        full = read_fault(store, generation=gen, world_size=world)
+        assert full is not None and full.count == len(faulty) and set(full.why) == faulty
+        out.append((gen, full.describe(), watch.seen_at - min(w["wall"] for w in full.why.values())))
+        store.set(f"done/{gen}/{rank}", "1")
+        store.wait([f"done/{gen}/{r}" for r in range(world)], timedelta(seconds=60))
+    return out
+
+
+def test_one_ranks_fault_is_seen_by_every_rank_in_its_generation_only():
+    world = 3
+    results = run_ranks(_two_generations, world, args=(world,), init=False, timeout=120)
+    for rank, out in enumerate(results):
+        (g0, why0, _), (g1, why1, _) = out
+        assert (g0, g1) == (0, 1)
+        assert why0.startswith("generation 0: rank 1 (") and "ValueError: boom on rank 1" in why0
+        assert "rank 0 (" in why1 and "rank 2 (" in why1 and "rank 1 (" not in why1  # no mixing of generations
+    # every rank's watch saw it soon after the first declaration (one machine: one clock). Under 0.5 s is the
+    # target (#34), for the benchmark to measure; a loaded machine is allowed 5 s here
+    delays = [d for out in results for _, _, d in out]
+    assert len(delays) == 2 * world and max(delays) < 5.0, delays
+
+
+def _blocked_then_freed(rank: int) -> tuple[str, float, str]:
+    """Rank 1 raises outside any collective and declares it; rank 0 is in an all_reduce: its watch's callback
+    shuts the group's connections, and the all_reduce fails at once instead of at the group's 120 s timeout."""
+    store = _store(rank, 2)
+    sockets = GroupSockets(exclude_ports=[store.port])
+    with sockets.recording():
+        dist.init_process_group("gloo", store=dist.PrefixStore("g", store), rank=rank, world_size=2,
+                                timeout=timedelta(seconds=120))
+    dist.all_reduce(torch.ones(1))
+    seen: list[Fault] = []
+
+    def on_fault(fault: Fault) -> None:
+        seen.append(fault)
+        sockets.unblock()
+
+    watch = FaultWatch(connector(store, 30), generation=0, world_size=2, rank=rank, on_fault=on_fault).start()
+    start = time.monotonic()
+    if rank == 1:
+        try:
+            time.sleep(0.3)
+            raise ValueError("boom at step 7")
+        except ValueError as e:
+            declare_fault(store, generation=0, rank=1, what=f"{type(e).__name__}: {e}")
+        outcome = "declared"
+    else:
+        try:
+            dist.all_reduce(torch.ones(1))
+            outcome = "returned"
+        except RuntimeError:
+            outcome = "unblocked"
+    elapsed = time.monotonic() - start
+    deadline = time.monotonic() + 30
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    watch.close()
+    dist.destroy_process_group()
+    return outcome, elapsed, seen[0].describe() if seen else ""
+
+
+def test_a_rank_blocked_in_a_collective_is_freed_by_anothers_fault():
+    (outcome0, elapsed0, why0), (outcome1, _, why1) = run_ranks(_blocked_then_freed, 2, init=False, timeout=120)
+    assert (outcome0, outcome1) == ("unblocked", "declared")
+    assert elapsed0 < 30, elapsed0  # the fault (0.3 s in) ended it, not the group's 120 s timeout
+    assert why0 == why1 and "rank 1 (" in why0 and "ValueError: boom at step 7" in why0
+
+
+class _DeadStore:
+    """A store whose every call fails, as one whose server went away."""
+
+    def wait(self, *_: object) -> None:
+        raise RuntimeError("Connection reset by peer")
+
+    check = add = get = set = wait
+
+
+def test_a_watch_on_a_lost_store_keeps_trying_and_closes_promptly():
+    connects = []
+
+    def connect() -> _DeadStore:
+        connects.append(1)
+        return _DeadStore()
+
+    watch = FaultWatch(connect, generation=0, world_size=2, rank=0, on_fault=lambda f: None, slice_s=0.05).start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    watch.close(join_timeout=5)
+    assert not watch.alive and time.monotonic() - start < 1.0
+    assert len(connects) >= 2 and watch.fault is None  # reconnected, and never called a failure a fault
