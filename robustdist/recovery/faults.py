@@ -5,21 +5,27 @@ Protocol (every rank runs the same code; keys live under ``<scope>/`` in the job
 * **Generation.** Every rank starts at generation ``g`` (0, or what the caller resumes from) and counts alike:
   after a recovery, every rank moves to ``g + 1``. Nothing in a key is counted per node or per process.
 * **Fault.** A rank that faults in generation ``g`` (an exception escaping its step, the watchdog's hang verdict,
-  a collective that failed) ``add``\\ s 1 to ``<scope>/<g>/fault`` and writes why to ``<scope>/<g>/why/<rank>``
-  (JSON: rank, node, what, wall time). Adding, not setting: two ranks faulting at once both count, and the
-  first writer wins nothing a second must know about.
+  a collective that failed) writes why to ``<scope>/<g>/why/<rank>`` (JSON: rank, node, what, wall time),
+  adds 1 to ``<scope>/<g>/fault`` (two ranks faulting at once both count), then sets every rank's wake key
+  ``<scope>/<g>/wake/<r>``.
 * **Watch.** Each rank's :class:`FaultWatch` thread, on a store connection of its own (the group's client
-  serialises its operations, and the main thread may be stuck in a store wait or a collective), waits for
-  ``<scope>/<g>/fault`` to exist and then calls ``on_fault`` once, with every rank's reason it can read. That
-  callback runs on the watch thread: it is where a rank blocked in a collective gets out
-  (:meth:`robustdist.runtime.group_sockets.GroupSockets.unblock`). The store's own notification carries it:
-  detection is a store round trip, not a poll interval.
-* **Generations never mix.** Every key holds its generation; a watch of ``g`` never reads ``g - 1``'s keys, and
-  a fault declared in ``g - 1`` after the others moved on is ignored by them (it names the old generation).
+  serialises its operations, and the main thread may be stuck in a store wait or a collective), waits for its
+  own wake key, which a fault or its own :meth:`FaultWatch.close` sets: no polling, so no timed-out waits (torch
+  logs each one). On a fault it calls ``on_fault(generation)`` at once, before reading any reason: that
+  callback runs on the watch thread, and is where a rank blocked in a collective gets out
+  (:meth:`robustdist.runtime.group_sockets.GroupSockets.unblock`). Then it reads the reasons into
+  :attr:`FaultWatch.fault`. Once :meth:`FaultWatch.close` has returned, the callback is never called.
+* **A lost store is a fault too.** When the watch's connection fails and no new one works for ``lost_after``
+  seconds, the callback is called and :attr:`FaultWatch.lost` is set: the ranks cannot agree on anything
+  more, and the caller escalates to a real restart.
+* **Generations never mix.** Every key holds its generation; a watch of ``g`` never reads another generation's
+  keys, and a fault declared in ``g - 1`` after the others moved on is ignored by them.
+  :func:`clear_generation` deletes a finished generation's keys.
+* **Store content is input.** A reason that is not a JSON object, is nested too deep or is too long, and a
+  count that is not a number, are read as "unreadable", never raised.
 
 Bounds: a ``TCPStore`` call on a store that stopped answering can wait past its timeout, so the watch thread is
-a daemon that :meth:`FaultWatch.close` abandons after ``join_timeout``; its waits are slices of ``slice_s``
-seconds so a close is seen within one slice.
+a daemon that :meth:`FaultWatch.close` abandons after ``join_timeout`` (with the callback fenced off).
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ from typing import Any
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 
-__all__ = ["Fault", "FaultWatch", "declare_fault", "read_fault"]
+__all__ = ["Fault", "FaultWatch", "clear_generation", "declare_fault", "read_fault"]
 
 log = get_logger(__name__)
 
 SCOPE = "robustdist/recovery"
-_WHY_MAX = 2000  # characters of a reason kept in the store
+_WHY_MAX = 2000  # characters of a reason written to the store
+_READ_MAX = 8192  # bytes of a stored reason read as JSON; a longer one is unreadable
+_WAIT_S = 300.0  # one wait for the wake key; the loop waits again (a close or a fault ends it at once)
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,8 @@ class Fault:
         """``generation 3: rank 1 (node 0): ValueError: boom at step 41``."""
         if not self.why:
             return f"generation {self.generation}: {self.count} fault(s), no reason recorded"
-        parts = [f"rank {r} ({w.get('node', '?')}): {w.get('what', '?')}" for r, w in sorted(self.why.items())]
+        parts = [f"rank {r} ({str(w.get('node', '?'))[:200]}): {str(w.get('what', '?'))[:_WHY_MAX]}"
+                 for r, w in sorted(self.why.items())]
         return f"generation {self.generation}: " + "; ".join(parts)
 
 
@@ -63,47 +72,75 @@ def _key(scope: str, generation: int, *rest: object) -> str:
     return "/".join([scope, str(generation), *map(str, rest)])
 
 
-def declare_fault(store: Any, *, generation: int, rank: int, what: str, scope: str = SCOPE) -> int:
-    """Record this rank's fault in ``generation``; returns how many ranks have declared one there (1: first)."""
+def declare_fault(store: Any, *, generation: int, rank: int, world_size: int, what: str, scope: str = SCOPE) -> int:
+    """Record this rank's fault in ``generation`` and wake every rank's watch; returns how many ranks have
+    declared one there (1: this rank was first)."""
     record = {"rank": rank, "node": node_label(), "what": what[:_WHY_MAX], "wall": time.time()}
     store.set(_key(scope, generation, "why", rank), json.dumps(record))
     count = int(store.add(_key(scope, generation, "fault"), 1))
+    for r in range(world_size):
+        store.set(_key(scope, generation, "wake", r), "fault")
     log.info("rank %d declared a fault in generation %d (%d so far): %s", rank, generation, count, what[:300])
     return count
 
 
+def _reason(raw: bytes) -> dict[str, Any]:
+    if len(raw) > _READ_MAX:
+        return {"what": f"(unreadable reason: {len(raw)} bytes)"}
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        return {"what": f"(unreadable reason: {type(e).__name__})"}
+    if not isinstance(value, dict):
+        return {"what": f"(unreadable reason: a JSON {type(value).__name__}, expected an object)"}
+    return value
+
+
 def read_fault(store: Any, *, generation: int, world_size: int, scope: str = SCOPE) -> Fault | None:
-    """The fault of ``generation`` if one was declared, else None (never waits)."""
+    """The fault of ``generation`` if one was declared, else None (never waits; hostile content is read as
+    unreadable, never raised)."""
     key = _key(scope, generation, "fault")
     if not store.check([key]):
         return None
-    count = int(store.add(key, 0))
+    try:
+        count = int(store.get(key))
+    except ValueError:  # not a number (an add on it would break the store connection: get, never add)
+        count = 0
     why: dict[int, dict[str, Any]] = {}
-    keys = [_key(scope, generation, "why", r) for r in range(world_size)]
-    for r, k in enumerate(keys):
+    for r in range(world_size):
+        k = _key(scope, generation, "why", r)
         if store.check([k]):
-            try:
-                why[r] = json.loads(store.get(k))
-            except ValueError:
-                why[r] = {"what": "(unreadable reason)"}
+            why[r] = _reason(store.get(k))
     return Fault(generation, count, why)
 
 
-class FaultWatch:
-    """A thread that waits for a fault in one generation and calls ``on_fault`` once when it comes.
+def clear_generation(store: Any, *, generation: int, world_size: int, scope: str = SCOPE) -> None:
+    """Delete ``generation``'s keys (once every rank has moved past it)."""
+    keys = [_key(scope, generation, "fault")]
+    keys += [_key(scope, generation, kind, r) for r in range(world_size) for kind in ("why", "wake")]
+    for k in keys:
+        store.delete_key(k)
 
-    ``connect`` opens the thread's own store connection (see
-    :func:`robustdist.health.watchdog_store.connector`). :meth:`close` ends the thread (within ``slice_s``),
-    whether or not a fault came.
+
+class FaultWatch:
+    """A thread that waits for a fault in one generation and calls ``on_fault(generation)`` once when it comes.
+
+    ``connect`` opens the thread's own store connection (see :func:`robustdist.health.watchdog_store.connector`);
+    ``store`` is any connection, used by :meth:`close` to wake the thread. :meth:`close` ends the watch whether
+    or not a fault came; once it returns, ``on_fault`` is never called.
     """
 
-    def __init__(self, connect: Callable[[], Any], *, generation: int, world_size: int, rank: int,
-                 on_fault: Callable[[Fault], None], scope: str = SCOPE, slice_s: float = 0.5) -> None:
+    def __init__(self, connect: Callable[[], Any], store: Any, *, generation: int, world_size: int, rank: int,
+                 on_fault: Callable[[int], None], scope: str = SCOPE, lost_after: float = 30.0,
+                 retry_s: float = 0.5) -> None:
         self.generation, self.world_size, self.rank, self.scope = generation, world_size, rank, scope
-        self._connect, self._on_fault, self._slice = connect, on_fault, slice_s
+        self._connect, self._store, self._on_fault = connect, store, on_fault
+        self._lost_after, self._retry = lost_after, retry_s
         self._stop = threading.Event()
+        self._fence = threading.Lock()  # held by the callback's call and by close(): no callback after close
         self.fault: Fault | None = None
-        self.seen_at: float | None = None  # time.time() when the fault was seen
+        self.lost = False  # the store could not be reached for lost_after seconds
+        self.seen_at: float | None = None  # time.time() when the fault (or the loss) was seen
         self._thread = threading.Thread(target=self._run, name=f"robustdist-faultwatch-rank{rank}-gen{generation}",
                                         daemon=True)
 
@@ -117,42 +154,63 @@ class FaultWatch:
 
     def close(self, join_timeout: float = 5.0) -> None:
         """Stop watching; wait at most ``join_timeout`` s for the thread (it may be in a store call that does not
-        return: it is a daemon and is abandoned then)."""
-        self._stop.set()
+        return: it is a daemon, and is abandoned then; its callback is fenced off either way)."""
+        with self._fence:
+            self._stop.set()
+        try:
+            self._store.set(_key(self.scope, self.generation, "wake", self.rank), "closed")
+        except Exception as e:  # the store is gone: the thread ends when its own connection fails
+            log.debug("rank %d: could not wake the fault watch (%s)", self.rank, e)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=join_timeout)
 
+    def _call(self) -> bool:
+        with self._fence:
+            if self._stop.is_set():
+                return False
+            self.seen_at = time.time()
+            try:
+                self._on_fault(self.generation)
+            except Exception:
+                log.exception("rank %d: the fault callback of generation %d raised", self.rank, self.generation)
+            return True
+
     def _run(self) -> None:
-        key = _key(self.scope, self.generation, "fault")
+        wake = _key(self.scope, self.generation, "wake", self.rank)
+        fault = _key(self.scope, self.generation, "fault")
         client = None
+        failing_since: float | None = None
         while not self._stop.is_set():
             try:
                 if client is None:
                     client = self._connect()
                 try:
-                    client.wait([key], timedelta(seconds=self._slice))
-                    hit = True
-                except Exception:  # a slice that ended (torch's words for it vary): ask, never parse
-                    hit = bool(client.check([key]))
-            except Exception as e:  # the connection is gone: a new one after a slice
-                log.debug("rank %d: the fault watch's store connection failed (%s: %s); reconnecting",
-                          self.rank, type(e).__name__, str(e)[:200])
+                    client.wait([wake], timedelta(seconds=_WAIT_S))
+                except Exception:  # the long wait ended (torch's words for it vary): ask, never parse
+                    if not client.check([wake]):
+                        continue
+                failing_since = None
+                if not client.check([fault]):  # woken by close()
+                    continue
+            except Exception as e:  # the connection is gone: a new one after a pause, or the store is lost
                 client = None
-                self._stop.wait(self._slice)
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since >= self._lost_after:
+                    log.warning("rank %d: the c10d store has not answered the fault watch for %.0f s (%s: %s); "
+                                "treating it as lost", self.rank, now - failing_since, type(e).__name__,
+                                str(e)[:200])
+                    self.lost = True
+                    self._call()
+                    return
+                self._stop.wait(self._retry)
                 continue
-            if not hit:
-                continue
-            if self._stop.is_set():
+            if not self._call():
                 return
-            self.seen_at = time.time()
             try:
                 self.fault = read_fault(client, generation=self.generation, world_size=self.world_size,
-                                        scope=self.scope) or Fault(self.generation, 1)
+                                        scope=self.scope) or Fault(self.generation, 0)
             except Exception as e:  # the fault itself is known; only its reasons are missing
                 log.debug("rank %d: could not read the fault's reasons (%s)", self.rank, e)
-                self.fault = Fault(self.generation, 1)
-            try:
-                self._on_fault(self.fault)
-            except Exception:
-                log.exception("rank %d: the fault callback of generation %d raised", self.rank, self.generation)
+                self.fault = Fault(self.generation, 0)
             return

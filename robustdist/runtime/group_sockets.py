@@ -16,10 +16,16 @@ Rules learnt by trying (torch 2.13, gloo):
 
 * a *listening* socket is never shut down: gloo's listener thread then fails an ``accept`` and torch aborts the
   process (``gloo::EnforceNotMet ... accept: Invalid argument``); listeners are left alone;
-* connections to the c10d store's port are left alone (``exclude_ports``): the store outlives the group, and
-  in-process recovery uses it to agree on the next generation;
-* the recording window must hold only the group's creation: any socket another thread opens in it is recorded
-  too. robustdist records around its own ``init_process_group``/``new_group`` calls only.
+* a connection with the c10d store's port at either end is left alone (``exclude_ports``): on the rank that
+  serves the store, the server's accepted connections have the store's port as their *local* port; the store
+  outlives the group, and in-process recovery uses it to agree on the next generation;
+* an accepted connection is kept only if it came through a listener opened in the same window (gloo's), so a
+  server of the process that accepted a connection meanwhile (the store's, any other) is left alone; an
+  outbound connection opened in the window by another thread (a Ray or HTTP client) cannot be told from
+  gloo's and would be recorded too: the window should hold only the group's creation;
+* gloo connects on first use with ``TORCH_GLOO_LAZY_INIT=1``, after the window: nothing is recorded, and
+  :meth:`GroupSockets.unblock` returns 0. A caller treats 0 as "cannot unblock" (a real restart), never as
+  success; :attr:`GroupSockets.lazy` says when that variable was set.
 
 Standard library only (floor 0 of the runtime): no torch or gloo internals are read.
 """
@@ -64,6 +70,7 @@ class GroupSockets:
         self._exclude = {int(p) for p in exclude_ports}
         self._recorded: dict[int, str] = {}
         self._lock = threading.Lock()
+        self.lazy = False  # TORCH_GLOO_LAZY_INIT was set at the last recording: nothing of gloo's was recorded
 
     def __len__(self) -> int:
         with self._lock:
@@ -71,22 +78,31 @@ class GroupSockets:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[GroupSockets]:
-        """Record every socket opened inside the block (those open before it, or replaced in it, aside)."""
+        """Record every connection opened inside the block (sockets open before it, or replaced in it, aside)."""
+        self.lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0").strip().lower() not in ("", "0", "false")
+        if self.lazy:
+            log.warning("TORCH_GLOO_LAZY_INIT is set: gloo connects on first use, after the group is created, so "
+                        "its connections cannot be recorded and a collective in progress cannot be unblocked in "
+                        "place (a fault will need a process restart). Fix: unset TORCH_GLOO_LAZY_INIT.")
         before = open_sockets()
         try:
             yield self
         finally:
-            new = {fd: link for fd, link in open_sockets().items() if before.get(fd) != link}
-            kept = {fd: link for fd, link in new.items() if self._belongs(fd, link)}
+            after = open_sockets()
+            new = {fd: link for fd, link in after.items() if before.get(fd) != link}
+            listening = {fd: port for fd, link in after.items() if (port := _listening_port(fd, link)) is not None}
+            window_listeners = {port for fd, port in listening.items() if fd in new}
+            kept = {fd: link for fd, link in new.items()
+                    if fd not in listening and self._belongs(fd, link, set(listening.values()), window_listeners)}
             with self._lock:
                 self._recorded.update(kept)
-            log.debug("recorded %d socket(s) of a group (%d opened, listeners and the store's left out)",
-                      len(kept), len(new))
+            log.debug("recorded %d connection(s) of a group (%d socket(s) opened, listeners and the store's left "
+                      "out)", len(kept), len(new))
 
     def unblock(self) -> int:
-        """Shut down every recorded connection still open as the same socket; returns how many. Safe from any
-        thread, repeatable, never raises: a socket already closed, or a descriptor now naming another socket, is
-        skipped."""
+        """Shut down every recorded connection still open as the same socket; returns how many (0: nothing could
+        be unblocked, the caller restarts the process instead). Safe from any thread, repeatable, never raises: a
+        socket already closed, or a descriptor now naming another socket, is skipped."""
         with self._lock:
             recorded = dict(self._recorded)
         done = 0
@@ -110,24 +126,42 @@ class GroupSockets:
         with self._lock:
             self._recorded.clear()
 
-    def _belongs(self, fd: int, link: str) -> bool:
+    def _belongs(self, fd: int, link: str, listener_ports: set[int], window_listeners: set[int]) -> bool:
         sock = _same_socket(fd, link)
         if sock is None:
             return False
         try:
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) or sock.type != socket.SOCK_STREAM:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
                 return False
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                return False
+            local = int(sock.getsockname()[1])
             try:
-                peer = sock.getpeername()
+                peer = int(sock.getpeername()[1])
             except OSError:  # not connected: nothing a collective waits on
                 return False
-            return int(peer[1]) not in self._exclude
+            if local in self._exclude or peer in self._exclude:
+                return False
+            if local in listener_ports:  # accepted by a server of this process: only gloo's, opened in the window
+                return local in window_listeners
+            return True
         except OSError:
             return False
         finally:
             sock.close()
+
+
+def _listening_port(fd: int, link: str) -> int | None:
+    sock = _same_socket(fd, link)
+    if sock is None:
+        return None
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.family in (socket.AF_INET,
+                                                                                        socket.AF_INET6):
+            return int(sock.getsockname()[1])
+        return None
+    except OSError:
+        return None
+    finally:
+        sock.close()
 
 
 def _same_socket(fd: int, link: str) -> socket.socket | None:

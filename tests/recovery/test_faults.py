@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from robustdist.health.watchdog_store import connector
-from robustdist.recovery.faults import Fault, FaultWatch, declare_fault, read_fault
+from robustdist.recovery.faults import FaultWatch, clear_generation, declare_fault, read_fault
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.testing.ranks import run_ranks
 
@@ -33,24 +33,33 @@ def _two_generations(rank: int, world: int) -> list[tuple[int, str, float]]:
     out = []
     for gen, faulty in ((0, {1}), (1, {0, world - 1})):
         seen = threading.Event()
-        watch = FaultWatch(connector(store, 30), generation=gen, world_size=world, rank=rank,
-                           on_fault=lambda f: seen.set()).start()
+        watch = FaultWatch(connector(store, 30), store, generation=gen, world_size=world, rank=rank,
+                           on_fault=lambda g: seen.set()).start()
         store.set(f"armed/{gen}/{rank}", "1")
         store.wait([f"armed/{gen}/{r}" for r in range(world)], timedelta(seconds=60))
         if rank in faulty:
-            declare_fault(store, generation=gen, rank=rank, what=f"ValueError: boom on rank {rank}")
+            declare_fault(store, generation=gen, rank=rank, world_size=world, what=f"ValueError: boom on rank {rank}")
         assert seen.wait(30), f"rank {rank} did not see generation {gen}'s fault"
+        deadline = time.monotonic() + 30
+        while watch.alive and time.monotonic() < deadline:  # it reads the reasons after the callback, then ends
+            time.sleep(0.01)
         watch.close()
-        assert not watch.alive
-        fault = watch.fault
-        assert fault is not None
+        assert not watch.alive and watch.fault is not None and watch.fault.generation == gen
         # the reasons of every rank that faulted, once all of them declared (a watch may fire after the first)
-        store.wait([f"robustdist/recovery/{gen}/why/{r}" for r in faulty], timedelta(seconds=30))
-        full = read_fault(store, generation=gen, world_size=world)
-        assert full is not None and full.count == len(faulty) and set(full.why) == faulty
+        deadline = time.monotonic() + 30
+        while (full := read_fault(store, generation=gen, world_size=world)) is None or full.count < len(faulty):
+            assert time.monotonic() < deadline, full
+            time.sleep(0.02)
+        assert full.count == len(faulty) and set(full.why) == faulty, full
         out.append((gen, full.describe(), watch.seen_at - min(w["wall"] for w in full.why.values())))
         store.set(f"done/{gen}/{rank}", "1")
         store.wait([f"done/{gen}/{r}" for r in range(world)], timedelta(seconds=60))
+        if rank == 0 and gen == 0:
+            clear_generation(store, generation=0, world_size=world)
+            assert read_fault(store, generation=0, world_size=world) is None
+    store.set(f"left/{rank}", "1")
+    if rank == 0:  # the store's server lives in this process: it leaves last
+        store.wait([f"left/{r}" for r in range(world)], timedelta(seconds=60))
     return out
 
 
@@ -77,20 +86,20 @@ def _blocked_then_freed(rank: int) -> tuple[str, float, str]:
         dist.init_process_group("gloo", store=dist.PrefixStore("g", store), rank=rank, world_size=2,
                                 timeout=timedelta(seconds=120))
     dist.all_reduce(torch.ones(1))
-    seen: list[Fault] = []
+    seen: list[int] = []
 
-    def on_fault(fault: Fault) -> None:
-        seen.append(fault)
+    def on_fault(generation: int) -> None:
+        seen.append(generation)
         sockets.unblock()
 
-    watch = FaultWatch(connector(store, 30), generation=0, world_size=2, rank=rank, on_fault=on_fault).start()
+    watch = FaultWatch(connector(store, 30), store, generation=0, world_size=2, rank=rank, on_fault=on_fault).start()
     start = time.monotonic()
     if rank == 1:
         try:
             time.sleep(0.3)
             raise ValueError("boom at step 7")
         except ValueError as e:
-            declare_fault(store, generation=0, rank=1, what=f"{type(e).__name__}: {e}")
+            declare_fault(store, generation=0, rank=1, world_size=2, what=f"{type(e).__name__}: {e}")
         outcome = "declared"
     else:
         try:
@@ -100,11 +109,11 @@ def _blocked_then_freed(rank: int) -> tuple[str, float, str]:
             outcome = "unblocked"
     elapsed = time.monotonic() - start
     deadline = time.monotonic() + 30
-    while not seen and time.monotonic() < deadline:
+    while watch.alive and time.monotonic() < deadline:
         time.sleep(0.05)
     watch.close()
     dist.destroy_process_group()
-    return outcome, elapsed, seen[0].describe() if seen else ""
+    return outcome, elapsed, watch.fault.describe() if seen and watch.fault else ""
 
 
 def test_a_rank_blocked_in_a_collective_is_freed_by_anothers_fault():
@@ -123,16 +132,58 @@ class _DeadStore:
     check = add = get = set = wait
 
 
-def test_a_watch_on_a_lost_store_keeps_trying_and_closes_promptly():
-    connects = []
+def test_a_watch_on_a_lost_store_calls_it_a_fault_after_lost_after():
+    connects, called = [], []
 
     def connect() -> _DeadStore:
         connects.append(1)
         return _DeadStore()
 
-    watch = FaultWatch(connect, generation=0, world_size=2, rank=0, on_fault=lambda f: None, slice_s=0.05).start()
-    time.sleep(0.5)
-    start = time.monotonic()
-    watch.close(join_timeout=5)
-    assert not watch.alive and time.monotonic() - start < 1.0
-    assert len(connects) >= 2 and watch.fault is None  # reconnected, and never called a failure a fault
+    watch = FaultWatch(connect, _DeadStore(), generation=4, world_size=2, rank=0, on_fault=called.append,
+                       lost_after=0.5, retry_s=0.05).start()
+    deadline = time.monotonic() + 10
+    while watch.alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not watch.alive and watch.lost and called == [4] and len(connects) >= 2
+
+
+class _BlockingStore:
+    """A store whose wait returns only when the test says (a fault arriving while close() runs)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def wait(self, *_: object) -> None:
+        self.release.wait(10)
+
+    def check(self, *_: object) -> bool:
+        return True  # the wake key and the fault key both exist
+
+    def set(self, *_: object) -> None:
+        pass
+
+
+def test_no_callback_after_close_returns():
+    store, called = _BlockingStore(), []
+    watch = FaultWatch(lambda: store, store, generation=0, world_size=2, rank=0, on_fault=called.append).start()
+    time.sleep(0.2)  # the thread is in its wait
+    watch.close(join_timeout=0.1)  # returns while the thread still waits (it is abandoned)
+    store.release.set()  # ... and a fault comes: too late
+    watch._thread.join(5)
+    assert called == [] and not watch.alive
+
+
+def test_hostile_store_content_is_read_as_unreadable_and_the_store_still_works():
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    gen = 9
+    store.set(f"robustdist/recovery/{gen}/fault", "x")  # not a number: an add on it would break the connection
+    store.set(f"robustdist/recovery/{gen}/why/0", "[1, 2]")
+    store.set(f"robustdist/recovery/{gen}/why/1", "[" * 100_000)
+    store.set(f"robustdist/recovery/{gen}/why/2", "{" + '"what": "x", ' * 2000 + '"a": 1}')
+    store.set(f"robustdist/recovery/{gen}/why/3", b"\xff\xfe")
+    fault = read_fault(store, generation=gen, world_size=4)
+    assert fault is not None and fault.count == 0
+    assert [fault.why[r]["what"].startswith("(unreadable reason") for r in range(4)] == [True] * 4
+    assert fault.describe().startswith("generation 9: rank 0 (?): (unreadable reason")
+    store.set("after", "1")
+    assert store.get("after") == b"1"  # the connection survived

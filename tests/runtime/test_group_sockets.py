@@ -118,50 +118,83 @@ def test_ranks_recover_in_place_again_and_again_without_leaking():
         assert max(threads) == min(threads), threads
 
 
-def test_only_the_sockets_opened_inside_the_block_are_recorded_and_never_a_reused_descriptor():
-    server = socket.create_server(("127.0.0.1", 0))
-    old = socket.create_connection(server.getsockname())
-    old_peer, _ = server.accept()
-    sockets = GroupSockets(exclude_ports=[])
+def _connected_pair_in(sockets: GroupSockets) -> tuple[socket.socket, socket.socket, socket.socket]:
+    """Inside a recording: a listener (as gloo's), a connection to it and its accepted end."""
     with sockets.recording():
-        conn = socket.create_connection(server.getsockname())
-        peer, _ = server.accept()
-        listener = socket.create_server(("127.0.0.1", 0))  # a listener: never recorded (gloo aborts on it)
+        listener = socket.create_server(("127.0.0.1", 0))
+        out = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+    return listener, out, accepted
+
+
+def test_a_groups_connections_are_recorded_and_shut_down_but_never_its_listener():
+    sockets = GroupSockets(exclude_ports=[])
+    listener, out, accepted = _connected_pair_in(sockets)
     try:
-        # conn, and the accepted end `peer`: both connected sockets opened in the block
-        assert len(sockets) == 2
-        # a descriptor closed and reused by another socket is not touched
-        fd = conn.fileno()
-        conn.close()
-        os.dup2(old.fileno(), fd)  # fd now names `old`'s connection: another socket under a recorded number
-        try:
-            assert sockets.unblock() == 1  # only `peer`, still the socket recorded under its number
-            old.sendall(b"x")  # `old` still works: its connection was not shut down
-            assert old_peer.recv(1) == b"x"
-            peer.settimeout(5)
-            assert peer.recv(1) == b""  # `peer` was
-            listener.settimeout(0.01)
-            with pytest.raises(TimeoutError):
-                listener.accept()  # the listener still listens (shut down, it would fail at once)
-        finally:
-            os.close(fd)
+        assert len(sockets) == 2  # the outbound connection and the one the window's listener accepted
+        assert sockets.unblock() == 2
+        out.settimeout(5)
+        assert out.recv(1) == b""  # shut down
+        listener.settimeout(0.01)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # still listening (a listener shut down fails accept at once; gloo then aborts)
+        assert sockets.unblock() == 0  # repeatable: nothing is left to shut down, and nothing raises
     finally:
-        for s in (server, old, old_peer, peer, listener):
+        for s in (listener, out, accepted):
             s.close()
 
 
-def test_connections_to_the_store_port_are_left_alone():
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    sockets = GroupSockets(exclude_ports=[port])
+def test_a_descriptor_reused_by_another_socket_is_never_touched():
+    other_server = socket.create_server(("127.0.0.1", 0))
+    old = socket.create_connection(other_server.getsockname())
+    old_peer, _ = other_server.accept()
+    sockets = GroupSockets(exclude_ports=[])
+    listener, out, accepted = _connected_pair_in(sockets)
+    fd = out.fileno()
+    out.close()
+    os.dup2(old.fileno(), fd)  # the recorded number now names `old`'s connection: another socket
+    try:
+        assert sockets.unblock() == 1  # only `accepted`, still the socket recorded under its number
+        old.sendall(b"x")
+        assert old_peer.recv(1) == b"x"  # `old` was not shut down
+    finally:
+        os.close(fd)
+        for s in (other_server, old, old_peer, listener, accepted):
+            s.close()
+
+
+def test_a_connection_accepted_by_another_server_of_the_process_is_left_alone():
+    server = socket.create_server(("127.0.0.1", 0))  # a server of the process, older than the group
+    sockets = GroupSockets(exclude_ports=[])
     with sockets.recording():
-        client = socket.create_connection(("127.0.0.1", port))
+        client = socket.create_connection(server.getsockname())  # an outbound one: cannot be told from gloo's
         accepted, _ = server.accept()
     try:
-        assert len(sockets) == 1  # the accepted end (its peer port is the client's), not the client
-        assert sockets.unblock() == 1
-        client.settimeout(5)
-        assert client.recv(1) == b""  # the connection was closed from the accepted end
+        assert len(sockets) == 1 and sockets.unblock() == 1
+        accepted.settimeout(5)
+        assert accepted.recv(1) == b""  # the client end was shut down; the accepted end itself was not recorded
     finally:
         for s in (server, client, accepted):
             s.close()
+
+
+def test_the_store_survives_on_the_rank_that_serves_it():
+    """Rank 0 serves the store: its server's accepted connections have the store's port as their local port.
+    Neither they nor a client's connection are recorded, and the store works after an unblock."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    excluded = GroupSockets(exclude_ports=[server.port])
+    with excluded.recording():
+        client = dist.TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=timedelta(seconds=30))
+        late = dist.TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=timedelta(seconds=30))
+    assert len(excluded) == 0
+    assert excluded.unblock() == 0
+    client.set("k", "v")
+    assert late.get("k") == b"v" and server.get("k") == b"v"
+
+
+def test_lazy_gloo_connections_are_named(monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    sockets = GroupSockets()
+    with caplog.at_level("WARNING", logger="robustdist.runtime.group_sockets"), sockets.recording():
+        pass
+    assert sockets.lazy and "TORCH_GLOO_LAZY_INIT is set" in caplog.text and sockets.unblock() == 0
