@@ -363,6 +363,14 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
             rank=rank)
         lost.store_lost = True  # type: ignore[attr-defined]
         raise lost from e
+    if rank in missing:  # the others gave up before this rank came: their list names it, not the ones to blame
+        raise InitError(
+            f"this rank reached the rendezvous (the c10d store at {where}) after the other ranks stopped waiting: "
+            f"they waited {init_timeout:g} s (distributed.init_timeout) and found {ranks_phrase(missing)} absent, "
+            "this rank among them. Expected every rank to reach init within init_timeout of the first. Fix: find "
+            "what delayed this rank before init (its log: slow imports, data loading, or, in a process that "
+            "re-initialises, the step that held it); raise distributed.init_timeout if the delay is expected.",
+            rank=rank, ranks=missing)
     raise _absent(missing, topo, rank, where, init_timeout)
 
 

@@ -337,6 +337,37 @@ def test_a_rank_that_never_started_is_named_within_init_timeout():
         assert INIT - 0.5 < elapsed < INIT + MARGIN
 
 
+def test_a_rank_arriving_after_the_others_gave_up_says_it_was_late():
+    """The others waited init_timeout and named the late rank as absent; the late rank (whose store outlived
+    the deadline: an agent's, or its own in a process that re-initialises) read that list and said "rank 1 did
+    not arrive" about itself. It now says that it came late, and what to look at."""
+    import torch
+
+    from robustdist.runtime.topology import Topology
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    topo = Topology(rank=1, world_size=2, local_rank=1, local_world_size=2, node_rank=0, num_nodes=1,
+                    launcher="torchrun", device=torch.device("cpu"), master_addr="127.0.0.1", master_port=store.port,
+                    visible_devices=None)
+    base = "robustdist/rendezvous/77"
+    store.set(f"{base}/0", "node 0")
+    store.add(f"{base}/count", 1)
+    store.set(f"{base}/abandoned", json.dumps([1]))  # what rank 0 wrote at its deadline
+    with pytest.raises(InitError) as info:
+        rendezvous.wait_for_arrivals(store, 1, topo, time.monotonic() + 5, where="127.0.0.1:1", init_timeout=INIT,
+                                     serves_it=False, generation=77)
+    message = str(info.value)
+    assert message.startswith("[rank 1] this rank reached the rendezvous (the c10d store at 127.0.0.1:1) after the "
+                              "other ranks stopped waiting"), message
+    assert "found rank 1 absent, this rank among them" in message and "did not arrive" not in message
+    assert info.value.ranks == (1,)
+    # a rank that was on time still names the absent one
+    topo0 = Topology(**{**topo.__dict__, "rank": 0, "local_rank": 0})
+    with pytest.raises(InitError, match=r"^\[rank 0\] rank 1 did not arrive at the rendezvous"):
+        rendezvous.wait_for_arrivals(store, 0, topo0, time.monotonic() + 5, where="127.0.0.1:1", init_timeout=INIT,
+                                     serves_it=False, generation=77)
+
+
 # ---------------------------------------------------------------------------------------------- the setting
 def test_init_timeout_is_a_validated_seconds_setting_with_an_env_var():
     assert DistributedConfig().init_timeout == 300.0 and DistributedConfig().timeout == 1800.0
