@@ -13,7 +13,8 @@ Protocol (every rank runs the same code; keys live under ``<scope>/`` in the job
   own wake key, which a fault or its own :meth:`FaultWatch.close` sets: no polling, so no timed-out waits (torch
   logs each one). On a fault it calls ``on_fault(generation)`` at once, before reading any reason: that
   callback runs on the watch thread, and is where a rank blocked in a collective gets out
-  (:meth:`robustdist.runtime.group_sockets.GroupSockets.unblock`). Then it reads the reasons into
+  (:meth:`robustdist.runtime.group_sockets.GroupSockets.unblock` for gloo's,
+  :func:`robustdist.runtime.dist.interrupt_waits` for robustdist's own arrival checks in the store). Then it reads the reasons into
   :attr:`FaultWatch.fault`. Once :meth:`FaultWatch.close` has returned, the callback is never called.
 * **A lost store is a fault too.** When the watch's connection fails and no new one works for ``lost_after``
   seconds, the callback is called and :attr:`FaultWatch.lost` is set: the ranks cannot agree on anything

@@ -25,6 +25,7 @@ and only the collectives' own timeout bounds the wait.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -35,8 +36,8 @@ import torch.distributed as dist
 
 from robustdist.runtime.errors import RobustDistError, ranks_phrase
 
-__all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "error_rank", "is_multi", "is_up",
-           "rank", "world_size"]
+__all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "error_rank", "interrupt_waits",
+           "interrupted", "is_multi", "is_up", "rank", "resume_waits", "world_size"]
 
 T = TypeVar("T")
 
@@ -90,6 +91,31 @@ def default_store() -> Any:
     from robustdist.runtime import _torch_compat
 
     return _torch_compat.default_store()
+
+
+_interrupt: list[str] = []  # why the waits below were interrupted (in-process recovery), or empty
+_interrupt_lock = threading.Lock()
+
+
+def interrupt_waits(reason: str) -> None:
+    """Make every :meth:`Collectives.arrive` wait in this process (now, or until :func:`resume_waits`) fail at
+    once with ``reason``: how a fault on another rank gets this rank out of robustdist's own store waits
+    (in-process recovery; a gloo collective needs :mod:`robustdist.runtime.group_sockets` instead). Safe from
+    any thread."""
+    with _interrupt_lock:
+        _interrupt[:] = [reason]
+
+
+def resume_waits() -> None:
+    """Let waits run again (a new generation, with new objects)."""
+    with _interrupt_lock:
+        _interrupt.clear()
+
+
+def interrupted() -> str | None:
+    """Why waits are interrupted, or None."""
+    with _interrupt_lock:
+        return _interrupt[0] if _interrupt else None
 
 
 class Collectives:
@@ -171,6 +197,12 @@ class Collectives:
         start = time.monotonic()
         delay = 0.001
         while not store.check(keys):
+            if (reason := interrupted()) is not None:
+                self.broken = f"{op}() was interrupted"
+                raise self.error(f"{op}() was interrupted while this rank waited for the others: {reason}. Expected "
+                                 "when the job recovers in place (the recovery makes new objects); anywhere else, "
+                                 "robustdist.runtime.dist.resume_waits() was not called after a recovery.",
+                                 rank=self.rank)
             gave_up = store.check([f"{base}/abandoned"])
             if gave_up or time.monotonic() - start > self.arrival_timeout:
                 if store.check(keys):  # the last rank arrived just now

@@ -187,3 +187,37 @@ def test_hostile_store_content_is_read_as_unreadable_and_the_store_still_works()
     assert fault.describe().startswith("generation 9: rank 0 (?): (unreadable reason")
     store.set("after", "1")
     assert store.get("after") == b"1"  # the connection survived
+
+
+def _interrupted_arrival(rank: int) -> tuple[str, float, bool]:
+    """Rank 0 waits in an arrival check that rank 1 never joins (arrival timeout 120 s); another thread of rank 0
+    interrupts the waits, as a fault callback does. Then, with waits resumed, new objects work on both ranks."""
+    from robustdist.runtime import dist as rdist
+    from robustdist.runtime.errors import CheckpointError
+
+    store = rdist.default_store()
+    first = rdist.Collectives(None, rank, 2, timeout=60, arrival_timeout=120, error=CheckpointError, token="t1")
+    message, elapsed = "", 0.0
+    if rank == 0:
+        timer = threading.Timer(0.5, rdist.interrupt_waits, args=("rank 1 faulted at step 7",))
+        timer.start()
+        start = time.monotonic()
+        try:
+            first.arrive("save")
+        except CheckpointError as e:
+            message, elapsed = str(e), time.monotonic() - start
+        timer.join()
+        rdist.resume_waits()
+        store.set("resumed", "1")
+    else:
+        store.wait(["resumed"], timedelta(seconds=60))
+    second = rdist.Collectives(None, rank, 2, timeout=60, arrival_timeout=60, error=CheckpointError, token="t2")
+    second.arrive("save")
+    return message, elapsed, first.broken is not None
+
+
+def test_an_arrival_wait_is_interrupted_at_once_and_new_objects_work_after():
+    (message, elapsed, broken), _ = run_ranks(_interrupted_arrival, 2, timeout=120)
+    assert message.startswith("[rank 0] save() was interrupted while this rank waited for the others: rank 1 "
+                              "faulted at step 7."), message
+    assert 0.5 <= elapsed < 30 and broken  # not the 120 s arrival timeout; the object is done with
