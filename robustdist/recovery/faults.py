@@ -2,6 +2,9 @@
 
 Protocol (every rank runs the same code; keys live under ``<scope>/`` in the job's c10d store):
 
+Every key is in the job's store itself, under any ``PrefixStore`` the caller holds (the default group's store
+carries a ``default_pg`` prefix; a watch's own connection has none).
+
 * **Generation.** Every rank starts at generation ``g`` (0, or what the caller resumes from) and counts alike:
   after a recovery, every rank moves to ``g + 1``. Nothing in a key is counted per node or per process.
 * **Fault.** A rank that faults in generation ``g`` (an exception escaping its step, the watchdog's hang verdict,
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from robustdist.runtime import _torch_compat
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 
@@ -73,9 +77,16 @@ def _key(scope: str, generation: int, *rest: object) -> str:
     return "/".join([scope, str(generation), *map(str, rest)])
 
 
+def _job_store(store: Any) -> Any:
+    """The job-wide store under any ``PrefixStore`` (the default group's carries ``default_pg``): every rank, and
+    every watch's own connection, must use the same keys."""
+    return _torch_compat.innermost_store(store)
+
+
 def declare_fault(store: Any, *, generation: int, rank: int, world_size: int, what: str, scope: str = SCOPE) -> int:
     """Record this rank's fault in ``generation`` and wake every rank's watch; returns how many ranks have
     declared one there (1: this rank was first)."""
+    store = _job_store(store)
     record = {"rank": rank, "node": node_label(), "what": what[:_WHY_MAX], "wall": time.time()}
     store.set(_key(scope, generation, "why", rank), json.dumps(record))
     count = int(store.add(_key(scope, generation, "fault"), 1))
@@ -100,6 +111,7 @@ def _reason(raw: bytes) -> dict[str, Any]:
 def read_fault(store: Any, *, generation: int, world_size: int, scope: str = SCOPE) -> Fault | None:
     """The fault of ``generation`` if one was declared, else None (never waits; hostile content is read as
     unreadable, never raised)."""
+    store = _job_store(store)
     key = _key(scope, generation, "fault")
     if not store.check([key]):
         return None
@@ -117,6 +129,7 @@ def read_fault(store: Any, *, generation: int, world_size: int, scope: str = SCO
 
 def clear_generation(store: Any, *, generation: int, world_size: int, scope: str = SCOPE) -> None:
     """Delete ``generation``'s keys (once every rank has moved past it)."""
+    store = _job_store(store)
     keys = [_key(scope, generation, "fault")]
     keys += [_key(scope, generation, kind, r) for r in range(world_size) for kind in ("why", "wake")]
     for k in keys:
@@ -127,7 +140,8 @@ class FaultWatch:
     """A thread that waits for a fault in one generation and calls ``on_fault(generation)`` once when it comes.
 
     ``connect`` opens the thread's own store connection (see :func:`robustdist.health.watchdog_store.connector`);
-    ``store`` is any connection, used by :meth:`close` to wake the thread. :meth:`close` ends the watch whether
+    ``store`` is any connection (a ``PrefixStore`` too: the keys are the job store's, under every prefix), used by
+    :meth:`close` to wake the thread. :meth:`close` ends the watch whether
     or not a fault came; once it returns, ``on_fault`` is never called.
     """
 
@@ -135,7 +149,7 @@ class FaultWatch:
                  on_fault: Callable[[int], None], scope: str = SCOPE, lost_after: float = 30.0,
                  retry_s: float = 0.5) -> None:
         self.generation, self.world_size, self.rank, self.scope = generation, world_size, rank, scope
-        self._connect, self._store, self._on_fault = connect, store, on_fault
+        self._connect, self._store, self._on_fault = connect, _job_store(store), on_fault
         self._lost_after, self._retry = lost_after, retry_s
         self._stop = threading.Event()
         self._fence = threading.Lock()  # held by the callback's call and by close(): no callback after close

@@ -92,14 +92,16 @@ def _blocked_then_freed(rank: int) -> tuple[str, float, str]:
         seen.append(generation)
         sockets.unblock()
 
-    watch = FaultWatch(connector(store, 30), store, generation=0, world_size=2, rank=rank, on_fault=on_fault).start()
+    group_store = dist.PrefixStore("default_pg", store)  # what the default group's store is: the keys go under it
+    watch = FaultWatch(connector(group_store, 30), group_store, generation=0, world_size=2, rank=rank,
+                       on_fault=on_fault).start()
     start = time.monotonic()
     if rank == 1:
         try:
             time.sleep(0.3)
             raise ValueError("boom at step 7")
         except ValueError as e:
-            declare_fault(store, generation=0, rank=1, world_size=2, what=f"{type(e).__name__}: {e}")
+            declare_fault(group_store, generation=0, rank=1, world_size=2, what=f"{type(e).__name__}: {e}")
         outcome = "declared"
     else:
         try:
