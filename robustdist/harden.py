@@ -78,6 +78,7 @@ from robustdist.init.process_group import (
 from robustdist.parallel import fsdp, fsdp_wrap
 from robustdist.parallel.ddp import HF_TRAINER_FIX, wrap_ddp
 from robustdist.ray import train as _ray_train
+from robustdist.recovery import loop as _recovery
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import ConfigError
@@ -147,8 +148,9 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
                                               config_fingerprint=config.fingerprint())
             claim(checkpointer.directory, identity, checkpointer.rank, checkpointer.collectives)
             if ckpt.local_every_n_steps is not None:
+                # a fresh launch renews the lineage; a restart, or an in-process recovery, continues it
                 lineage = lineage_of(checkpointer.directory, checkpointer.rank, checkpointer.collectives,
-                                     renew=report.attempt == 0)
+                                     renew=report.attempt == 0 and _recovery.generation() == 0)
                 local = LocalTier(ckpt.local_dir, lineage=lineage, replicas=ckpt.replicas,
                                   keep_last=ckpt.local_keep_last, timeout=config.distributed.timeout,
                                   arrival_timeout=ckpt.arrival_timeout)

@@ -1,10 +1,11 @@
 """In-process recovery (issue #34, in progress): a fault on one rank becomes a job-wide generation change, and
 every rank gets out of the collective it is in, without a process restart.
 
-What exists: :mod:`.faults` (the generation protocol: :func:`declare_fault`, :class:`FaultWatch`) and, in the
-runtime, :mod:`robustdist.runtime.group_sockets` (a gloo collective in progress unblocked by shutting its
-group's connections down). Not yet: the re-entrant loop, rebuilding the group and the wrappers, restoring from
-the in-memory tier, escalation (docs/status.md). Imports :mod:`robustdist.runtime` only, so far.
+What exists: :mod:`.loop` (:func:`run_in_process`: the re-entrant loop, experimental), :mod:`.faults` (the
+generation protocol: :func:`declare_fault`, :class:`FaultWatch`) and, in the runtime,
+:mod:`robustdist.runtime.group_sockets` (a gloo collective in progress unblocked by shutting its group's
+connections down) and :func:`robustdist.runtime.dist.interrupt_waits`. What is missing: docs/status.md. Imports
+:mod:`robustdist.runtime` and :mod:`robustdist.health`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from typing import TYPE_CHECKING
 from robustdist.runtime.lazy import attach as _attach
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from robustdist.recovery.faults import Fault, FaultWatch, declare_fault, read_fault
+    from robustdist.recovery.faults import Fault, FaultWatch, clear_generation, declare_fault, read_fault
+    from robustdist.recovery.loop import generation, run_in_process
 
-__getattr__, __dir__, __all__ = _attach(__name__, dict.fromkeys(
-    ["Fault", "FaultWatch", "declare_fault", "read_fault"], "robustdist.recovery.faults"))
+__getattr__, __dir__, __all__ = _attach(__name__, {
+    **dict.fromkeys(["Fault", "FaultWatch", "clear_generation", "declare_fault", "read_fault"],
+                    "robustdist.recovery.faults"),
+    **dict.fromkeys(["generation", "run_in_process"], "robustdist.recovery.loop")})

@@ -99,6 +99,12 @@ class GroupSockets:
             log.debug("recorded %d connection(s) of a group (%d socket(s) opened, listeners and the store's left "
                       "out)", len(kept), len(new))
 
+    def exclude(self, *ports: int) -> None:
+        """Leave connections with any of ``ports`` at either end alone from now on (a store's port learnt after
+        the recording): :meth:`unblock` checks them again."""
+        with self._lock:
+            self._exclude.update(int(p) for p in ports)
+
     def unblock(self) -> int:
         """Shut down every recorded connection still open as the same socket; returns how many (0: nothing could
         be unblocked, the caller restarts the process instead). Safe from any thread, repeatable, never raises: a
@@ -111,7 +117,8 @@ class GroupSockets:
             if sock is None:
                 continue
             try:
-                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                ends = {int(sock.getsockname()[1]), int(sock.getpeername()[1])}
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and not ends & self._exclude:
                     sock.shutdown(socket.SHUT_RDWR)
                     done += 1
             except OSError:  # not connected (any more): nothing to unblock

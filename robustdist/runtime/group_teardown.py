@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from robustdist.runtime import dist as _dist
 
-__all__ = ["GROUP_PIN", "destroy_default_group", "pin_ddp_modules", "pin_module"]
+__all__ = ["GROUP_PIN", "destroy_default_group", "live_ddp_modules", "pin_ddp_modules", "pin_module"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,17 @@ def _ddp_classes() -> list[type]:
         classes.append(cls)
         todo.extend(cls.__subclasses__())
     return classes
+
+
+def live_ddp_modules() -> int:
+    """How many DDP modules (any subclass) are alive in this process (one garbage-collector referrer pass)."""
+    classes = _ddp_classes()
+    exact = set(classes)
+    referrers = gc.get_referrers(*classes)
+    try:
+        return sum(1 for ref in referrers if type(ref) in exact)
+    finally:
+        referrers.clear()
 
 
 def pin_ddp_modules() -> int:

@@ -1,0 +1,158 @@
+"""The in-process recovery loop (experimental; issue #34): a fault on any rank, and every rank tears down and runs
+the training function again from the last checkpoint, in the same process.
+
+.. code-block:: python
+
+    def train(h, step):                       # the loop body, from the step to start at
+        while step < total_steps:
+            ...
+            h.save(step, optimizer=optimizer)
+        return step
+
+    from robustdist.recovery import run_in_process
+    run_in_process(lambda: harden(model, loader, cfg, optimizer=optimizer), train, optimizer=optimizer)
+
+Each generation: ``make()`` (``harden`` again on the same bare model, loader and optimizer: a new group at a new
+rendezvous round, new wrappers), ``h.resume(...)``, then ``train_fn(h, step)``. When it raises on a rank, that rank
+declares a fault (:mod:`robustdist.recovery.faults`); every other rank's watch gets it out of what it is in (a
+gloo collective: :class:`~robustdist.runtime.group_sockets.GroupSockets`; robustdist's own store waits:
+:func:`~robustdist.runtime.dist.interrupt_waits`), and every rank closes its ``Hardened`` (keeping the in-memory
+tier's copies) and starts the next generation. The job store's object is kept across generations, so rank 0's
+store server, and the fault keys in it, outlive every group.
+
+Escalation, never a cover-up: a fault that repeats after resuming from the same step
+``health.max_restarts_without_progress`` times, and a fault this loop must not paper over (a configuration or
+version error, the restart-loop verdict, memory exhaustion, a CUDA error, ``KeyboardInterrupt``), is re-raised:
+the process exits and the ordinary path (a restart by the launcher, then ``RestartLoopError``) takes over.
+
+Not yet (docs/status.md): detection from the watchdog's hang verdict and from stopped heartbeats (a rank that
+hangs, or dies, is not noticed by this loop; the ordinary timeouts and launcher restarts still apply), a fault
+during a recovery (the next ``make()`` then fails with its own error), restoring from memory without reading the
+in-memory tier's files, the Ray Train path, and the ``recovery.in_process`` setting.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from robustdist.health.watchdog_store import connector
+from robustdist.recovery.faults import FaultWatch, declare_fault
+from robustdist.runtime import _torch_compat
+from robustdist.runtime import dist as _dist
+from robustdist.runtime import group_teardown
+from robustdist.runtime.errors import ConfigError, RestartLoopError, UnsupportedVersionError
+from robustdist.runtime.group_sockets import GroupSockets
+from robustdist.runtime.log import get_logger
+
+__all__ = ["generation", "run_in_process"]
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+_state = {"generation": 0}  # this process's recovery generation (0: the first group), the same on every rank
+_FATAL = (ConfigError, RestartLoopError, UnsupportedVersionError, MemoryError)
+
+
+def generation() -> int:
+    """This process's in-process recovery generation: 0 until a recovery, then 1, 2, ... (the same on every
+    rank). ``harden`` reads it: a later generation continues the run (its in-memory copies are kept)."""
+    return _state["generation"]
+
+
+def _fatal(e: BaseException) -> bool:
+    if not isinstance(e, Exception) or isinstance(e, _FATAL):
+        return True
+    name = type(e).__name__
+    return name == "OutOfMemoryError" or "CUDA error" in str(e) or "CUBLAS_STATUS" in str(e)
+
+
+def run_in_process(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimizer: Any = None,
+                   scheduler: Any = None, **extra: Any) -> T:
+    """Run ``train_fn(h, step)`` with ``h = make()`` resumed, recovering from a fault on any rank in this process.
+
+    Args:
+        make: builds the ``Hardened`` (``lambda: harden(model, loader, cfg, optimizer=optimizer)``), called once
+            per generation on every rank; it must reuse the same bare model, loader and optimizer.
+        train_fn: the loop body; receives the ``Hardened`` and the step to start from; its return value is
+            returned.
+        optimizer, scheduler, extra: passed to ``h.resume``.
+
+    Returns what ``train_fn`` returned; the last ``Hardened`` is closed. Collective: every rank calls it. In one
+    process (no group) it resumes and runs ``train_fn`` once.
+    """
+    keep: Any = None  # the job store's object: rank 0's server, and the fault keys, outlive every group
+    last_resumed: tuple[int | None, int] = (None, 0)  # (the step resumed from, faults after it in a row)
+    while True:
+        _dist.resume_waits()
+        sockets = GroupSockets()
+        with sockets.recording():
+            h = make()
+        store = _dist.default_store()
+        if store is None or _dist.world_size() == 1:
+            try:
+                return train_fn(h, h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0)
+            finally:
+                h.close()
+        keep = _torch_compat.innermost_store(store)
+        ports = [p for p in (getattr(keep, "port", None), h.topology.master_port) if p]
+        sockets.exclude(*ports)
+        rank, world, gen = _dist.rank(), _dist.world_size(), _state["generation"]
+        fired = threading.Event()
+
+        def on_fault(g: int, sockets: GroupSockets = sockets, fired: threading.Event = fired) -> None:
+            fired.set()
+            sockets.unblock()
+            _dist.interrupt_waits(f"a rank faulted in recovery generation {g}")
+
+        watch = FaultWatch(connector(store, h.config.distributed.timeout), store, generation=gen, world_size=world,
+                           rank=rank, on_fault=on_fault).start()
+        resumed: int | None = None
+        try:
+            resumed = h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0
+            result = train_fn(h, resumed)
+        except BaseException as e:
+            own = not fired.is_set()
+            what = f"{type(e).__name__}: {str(e).strip()[:1500]}"
+            if own:
+                try:
+                    declare_fault(store, generation=gen, rank=rank, world_size=world, what=what)
+                except Exception as d:  # the others then see this rank's group go (its sockets close)
+                    log.warning("rank %d could not declare its fault in the store (%s)", rank, d)
+            started = time.monotonic()
+            watch.close()
+            try:
+                h.close(keep_local=True)
+            except Exception as c:  # a group that the fault broke: what matters is that it is gone
+                log.info("rank %d: closing generation %d after the fault: %s: %s", rank, gen, type(c).__name__,
+                         str(c)[:300])
+            repeats = last_resumed[1] + 1 if resumed is not None and resumed == last_resumed[0] else 1
+            last_resumed = (resumed, repeats)
+            limit = h.config.health.max_restarts_without_progress
+            if (own and _fatal(e)) or repeats >= limit:
+                why = ("it must not be recovered in place" if own and _fatal(e) else
+                       f"{repeats} faults in a row after resuming from step {resumed} "
+                       f"(health.max_restarts_without_progress={limit})")
+                log.error("rank %d: %s: not recovering in process (%s); the process exits for a restart", rank,
+                          what[:300], why)
+                raise
+            _state["generation"] = gen + 1
+            log.warning("rank %d: %s in generation %d (%s); recovering in process as generation %d", rank,
+                        "a fault" if own else "another rank's fault", gen, what[:300], gen + 1)
+        else:
+            watch.close()
+            h.close()
+            return result
+        # Out of the except block, so the exception and its frames are gone: free the previous generation's
+        # wrappers now. A DDP module still alive keeps its Reducer's hooks on the parameters, and the next
+        # backward() would run them too, on the destroyed group ("Connection closed by peer").
+        del h
+        gc.collect()
+        if (alive := group_teardown.live_ddp_modules()):
+            log.warning("rank %d: %d DistributedDataParallel module(s) of an earlier generation are still alive "
+                        "(referenced from the training function's state?); their hooks will fail the next "
+                        "backward(), and the fault will repeat until the process exits", rank, alive)
+        log.info("rank %d: generation %d torn down in %.2f s", rank, gen, time.monotonic() - started)

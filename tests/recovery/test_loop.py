@@ -1,0 +1,106 @@
+"""The in-process recovery loop (robustdist.recovery.run_in_process) on real gloo ranks: a script in the shape of
+the pytorch/examples DDP tutorial (a two-layer toy model, MSE, SGD) fed by a DataLoader, checkpointing to the
+in-memory tier every step and to disk rarely."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from robustdist import harden
+from robustdist.recovery import generation, run_in_process
+from robustdist.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+TOTAL = 12
+
+
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1, self.relu, self.net2 = nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backward: bool = False) -> dict:
+    """``fault``: (rank, step, every generation?) raises ValueError there: after the optimizer step (the other
+    rank then waits in the save's arrival check, in the store), or before ``backward()`` (the other rank then
+    waits in DDP's gradient all-reduce, a gloo collective)."""
+    torch.manual_seed(0)
+    model = ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = TensorDataset(torch.randn(64, 10), torch.randn(64, 5))
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    cfg = {"checkpoint": {"dir": f"{root}/ckpt", "every_n_steps": 100, "local_every_n_steps": 1,
+                          "local_dir": f"{root}/shm"},
+           "health": {"hang_timeout": None},
+           "distributed": {"timeout": 60, "init_timeout": 60, "barrier_timeout": 60}}
+    seen: list[tuple[int, int, str]] = []  # (generation, step resumed from, where it came from)
+
+    def train(h, step: int) -> int:
+        loaded = h.last_loaded
+        seen.append((generation(), step, loaded.source if loaded is not None else "none"))
+        while step < TOTAL:
+            for x, y in h.loader:
+                loss = nn.functional.mse_loss(h.model(x), y)
+                optimizer.zero_grad()
+                hit = fault and rank == fault[0] and step + 1 == fault[1] and (fault[2] or generation() == 0)
+                if hit and before_backward:
+                    raise ValueError(f"boom at step {step + 1}")
+                loss.backward()
+                optimizer.step()
+                step += 1
+                if hit:
+                    raise ValueError(f"boom at step {step}")
+                h.save(step, optimizer=optimizer)
+                if step == TOTAL:
+                    break
+        return step
+
+    out: dict = {"pid": os.getpid()}
+    try:
+        out["end"] = run_in_process(lambda: harden(model, loader, cfg, optimizer=optimizer), train,
+                                    optimizer=optimizer)
+    except Exception as e:
+        out["raised"] = f"{type(e).__name__}: {e}"
+    out.update(seen=seen, generation=generation(), params=[p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("before_backward", [False, True], ids=["peer-in-save", "peer-in-allreduce"])
+def test_an_exception_on_one_rank_recovers_in_process_from_memory_bitwise(tmp_path, before_backward):
+    faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), (1, 7, False), before_backward), init=False,
+                        timeout=180)
+    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), None), init=False, timeout=180)
+    for rank in range(2):
+        got, ref = faulted[rank], straight[rank]
+        assert "raised" not in got, got.get("raised")
+        assert got["end"] == ref["end"] == TOTAL and got["generation"] == 1 and ref["generation"] == 0
+        # generation 0 started fresh; generation 1 resumed step 6 (the fault came before step 7's save) from the
+        # in-memory tier (the durable tier holds nothing: every_n_steps=100), in the same process
+        assert [g for g, _, _ in got["seen"]] == [0, 1] and got["seen"][1][1] == 6, got["seen"]
+        assert got["seen"][1][2] != "durable", got["seen"]
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
+
+
+def test_a_fault_that_repeats_at_the_same_step_escalates(tmp_path):
+    out = run_ranks(_job, 2, args=(str(tmp_path / "c"), (1, 3, True)), init=False, timeout=180)
+    # a fresh start, then health.max_restarts_without_progress=3 faults in a row after resuming from step 2: the
+    # error then leaves the loop on every rank (the process would exit, and the launcher restart it)
+    assert out[1]["raised"] == "ValueError: boom at step 3"
+    assert "raised" in out[0]
+    for rank in range(2):
+        assert out[rank]["generation"] == 3 and [s for _, s, _ in out[rank]["seen"]] == [0, 2, 2, 2]
+
+
+def test_one_process_runs_the_function_once(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    out = _job(0, str(tmp_path / "d"), None)
+    assert out["end"] == TOTAL and out["seen"] == [(0, 0, "none")] and out["generation"] == 0
