@@ -20,6 +20,7 @@ from robustdist.health.step_guard import StepDecision, StepGuard, Watchdog
 from robustdist.init.process_group import InitReport, destroy_process_group_if_owned
 from robustdist.ray import train as _ray_train
 from robustdist.ray.reporting import RayReporting
+from robustdist.recovery import loop as _recovery
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
 from robustdist.runtime.errors import CheckpointError, ConfigError, RestartLoopError
@@ -220,6 +221,8 @@ class Hardened(RayReporting):
         this attempt and decides, every rank raises."""
         assert self.checkpointer is not None
         self.checkpointer.check_ready("load")
+        if _recovery.generation() > 0:  # an in-process recovery counts its own faults (robustdist.recovery.loop)
+            return
         verdict: tuple[str, str] | None = None
         if self.checkpointer.rank == 0:
             try:

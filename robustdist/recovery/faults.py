@@ -131,7 +131,7 @@ def clear_generation(store: Any, *, generation: int, world_size: int, scope: str
     """Delete ``generation``'s keys (once every rank has moved past it)."""
     store = _job_store(store)
     keys = [_key(scope, generation, "fault")]
-    keys += [_key(scope, generation, kind, r) for r in range(world_size) for kind in ("why", "wake")]
+    keys += [_key(scope, generation, kind, r) for r in range(world_size) for kind in ("why", "wake", "decision")]
     for k in keys:
         store.delete_key(k)
 
@@ -205,8 +205,14 @@ class FaultWatch:
                     if not client.check([wake]):
                         continue
                 failing_since = None
-                if not client.check([fault]):  # woken by close()
-                    continue
+                if not client.check([fault]):
+                    if self._stop.is_set():  # woken by close()
+                        continue
+                    # a wake key left by an earlier watch of this generation's number (a store that outlived
+                    # it): drop it, then look again, since a fault sets its count before the wake keys
+                    client.delete_key(wake)
+                    if not client.check([fault]):
+                        continue
             except Exception as e:  # the connection is gone: a new one after a pause, or the store is lost
                 client = None
                 now = time.monotonic()

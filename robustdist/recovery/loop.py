@@ -13,17 +13,22 @@ the training function again from the last checkpoint, in the same process.
     run_in_process(lambda: harden(model, loader, cfg, optimizer=optimizer), train, optimizer=optimizer)
 
 Each generation: ``make()`` (``harden`` again on the same bare model, loader and optimizer: a new group at a new
-rendezvous round, new wrappers), ``h.resume(...)``, then ``train_fn(h, step)``. When it raises on a rank, that rank
-declares a fault (:mod:`robustdist.recovery.faults`); every other rank's watch gets it out of what it is in (a
-gloo collective: :class:`~robustdist.runtime.group_sockets.GroupSockets`; robustdist's own store waits:
-:func:`~robustdist.runtime.dist.interrupt_waits`), and every rank closes its ``Hardened`` (keeping the in-memory
-tier's copies) and starts the next generation. The job store's object is kept across generations, so rank 0's
-store server, and the fault keys in it, outlive every group.
+rendezvous round, new wrappers), ``h.resume(...)`` (gradients cleared after a recovery: a fault can cut a
+``backward()`` mid-way), then ``train_fn(h, step)``. When it raises on a rank, that rank declares a fault
+(:mod:`robustdist.recovery.faults`); every other rank's watch gets it out of what it is in (a gloo collective:
+:class:`~robustdist.runtime.group_sockets.GroupSockets`; robustdist's own store waits:
+:func:`~robustdist.runtime.dist.interrupt_waits`). Every rank then says whether it recovers or escalates, and waits
+(bounded) for every other rank's word: one escalating, or silent, and all escalate. Then each closes its
+``Hardened`` (keeping the in-memory tier's copies), frees the old wrappers, and starts the next generation.
+Each generation's job store object is kept until the next generation's store is up, so the fault keys outlive
+the group that faulted.
 
-Escalation, never a cover-up: a fault that repeats after resuming from the same step
-``health.max_restarts_without_progress`` times, and a fault this loop must not paper over (a configuration or
-version error, the restart-loop verdict, memory exhaustion, a CUDA error, ``KeyboardInterrupt``), is re-raised:
-the process exits and the ordinary path (a restart by the launcher, then ``RestartLoopError``) takes over.
+Escalation, never a cover-up: a fault that repeats after resuming from the same step (or inside ``resume()``)
+``health.max_restarts_without_progress`` times, a fault this loop must not paper over (a configuration or version
+error, the restart-loop verdict, memory exhaustion, a CUDA error, ``KeyboardInterrupt`` or ``SystemExit``), a
+lost store, and a run the loop cannot unblock (any backend but gloo, FSDP, ``TORCH_GLOO_LAZY_INIT``) are
+re-raised on every rank: the processes exit and the ordinary path (a restart by the launcher, whose restart-loop
+guard counts launcher attempts as before) takes over.
 
 Not yet (docs/status.md): detection from the watchdog's hang verdict and from stopped heartbeats (a rank that
 hangs, or dies, is not noticed by this loop; the ordinary timeouts and launcher restarts still apply), a fault
@@ -40,7 +45,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from robustdist.health.watchdog_store import connector
-from robustdist.recovery.faults import FaultWatch, declare_fault
+from robustdist.recovery.faults import SCOPE, FaultWatch, clear_generation, declare_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
@@ -84,8 +89,45 @@ def run_in_process(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *
     Returns what ``train_fn`` returned; the last ``Hardened`` is closed. Collective: every rank calls it. In one
     process (no group) it resumes and runs ``train_fn`` once.
     """
-    keep: Any = None  # the job store's object: rank 0's server, and the fault keys, outlive every group
-    last_resumed: tuple[int | None, int] = (None, 0)  # (the step resumed from, faults after it in a row)
+    try:
+        return _loop(make, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra)
+    finally:  # a later harden() in this process is a fresh start again, and its waits run
+        _state["generation"] = 0
+        _dist.resume_waits()
+
+
+def _supported(h: Any, sockets: GroupSockets) -> str | None:
+    """Why this generation cannot recover in place, or None."""
+    if _dist.backend_kind() != "gloo":
+        return (f"the backend is {_dist.backend_kind()}: only a gloo collective can be unblocked in place (an NCCL "
+                "kernel cannot be stopped by closing sockets)")
+    if h.config.distributed.strategy != "ddp":
+        return f"distributed.strategy is {h.config.distributed.strategy}: only DDP is rebuilt in place so far"
+    if sockets.lazy or not len(sockets):
+        return "the group's connections could not be recorded (TORCH_GLOO_LAZY_INIT?), so a collective in " \
+               "progress could not be unblocked"
+    return None
+
+
+def _agree(store: Any, gen: int, rank: int, world: int, mine: str, timeout: float) -> list[str]:
+    """Every rank's decision for generation ``gen`` ("recover", "escalate" or "done"); a rank that says nothing
+    within ``timeout`` counts as "escalate"."""
+    base = f"{SCOPE}/{gen}/decision"
+    store.set(f"{base}/{rank}", mine)
+    deadline = time.monotonic() + timeout
+    out = []
+    for r in range(world):
+        key = f"{base}/{r}"
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out.append(store.get(key).decode("ascii", "replace") if store.check([key]) else "escalate")
+    return out
+
+
+def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimizer: Any, scheduler: Any,
+          extra: dict[str, Any]) -> T:
+    keep: Any = None  # this generation's job store: its server, and the fault keys, outlive the group
+    last_resumed: tuple[object, int] = (None, 0)  # (the step resumed from, or "resume", faults after it in a row)
     while True:
         _dist.resume_waits()
         sockets = GroupSockets()
@@ -94,13 +136,25 @@ def run_in_process(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *
         store = _dist.default_store()
         if store is None or _dist.world_size() == 1:
             try:
-                return train_fn(h, h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0)
-            finally:
-                h.close()
+                result = train_fn(h, h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0)
+            except BaseException:
+                h.close(keep_local=True)  # a restart resumes from the in-memory copies
+                raise
+            h.close()
+            return result
         keep = _torch_compat.innermost_store(store)
         ports = [p for p in (getattr(keep, "port", None), h.topology.master_port) if p]
         sockets.exclude(*ports)
         rank, world, gen = _dist.rank(), _dist.world_size(), _state["generation"]
+        unsupported = _supported(h, sockets)
+        if unsupported and gen == 0:
+            log.warning("rank %d: in-process recovery is off for this run: %s; a fault ends the process as usual",
+                        rank, unsupported)
+        if gen > 0 and rank == 0:  # every rank is past generation gen - 1 (they rendezvoused): drop its keys
+            try:
+                clear_generation(store, generation=gen - 1, world_size=world)
+            except Exception as e:  # only bytes are left behind
+                log.debug("could not clear generation %d's keys: %s", gen - 1, e)
         fired = threading.Event()
 
         def on_fault(g: int, sockets: GroupSockets = sockets, fired: threading.Event = fired) -> None:
@@ -110,10 +164,14 @@ def run_in_process(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *
 
         watch = FaultWatch(connector(store, h.config.distributed.timeout), store, generation=gen, world_size=world,
                            rank=rank, on_fault=on_fault).start()
-        resumed: int | None = None
+        resumed: object = "resume"
         try:
             resumed = h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0
-            result = train_fn(h, resumed)
+            if gen > 0:  # a fault mid-backward left partial gradients: the recovered step starts from none
+                h.model.zero_grad(set_to_none=True)
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+            result = train_fn(h, int(resumed))  # type: ignore[call-overload]
         except BaseException as e:
             own = not fired.is_set()
             what = f"{type(e).__name__}: {str(e).strip()[:1500]}"
@@ -124,18 +182,28 @@ def run_in_process(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *
                     log.warning("rank %d could not declare its fault in the store (%s)", rank, d)
             started = time.monotonic()
             watch.close()
+            repeats = last_resumed[1] + 1 if resumed == last_resumed[0] else 1
+            last_resumed = (resumed, repeats)
+            limit = h.config.health.max_restarts_without_progress
+            why = (unsupported if unsupported else
+                   "the watch lost the store" if watch.lost else
+                   "it must not be recovered in place" if _fatal(e) and (own or not isinstance(e, Exception)) else
+                   f"{repeats} faults in a row after resuming from {'step ' if resumed != 'resume' else ''}{resumed} "
+                   f"(health.max_restarts_without_progress={limit})" if repeats >= limit else None)
+            try:  # every rank decides alike: if one escalates, or is gone, all do
+                decisions = _agree(keep, gen, rank, world, "escalate" if why else "recover",
+                                   min(60.0, h.config.distributed.init_timeout))
+            except Exception as d:  # the store is gone: nobody can agree on a recovery
+                decisions, why = ["escalate"], why or f"the store is gone ({type(d).__name__})"
+            if why is None and any(d != "recover" for d in decisions):
+                others = [r for r, d in enumerate(decisions) if d != "recover"]
+                why = f"rank(s) {others} did not recover ({', '.join(decisions[r] for r in others)})"
             try:
                 h.close(keep_local=True)
             except Exception as c:  # a group that the fault broke: what matters is that it is gone
                 log.info("rank %d: closing generation %d after the fault: %s: %s", rank, gen, type(c).__name__,
                          str(c)[:300])
-            repeats = last_resumed[1] + 1 if resumed is not None and resumed == last_resumed[0] else 1
-            last_resumed = (resumed, repeats)
-            limit = h.config.health.max_restarts_without_progress
-            if (own and _fatal(e)) or repeats >= limit:
-                why = ("it must not be recovered in place" if own and _fatal(e) else
-                       f"{repeats} faults in a row after resuming from step {resumed} "
-                       f"(health.max_restarts_without_progress={limit})")
+            if why is not None:
                 log.error("rank %d: %s: not recovering in process (%s); the process exits for a restart", rank,
                           what[:300], why)
                 raise
@@ -144,6 +212,11 @@ def run_in_process(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *
                         "a fault" if own else "another rank's fault", gen, what[:300], gen + 1)
         else:
             watch.close()
+            if fired.is_set():  # another rank faulted after this one's last collective: it will not recover
+                try:
+                    keep.set(f"{SCOPE}/{gen}/decision/{rank}", "done")
+                except Exception as d:
+                    log.debug("could not record this rank's finish: %s", d)
             h.close()
             return result
         # Out of the except block, so the exception and its frames are gone: free the previous generation's

@@ -223,3 +223,22 @@ def test_an_arrival_wait_is_interrupted_at_once_and_new_objects_work_after():
     assert message.startswith("[rank 0] save() was interrupted while this rank waited for the others: rank 1 "
                               "faulted at step 7."), message
     assert 0.5 <= elapsed < 30 and broken  # not the 120 s arrival timeout; the object is done with
+
+
+def test_a_wake_key_left_by_an_earlier_watch_is_dropped_not_spun_on():
+    """A store that outlived an earlier watch of the same generation number keeps its wake key: the new watch
+    drops it (no busy loop on a key that exists), and still sees the next fault."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store.set("robustdist/recovery/0/wake/0", "closed")  # left by an earlier watch's close()
+    called: list[int] = []
+    watch = FaultWatch(connector(store, 30), store, generation=0, world_size=1, rank=0,
+                       on_fault=called.append).start()
+    deadline = time.monotonic() + 10
+    while store.check(["robustdist/recovery/0/wake/0"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not store.check(["robustdist/recovery/0/wake/0"]) and watch.alive and called == []
+    declare_fault(store, generation=0, rank=0, world_size=1, what="ValueError: later")
+    while watch.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.close()
+    assert called == [0] and watch.fault is not None and watch.fault.count == 1

@@ -28,7 +28,8 @@ class ToyModel(nn.Module):
         return self.net2(self.relu(self.net1(x)))
 
 
-def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backward: bool = False) -> dict:
+def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backward: bool = False,
+         kind: type[BaseException] = ValueError) -> dict:
     """``fault``: (rank, step, every generation?) raises ValueError there: after the optimizer step (the other
     rank then waits in the save's arrival check, in the store), or before ``backward()`` (the other rank then
     waits in DDP's gradient all-reduce, a gloo collective)."""
@@ -49,15 +50,15 @@ def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backw
         while step < TOTAL:
             for x, y in h.loader:
                 loss = nn.functional.mse_loss(h.model(x), y)
-                optimizer.zero_grad()
                 hit = fault and rank == fault[0] and step + 1 == fault[1] and (fault[2] or generation() == 0)
                 if hit and before_backward:
-                    raise ValueError(f"boom at step {step + 1}")
-                loss.backward()
+                    raise kind(f"boom at step {step + 1}")
+                loss.backward()  # the other rank's backward is cut mid-way by this fault: partial gradients
                 optimizer.step()
+                optimizer.zero_grad()  # after the step, as the README's loop does
                 step += 1
                 if hit:
-                    raise ValueError(f"boom at step {step}")
+                    raise kind(f"boom at step {step}")
                 h.save(step, optimizer=optimizer)
                 if step == TOTAL:
                     break
@@ -67,7 +68,7 @@ def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backw
     try:
         out["end"] = run_in_process(lambda: harden(model, loader, cfg, optimizer=optimizer), train,
                                     optimizer=optimizer)
-    except Exception as e:
+    except BaseException as e:
         out["raised"] = f"{type(e).__name__}: {e}"
     out.update(seen=seen, generation=generation(), params=[p.detach().clone() for p in model.parameters()])
     return out
@@ -81,7 +82,7 @@ def test_an_exception_on_one_rank_recovers_in_process_from_memory_bitwise(tmp_pa
     for rank in range(2):
         got, ref = faulted[rank], straight[rank]
         assert "raised" not in got, got.get("raised")
-        assert got["end"] == ref["end"] == TOTAL and got["generation"] == 1 and ref["generation"] == 0
+        assert got["end"] == ref["end"] == TOTAL and got["generation"] == ref["generation"] == 0  # reset after
         # generation 0 started fresh; generation 1 resumed step 6 (the fault came before step 7's save) from the
         # in-memory tier (the durable tier holds nothing: every_n_steps=100), in the same process
         assert [g for g, _, _ in got["seen"]] == [0, 1] and got["seen"][1][1] == 6, got["seen"]
@@ -96,7 +97,21 @@ def test_a_fault_that_repeats_at_the_same_step_escalates(tmp_path):
     assert out[1]["raised"] == "ValueError: boom at step 3"
     assert "raised" in out[0]
     for rank in range(2):
-        assert out[rank]["generation"] == 3 and [s for _, s, _ in out[rank]["seen"]] == [0, 2, 2, 2]
+        assert [(g, s) for g, s, _ in out[rank]["seen"]] == [(0, 0), (1, 2), (2, 2), (3, 2)]
+
+
+def test_a_fault_that_must_not_be_recovered_ends_every_rank_promptly(tmp_path):
+    """MemoryError on rank 1: it escalates, and so does rank 0 (they agree), long before init_timeout (60 s), which
+    a rank recovering alone would wait out in the next rendezvous."""
+    import time
+
+    start = time.monotonic()
+    out = run_ranks(_job, 2, args=(str(tmp_path / "e"), (1, 3, False), False, MemoryError), init=False, timeout=180)
+    assert time.monotonic() - start < 45
+    assert out[1]["raised"] == "MemoryError: boom at step 3"
+    assert out[0]["raised"].startswith("CheckpointError") or out[0]["raised"].startswith("RuntimeError"), out[0]
+    for rank in range(2):  # no recovery happened, and a later harden() in the process starts afresh
+        assert out[rank]["generation"] == 0 and [g for g, _, _ in out[rank]["seen"]] == [0]
 
 
 def test_one_process_runs_the_function_once(tmp_path, monkeypatch):
