@@ -58,7 +58,8 @@ __all__ = ["generation", "run_in_process"]
 log = get_logger(__name__)
 T = TypeVar("T")
 
-_state = {"generation": 0}  # this process's recovery generation (0: the first group), the same on every rank
+_state = {"generation": 0, "calls": 0}  # the recovery generation (0: the first group), and run_in_process calls
+# made in this process: both the same on every rank (the calls are collective)
 _FATAL = (ConfigError, RestartLoopError, UnsupportedVersionError, MemoryError)
 
 
@@ -89,8 +90,10 @@ def run_in_process(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *
     Returns what ``train_fn`` returned; the last ``Hardened`` is closed. Collective: every rank calls it. In one
     process (no group) it resumes and runs ``train_fn`` once.
     """
+    _state["calls"] += 1  # keys of its own: a store that outlived an earlier call holds that call's keys
     try:
-        return _loop(make, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra)
+        return _loop(make, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra,
+                     scope=f"{SCOPE}/{_state['calls']}")
     finally:  # a later harden() in this process is a fresh start again, and its waits run
         _state["generation"] = 0
         _dist.resume_waits()
@@ -109,10 +112,10 @@ def _supported(h: Any, sockets: GroupSockets) -> str | None:
     return None
 
 
-def _agree(store: Any, gen: int, rank: int, world: int, mine: str, timeout: float) -> list[str]:
+def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str, timeout: float) -> list[str]:
     """Every rank's decision for generation ``gen`` ("recover", "escalate" or "done"); a rank that says nothing
     within ``timeout`` counts as "escalate"."""
-    base = f"{SCOPE}/{gen}/decision"
+    base = f"{scope}/{gen}/decision"
     store.set(f"{base}/{rank}", mine)
     deadline = time.monotonic() + timeout
     out = []
@@ -125,7 +128,7 @@ def _agree(store: Any, gen: int, rank: int, world: int, mine: str, timeout: floa
 
 
 def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimizer: Any, scheduler: Any,
-          extra: dict[str, Any]) -> T:
+          extra: dict[str, Any], scope: str) -> T:
     keep: Any = None  # this generation's job store: its server, and the fault keys, outlive the group
     last_resumed: tuple[object, int] = (None, 0)  # (the step resumed from, or "resume", faults after it in a row)
     while True:
@@ -152,7 +155,7 @@ def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimiz
                         rank, unsupported)
         if gen > 0 and rank == 0:  # every rank is past generation gen - 1 (they rendezvoused): drop its keys
             try:
-                clear_generation(store, generation=gen - 1, world_size=world)
+                clear_generation(store, generation=gen - 1, world_size=world, scope=scope)
             except Exception as e:  # only bytes are left behind
                 log.debug("could not clear generation %d's keys: %s", gen - 1, e)
         fired = threading.Event()
@@ -163,7 +166,7 @@ def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimiz
             _dist.interrupt_waits(f"a rank faulted in recovery generation {g}")
 
         watch = FaultWatch(connector(store, h.config.distributed.timeout), store, generation=gen, world_size=world,
-                           rank=rank, on_fault=on_fault).start()
+                           rank=rank, on_fault=on_fault, scope=scope).start()
         resumed: object = "resume"
         try:
             resumed = h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0
@@ -177,7 +180,7 @@ def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimiz
             what = f"{type(e).__name__}: {str(e).strip()[:1500]}"
             if own:
                 try:
-                    declare_fault(store, generation=gen, rank=rank, world_size=world, what=what)
+                    declare_fault(store, generation=gen, rank=rank, world_size=world, what=what, scope=scope)
                 except Exception as d:  # the others then see this rank's group go (its sockets close)
                     log.warning("rank %d could not declare its fault in the store (%s)", rank, d)
             started = time.monotonic()
@@ -191,7 +194,7 @@ def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimiz
                    f"{repeats} faults in a row after resuming from {'step ' if resumed != 'resume' else ''}{resumed} "
                    f"(health.max_restarts_without_progress={limit})" if repeats >= limit else None)
             try:  # every rank decides alike: if one escalates, or is gone, all do
-                decisions = _agree(keep, gen, rank, world, "escalate" if why else "recover",
+                decisions = _agree(keep, scope, gen, rank, world, "escalate" if why else "recover",
                                    min(60.0, h.config.distributed.init_timeout))
             except Exception as d:  # the store is gone: nobody can agree on a recovery
                 decisions, why = ["escalate"], why or f"the store is gone ({type(d).__name__})"
@@ -214,7 +217,7 @@ def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimiz
             watch.close()
             if fired.is_set():  # another rank faulted after this one's last collective: it will not recover
                 try:
-                    keep.set(f"{SCOPE}/{gen}/decision/{rank}", "done")
+                    keep.set(f"{scope}/{gen}/decision/{rank}", "done")
                 except Exception as d:
                     log.debug("could not record this rank's finish: %s", d)
             h.close()
