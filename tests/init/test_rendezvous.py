@@ -282,13 +282,15 @@ def test_a_port_that_keeps_failing_the_handshake_is_named_after_a_second_handsha
     with torch's error after the second handshake (long before a 30 s deadline), and as one that spoke also when
     the deadline cuts the second handshake short."""
     monkeypatch.setattr(rendezvous, "_HANDSHAKE_S", 0.5)
-    with _server(b"HTTP/1.1 400 Bad Request\r\n\r\n") as (port, _):
+    with _server(b"HTTP/1.1 400 Bad Request\r\n\r\n") as (port, accepted):
         start = time.monotonic()
         store, kind, detail = rendezvous.try_connect("127.0.0.1", port, 2, start + deadline)
         elapsed = time.monotonic() - start
     assert store is None and kind == "spoke", (kind, detail)
     assert detail.startswith("the store handshake failed: "), detail  # torch's words vary by version
-    assert 2 * 0.5 <= elapsed < min(deadline, 15) + 1, elapsed  # two handshakes, each bounded
+    assert elapsed < min(deadline, 15) + 1, elapsed  # each handshake bounded (torch 2.13 retries inside it, 2.8 not)
+    if deadline > 2:  # probe, handshake, probe, handshake: at least four connections (torch may retry inside)
+        assert len(accepted) >= 4, len(accepted)
 
 
 # ---------------------------------------------------------------------------------------------- 4. file://
