@@ -198,10 +198,8 @@ def test_ray_default_matches_what_a_starting_ray_node_chooses():
                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     assert out.returncode == 0, out.stderr[-4000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    # Memory in use moves while the node starts: ours is read before, during and after; Ray's lies between, give
-    # or take what other processes allocate meanwhile (the newest lane once saw Ray's 88 MB below all three
-    # readings, with 2-rank tests running beside it: 30% of ~300 MB). 5% still tells a wrong proportion or cap.
-    slack = max(64 * 2**20, 0.05 * seen["ray"])
+    # Memory in use moves while the node starts: ours is read before, during and after; Ray's lies between.
+    slack = 64 * 2**20
     assert min(seen["ours"]) - slack <= seen["ray"] <= max(seen["ours"]) + slack, seen
     assert seen["plan"] <= max(seen["ours"]) + slack, seen  # the plan never goes above Ray's own default
     assert "import ray" not in open(ray_memory.__file__).read()  # pure arithmetic on what Ray reads
