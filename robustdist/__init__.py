@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         FsdpConfig,
         HardenConfig,
         HealthConfig,
+        RecoveryConfig,
         resolve_config,
     )
     from robustdist.data.dataloader import SafeDataLoader, safe_dataloader
@@ -76,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
 _LAZY: dict[str, str] = {
     **dict.fromkeys(
         ["CheckpointConfig", "DataConfig", "DistributedConfig", "FsdpConfig", "HardenConfig", "HealthConfig",
-         "resolve_config"],
+         "RecoveryConfig", "resolve_config"],
         "robustdist.config.schema",
     ),
     **dict.fromkeys(

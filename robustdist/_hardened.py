@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from torch import nn
 from torch.optim import Optimizer
@@ -24,12 +24,14 @@ from robustdist.recovery import loop as _recovery
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
 from robustdist.runtime.errors import CheckpointError, ConfigError, RestartLoopError
+from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger, logging_configured
 from robustdist.runtime.topology import Topology
 
 __all__ = ["Hardened"]
 
 log = get_logger("robustdist.harden")
+T = TypeVar("T")
 
 
 class Hardened(RayReporting):
@@ -53,6 +55,17 @@ class Hardened(RayReporting):
                  checkpointer: AtomicCheckpointer | None, config: HardenConfig,
                  watchdog: Watchdog | None = None, local: LocalTier | None = None,
                  ray: _ray_train.RayTrain | None = None, identity: RunIdentity | None = None, scaler: Any = None):
+        self._rebuild: Callable[..., Hardened] | None = None  # recovery.in_process: the next generation's harden
+        self._sockets: GroupSockets | None = None  # recovery.in_process: this generation's group connections
+        self._renew(state=state, topology=topology, init_report=init_report, checkpointer=checkpointer,
+                    config=config, watchdog=watchdog, local=local, ray=ray, identity=identity, scaler=scaler)
+
+    def _renew(self, *, state: TrainState, topology: Topology, init_report: InitReport,
+               checkpointer: AtomicCheckpointer | None, config: HardenConfig, watchdog: Watchdog | None,
+               local: LocalTier | None, ray: _ray_train.RayTrain | None, identity: RunIdentity | None,
+               scaler: Any) -> Hardened:
+        """This object's parts, new (at construction, and at each in-process recovery's next generation: the
+        script's ``h`` then holds the new model, group, checkpointer and guards)."""
         self.state, self.topology, self.init_report = state, topology, init_report
         self.checkpointer, self.config, self.watchdog = checkpointer, config, watchdog
         self.local, self.ray, self.identity = local, ray, identity
@@ -76,6 +89,12 @@ class Hardened(RayReporting):
                                scaler=scaler, overflow_warn_after=health.scaler_overflow_warn_after)
         if scaler is not None:  # its scale and growth tracker: a resume without them skips other steps
             state.scaler = scaler
+        return self
+
+    def _rebuilding(self, sockets: GroupSockets | None, rebuild: Callable[..., Hardened]) -> None:
+        """recovery.in_process: the connections harden recorded, and how to harden the next generation into this
+        object (``rebuild(optimizer=..., into=self)``)."""
+        self._sockets, self._rebuild = sockets, rebuild
 
     # ------------------------------------------------------------------ drop-in shape
     def __iter__(self) -> Any:
@@ -120,6 +139,51 @@ class Hardened(RayReporting):
         restart, and so on. It comes from the job's store (``init_report.attempt``), never from one node's
         ``TORCHELASTIC_RESTART_COUNT``, which torchrun counts per node (see :mod:`robustdist.init.process_group`)."""
         return self.init_report.attempt
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, train_fn: Callable[[Hardened, int], T], *, optimizer: Optimizer | None = None,
+            scheduler: Stateful | None = None, **extra: Any) -> T:
+        """Resume, run ``train_fn(h, step)`` from the step resumed (0 on a fresh run), close, and return what it
+        returned. Collective: every rank calls it. The README's loop, as a function::
+
+            def train(h, step):
+                while step < total_steps:
+                    for x, y in h.loader:
+                        ...
+                        step += 1
+                        h.save(step, optimizer=opt, scheduler=sched)
+                        if step == total_steps:
+                            break
+                return step
+
+            h = harden(model, loader, cfg, optimizer=opt)
+            h.run(train, optimizer=opt, scheduler=sched)
+
+        By default it is exactly ``with h: train(h, h.resume(...) or 0)``: a fault ends the process, and the
+        launcher's restart resumes. With ``recovery.in_process: true`` (experimental, docs/recovery.md) a fault on
+        any rank is recovered in the same processes: every rank tears down, ``h`` is hardened again (a new group,
+        a new DDP; the same loader, optimizer and scheduler), resumes from the newest checkpoint (the in-memory
+        tier's, when it has one) and calls ``train_fn`` again. Inside ``train_fn`` use ``h.model``, not a module
+        kept from before: an earlier generation's DDP module is retired (using it raises). A fault that repeats,
+        or one that must not be papered over, ends the process as before (:mod:`robustdist.recovery.loop`).
+        """
+        if self._closed:
+            raise ConfigError("h.run() was called on a closed Hardened (h.run closes it when it returns, as does "
+                              "h.close()); expected an open one. Fix: harden the model again for another run.",
+                              rank=self._err_rank())
+        if self._rebuild is None:
+            with self:
+                return train_fn(self, self.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0)
+        return _recovery.run_hardened(self, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra)
+
+    def _next_generation(self, optimizer: Optimizer | None) -> GroupSockets | None:
+        """recovery.in_process: harden the next generation into this object (after :meth:`close`)."""
+        if self._rebuild is None:
+            raise ConfigError("this Hardened was not made with recovery.in_process: true; expected one that was. "
+                              "Fix: set recovery.in_process: true in the config given to harden().",
+                              rank=self._err_rank())
+        self._rebuild(optimizer=optimizer if optimizer is not None else self.optimizer, into=self)
+        return self._sockets
 
     # ------------------------------------------------------------------ per step
     def step_guard(self, loss: Any, step: int, *, scaler: Any = None) -> StepDecision:

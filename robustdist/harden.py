@@ -47,6 +47,8 @@ A training loop that resumes, and survives a rollback::
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -65,7 +67,7 @@ from robustdist.checkpoint._run_owner import TUNE_TRIAL_SOURCE, RunIdentity, cla
 from robustdist.checkpoint.local.tier import lineage_of
 from robustdist.checkpoint.train_state import TrainState
 from robustdist.config.schema import HardenConfig, resolve_config
-from robustdist.data.dataloader import safe_dataloader
+from robustdist.data.dataloader import SafeDataLoader, safe_dataloader
 from robustdist.frameworks import accelerate as _accelerate
 from robustdist.frameworks import fabric as _fabric
 from robustdist.health.step_guard import Watchdog
@@ -82,6 +84,7 @@ from robustdist.recovery import loop as _recovery
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import ConfigError
+from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.topology import Topology, detect_topology
 
@@ -113,13 +116,30 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
             checkpointed (as ``grad_scaler``) and restored by ``resume``.
     """
     config = resolve_config(cfg)
+    return _build(model, loader, config, optimizer=optimizer, shard_policy=shard_policy, init_weights=init_weights,
+                  scaler=scaler, into=None)
+
+
+def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: torch.optim.Optimizer | None,
+           shard_policy: Any, init_weights: Any, scaler: Any, into: Hardened | None) -> Hardened:
+    """harden()'s work, into a new ``Hardened`` or, for an in-process recovery's next generation, into ``into``
+    (the same object the script holds, renewed: ``h.model`` is then the new generation's)."""
+    given_scaler = scaler
     topo = detect_topology()
     framework = _refuse_wrapped(model, topo)
     if framework == "accelerate":
         _refuse_fsdp_under_accelerate(config, topo)
     elif framework == "fabric":
         _fabric.verdict(model, config.distributed.strategy, topo.rank if topo.is_distributed else None)
-    report = _init(config, topo)
+    # In-process recovery unblocks a collective by shutting the group's connections: record them as they open
+    # (the default group, the checkpointer's and the tier's groups).
+    recording = contextlib.ExitStack()
+    sockets = recording.enter_context(GroupSockets().recording()) if config.recovery.in_process else None
+    try:
+        report = _init(config, topo)
+    except BaseException:
+        recording.close()
+        raise
     checkpointer: AtomicCheckpointer | None = None
     identity: RunIdentity | None = None
     local: LocalTier | None = None
@@ -136,6 +156,8 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
             safe = loader
             if loader is not None and config.checkpoint.dir is not None:
                 log.warning("%s", _FRAMEWORK_LOADER_WARNING[str(framework)])
+        elif into is not None and isinstance(into.loader, SafeDataLoader):
+            safe = into.loader  # a recovery keeps the loader (ranks and world are the same): resume sets its position
         else:
             safe = safe_dataloader(loader, config.data)
         ckpt = config.checkpoint
@@ -160,10 +182,13 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
                                 rank=report.rank, world_size=report.world_size,
                                 hand_over=_ray_train.raise_in_training_thread if ray is not None else None
                                 ).attach(wrapped)
-        hardened = Hardened(state=TrainState(wrapped, optimizer=optimizer, loader=safe), topology=topo,
-                            init_report=report, checkpointer=checkpointer, config=config, watchdog=watchdog,
-                            local=local, ray=ray, identity=identity, scaler=scaler)
+        recording.close()
+        parts: dict[str, Any] = dict(state=TrainState(wrapped, optimizer=optimizer, loader=safe), topology=topo,
+                                     init_report=report, checkpointer=checkpointer, config=config, watchdog=watchdog,
+                                     local=local, ray=ray, identity=identity, scaler=scaler)
+        hardened = Hardened(**parts) if into is None else into._renew(**parts)
     except BaseException:
+        recording.close()
         if watchdog is not None:
             watchdog.close()
         if local is not None:
@@ -172,6 +197,9 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
             checkpointer.close()
         destroy_process_group_if_owned(report)
         raise
+    if config.recovery.in_process:  # the next generation: the same bare model, loader and arguments
+        hardened._rebuilding(sockets, functools.partial(_build, model, loader, config, shard_policy=shard_policy,
+                                                        init_weights=init_weights, scaler=given_scaler))
     for module in (model, wrapped):
         _HARDENED[module] = weakref.ref(hardened)
     log.info("hardened: %s", _describe(hardened))

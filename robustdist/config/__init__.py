@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         FsdpConfig,
         HardenConfig,
         HealthConfig,
+        RecoveryConfig,
         config_reference,
         resolve_config,
         section_of,
@@ -26,4 +27,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
 
 __getattr__, __dir__, __all__ = _attach(__name__, dict.fromkeys(
     ["CheckpointConfig", "DataConfig", "DistributedConfig", "FsdpConfig", "HardenConfig", "HealthConfig",
-     "config_reference", "resolve_config", "section_of"], "robustdist.config.schema"))
+     "RecoveryConfig", "config_reference", "resolve_config", "section_of"], "robustdist.config.schema"))

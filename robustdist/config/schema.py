@@ -1,6 +1,7 @@
 """``HardenConfig``: one keyword-only, frozen, validated configuration for every robustdist part.
 
-Sections (each a dataclass of its own): ``distributed``, ``data``, ``checkpoint``, ``health``, ``fsdp``. Every field
+Sections (each a dataclass of its own): ``distributed``, ``data``, ``checkpoint``, ``health``, ``fsdp``,
+``recovery``. Every field
 carries a one-line doc in its metadata; :func:`config_reference` renders them as the table in docs/configuration.md.
 
 Ways in, all validated up front; any bad input raises :class:`~robustdist.runtime.errors.ConfigError` naming the
@@ -37,6 +38,7 @@ __all__ = [
     "FsdpConfig",
     "HardenConfig",
     "HealthConfig",
+    "RecoveryConfig",
     "config_reference",
     "resolve_config",
     "section_of",
@@ -187,12 +189,25 @@ class FsdpConfig(_Section):
                                      "all-gather in backward).", v.boolean())
 
 
+@dataclass(frozen=True, kw_only=True)
+class RecoveryConfig(_Section):
+    """How a fault is recovered from."""
+
+    _name: ClassVar[str] = "recovery"
+    in_process: bool = _f(False, "Experimental. h.run(train_fn): a fault on any rank (an exception escaping the step) "
+                          "is recovered in the same processes, from the last checkpoint, with no restart; gloo and "
+                          "DDP only, else a fault ends the process as before (docs/recovery.md).",
+                          _switch("give a boolean: true (recover in process under h.run) or false (the default: "
+                                  "a fault ends the process and the launcher restarts it)"))
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     "distributed": DistributedConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "health": HealthConfig,
     "fsdp": FsdpConfig,
+    "recovery": RecoveryConfig,
 }
 
 S = TypeVar("S", bound=_Section)
@@ -243,6 +258,8 @@ class HardenConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Atomic checkpoints."})
     health: HealthConfig = field(default_factory=HealthConfig, metadata={"doc": "Runtime health guards."})
     fsdp: FsdpConfig = field(default_factory=FsdpConfig, metadata={"doc": "FSDP2 sharding."})
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig,
+                                     metadata={"doc": "Recovery from a fault (experimental)."})
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
@@ -257,6 +274,14 @@ class HardenConfig:
                 "checkpoint.local_every_n_steps is set but checkpoint.dir is None; expected a durable checkpoint "
                 "directory beside the in-memory tier (it is the fallback when a job or every copy is lost, and it holds "
                 "the tier's lineage). Fix: set checkpoint.dir too."
+            )
+        if self.recovery.in_process and self.checkpoint.dir is None:
+            raise ConfigError(
+                "recovery.in_process is true but checkpoint.dir is None; expected a checkpoint directory: an "
+                "in-process recovery resumes from the last checkpoint (best an in-memory one: "
+                "checkpoint.local_every_n_steps); without one every fault would start the run over. Fix: set "
+                "checkpoint.dir (and "
+                "checkpoint.local_every_n_steps), or recovery.in_process: false."
             )
 
     # ----------------------------------------------------------------- constructors

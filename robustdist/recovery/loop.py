@@ -9,31 +9,36 @@ the training function again from the last checkpoint, in the same process.
             h.save(step, optimizer=optimizer)
         return step
 
-    from robustdist.recovery import run_in_process
+    h = harden(model, loader, {..., "recovery": {"in_process": True}}, optimizer=optimizer)
+    h.run(train, optimizer=optimizer)         # robustdist.harden.Hardened.run -> run_hardened
+
+    # or, building the Hardened per generation yourself:
     run_in_process(lambda: harden(model, loader, cfg, optimizer=optimizer), train, optimizer=optimizer)
 
-Each generation: ``make()`` (``harden`` again on the same bare model, loader and optimizer: a new group at a new
-rendezvous round, new wrappers), ``h.resume(...)`` (gradients cleared after a recovery: a fault can cut a
-``backward()`` mid-way), then ``train_fn(h, step)``. When it raises on a rank, that rank declares a fault
+Each generation: a ``Hardened`` (the first is ``h``; later ones are hardened into ``h`` again, or ``make()``:
+the same bare model, loader and optimizer, a new group at a new rendezvous round, new wrappers),
+``h.resume(...)`` (gradients cleared after a recovery: a fault can cut a ``backward()`` mid-way), then
+``train_fn(h, step)``. When it raises on a rank, that rank declares a fault
 (:mod:`robustdist.recovery.faults`); every other rank's watch gets it out of what it is in (a gloo collective:
 :class:`~robustdist.runtime.group_sockets.GroupSockets`; robustdist's own store waits:
 :func:`~robustdist.runtime.dist.interrupt_waits`). Every rank then says whether it recovers or escalates, and waits
 (bounded) for every other rank's word: one escalating, or silent, and all escalate. Then each closes its
-``Hardened`` (keeping the in-memory tier's copies), frees the old wrappers, and starts the next generation.
-Each generation's job store object is kept until the next generation's store is up, so the fault keys outlive
-the group that faulted.
+``Hardened`` (keeping the in-memory tier's copies), retires the old DDP modules
+(:func:`~robustdist.runtime.group_teardown.retire_ddp_modules`), and starts the next generation. Each
+generation's job store object is kept until the next generation's store is up, so the fault keys outlive the
+group that faulted.
 
 Escalation, never a cover-up: a fault that repeats after resuming from the same step (or inside ``resume()``)
 ``health.max_restarts_without_progress`` times, a fault this loop must not paper over (a configuration or version
 error, the restart-loop verdict, memory exhaustion, a CUDA error, ``KeyboardInterrupt`` or ``SystemExit``), a
-lost store, and a run the loop cannot unblock (any backend but gloo, FSDP, ``TORCH_GLOO_LAZY_INIT``) are
-re-raised on every rank: the processes exit and the ordinary path (a restart by the launcher, whose restart-loop
-guard counts launcher attempts as before) takes over.
+lost store, and a run the loop cannot unblock (any backend but gloo, FSDP, ``TORCH_GLOO_LAZY_INIT``, a group
+robustdist did not create) are re-raised on every rank: the processes exit and the ordinary path (a restart by
+the launcher, whose restart-loop guard counts launcher attempts as before) takes over.
 
 Not yet (docs/status.md): detection from the watchdog's hang verdict and from stopped heartbeats (a rank that
 hangs, or dies, is not noticed by this loop; the ordinary timeouts and launcher restarts still apply), a fault
-during a recovery (the next ``make()`` then fails with its own error), restoring from memory without reading the
-in-memory tier's files, the Ray Train path, and the ``recovery.in_process`` setting.
+during a recovery (the next generation's harden then fails with its own error), restoring from memory without
+reading the in-memory tier's files, and the Ray Train path.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from robustdist.runtime.errors import ConfigError, RestartLoopError, Unsupported
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger
 
-__all__ = ["generation", "run_in_process"]
+__all__ = ["generation", "run_hardened", "run_in_process"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -90,23 +95,52 @@ def run_in_process(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *
     Returns what ``train_fn`` returned; the last ``Hardened`` is closed. Collective: every rank calls it. In one
     process (no group) it resumes and runs ``train_fn`` once.
     """
+
+    def build() -> tuple[Any, GroupSockets]:
+        sockets = GroupSockets()
+        with sockets.recording():
+            h = make()
+        return h, sockets
+
+    return _calling(build, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra)
+
+
+def run_hardened(h: Any, train_fn: Callable[[Any, int], T], *, optimizer: Any, scheduler: Any,
+                 extra: dict[str, Any]) -> T:
+    """``h.run(train_fn)`` with ``recovery.in_process``: the same loop, each generation hardened into ``h`` itself
+    (the script's object; harden recorded the group's connections as it made them)."""
+    first: list[Any] = [h._sockets]
+
+    def build() -> tuple[Any, GroupSockets | None]:
+        if first:
+            return h, first.pop()
+        return h, h._next_generation(optimizer)
+
+    return _calling(build, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra)
+
+
+def _calling(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callable[[Any, int], T], *,
+             optimizer: Any, scheduler: Any, extra: dict[str, Any]) -> T:
     _state["calls"] += 1  # keys of its own: a store that outlived an earlier call holds that call's keys
     try:
-        return _loop(make, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra,
+        return _loop(build, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra,
                      scope=f"{SCOPE}/{_state['calls']}")
     finally:  # a later harden() in this process is a fresh start again, and its waits run
         _state["generation"] = 0
         _dist.resume_waits()
 
 
-def _supported(h: Any, sockets: GroupSockets) -> str | None:
+def _supported(h: Any, sockets: GroupSockets | None) -> str | None:
     """Why this generation cannot recover in place, or None."""
+    if not h.init_report.created:
+        return ("the process group is not robustdist's (Ray Train's, a framework's or the script's own): "
+                "robustdist cannot make the next one")
     if _dist.backend_kind() != "gloo":
         return (f"the backend is {_dist.backend_kind()}: only a gloo collective can be unblocked in place (an NCCL "
                 "kernel cannot be stopped by closing sockets)")
     if h.config.distributed.strategy != "ddp":
         return f"distributed.strategy is {h.config.distributed.strategy}: only DDP is rebuilt in place so far"
-    if sockets.lazy or not len(sockets):
+    if sockets is None or sockets.lazy or not len(sockets):
         return "the group's connections could not be recorded (TORCH_GLOO_LAZY_INIT?), so a collective in " \
                "progress could not be unblocked"
     return None
@@ -127,15 +161,13 @@ def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str, t
     return out
 
 
-def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimizer: Any, scheduler: Any,
-          extra: dict[str, Any], scope: str) -> T:
+def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callable[[Any, int], T], *,
+          optimizer: Any, scheduler: Any, extra: dict[str, Any], scope: str) -> T:
     keep: Any = None  # this generation's job store: its server, and the fault keys, outlive the group
     last_resumed: tuple[object, int] = (None, 0)  # (the step resumed from, or "resume", faults after it in a row)
     while True:
         _dist.resume_waits()
-        sockets = GroupSockets()
-        with sockets.recording():
-            h = make()
+        h, sockets = build()
         store = _dist.default_store()
         if store is None or _dist.world_size() == 1:
             try:
@@ -147,7 +179,8 @@ def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimiz
             return result
         keep = _torch_compat.innermost_store(store)
         ports = [p for p in (getattr(keep, "port", None), h.topology.master_port) if p]
-        sockets.exclude(*ports)
+        if sockets is not None:
+            sockets.exclude(*ports)
         rank, world, gen = _dist.rank(), _dist.world_size(), _state["generation"]
         unsupported = _supported(h, sockets)
         if unsupported and gen == 0:
@@ -160,9 +193,10 @@ def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimiz
                 log.debug("could not clear generation %d's keys: %s", gen - 1, e)
         fired = threading.Event()
 
-        def on_fault(g: int, sockets: GroupSockets = sockets, fired: threading.Event = fired) -> None:
+        def on_fault(g: int, sockets: GroupSockets | None = sockets, fired: threading.Event = fired) -> None:
             fired.set()
-            sockets.unblock()
+            if sockets is not None:
+                sockets.unblock()
             _dist.interrupt_waits(f"a rank faulted in recovery generation {g}")
 
         watch = FaultWatch(connector(store, h.config.distributed.timeout), store, generation=gen, world_size=world,
@@ -222,13 +256,15 @@ def _loop(make: Callable[[], Any], train_fn: Callable[[Any, int], T], *, optimiz
                     log.debug("could not record this rank's finish: %s", d)
             h.close()
             return result
-        # Out of the except block, so the exception and its frames are gone: free the previous generation's
-        # wrappers now. A DDP module still alive keeps its Reducer's hooks on the parameters, and the next
-        # backward() would run them too, on the destroyed group ("Connection closed by peer").
+        # Out of the except block, so the exception and its frames are gone. A DDP module of this generation
+        # still alive (h until it is renewed, or the training function's own variable) keeps its Reducer's hooks
+        # on the parameters the next DDP shares, and a Reducer cut mid-backward would run them at the next
+        # backward(), on the destroyed group: retire every one (its use then raises), then free what is free.
         del h
+        retired = group_teardown.retire_ddp_modules(
+            f"rank {rank}: this DistributedDataParallel module belongs to in-process recovery generation {gen}, "
+            f"torn down after a fault; expected the current generation's. Fix: use h.model inside the training "
+            f"function (the Hardened object holds generation {gen + 1}'s), not a module kept from before")
         gc.collect()
-        if (alive := group_teardown.live_ddp_modules()):
-            log.warning("rank %d: %d DistributedDataParallel module(s) of an earlier generation are still alive "
-                        "(referenced from the training function's state?); their hooks will fail the next "
-                        "backward(), and the fault will repeat until the process exits", rank, alive)
-        log.info("rank %d: generation %d torn down in %.2f s", rank, gen, time.monotonic() - started)
+        log.info("rank %d: generation %d torn down in %.2f s (%d DDP module(s) retired)", rank, gen,
+                 time.monotonic() - started, retired)

@@ -30,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from robustdist.runtime import dist as _dist
 
-__all__ = ["GROUP_PIN", "destroy_default_group", "live_ddp_modules", "pin_ddp_modules", "pin_module"]
+__all__ = ["GROUP_PIN", "destroy_default_group", "live_ddp_modules", "pin_ddp_modules", "pin_module",
+           "retire_ddp_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,48 @@ def pin_ddp_modules() -> int:
         # The list holds the calling frames' objects: a frame -> list -> frame cycle would keep an old group,
         # and with it rank 0's store server, alive until the next collection, where a rank re-initialising at
         # once could reach it.
+        referrers.clear()
+        del referrers
+    return count
+
+
+class _Retired:
+    """Stands in for a retired DDP module's Reducer and Logger: any use raises, saying why."""
+
+    def __init__(self, why: str) -> None:
+        self._why = why
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(self._why)
+
+
+def retire_ddp_modules(why: str) -> int:
+    """Make every live DDP module unusable and free its ``Reducer``; returns how many (in-process recovery, after
+    the default group and every other is destroyed: each of them belongs to a group that is gone).
+
+    A DDP module keeps its Reducer's autograd hooks on the parameters it shares with the next generation's DDP,
+    and a Reducer that was waiting for gradients when a fault cut a ``backward()`` would run them at the next
+    backward, on the destroyed group. The Reducer removes its hooks when it is freed: its two owners, the
+    module's ``reducer`` and ``logger`` attributes, are replaced by a stand-in whose use raises ``why``
+    (RuntimeError), so a module kept from before (a training function's own variable) fails loudly instead of
+    training on nothing. Pin first (:func:`pin_ddp_modules`): the group's last owner is then the pin."""
+    classes = _ddp_classes()
+    exact = set(classes)
+    count = 0
+    referrers = gc.get_referrers(*classes)
+    try:
+        for ref in referrers:
+            if type(ref) not in exact:
+                continue
+            attrs = ref.__dict__
+            if "reducer" in attrs and not isinstance(attrs["reducer"], _Retired):
+                if GROUP_PIN not in attrs and attrs.get("process_group") is not None:
+                    pin_module(ref, attrs["process_group"])
+                stand_in = _Retired(why)
+                attrs["logger"] = stand_in  # it holds the Reducer too
+                attrs["reducer"] = stand_in
+                count += 1
+    finally:
         referrers.clear()
         del referrers
     return count

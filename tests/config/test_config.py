@@ -46,6 +46,7 @@ def test_defaults_match_the_documented_values():
                    "max_restarts_without_progress": 3, "check_gradients": True, "scaler_overflow_warn_after": 10},
         "fsdp": {"shard_modules": "auto", "sharding": "auto", "mixed_precision": None, "cpu_offload": False,
                  "reshard_after_forward": True},
+        "recovery": {"in_process": False},
     }
 
 
@@ -146,7 +147,7 @@ def test_unknown_section_suggests_the_closest_section():
          "step)."),
         ({"health": {"check_gradients": 0}}, "`health.check_gradients` is 0 (int); expected true or false. Fix: "),
         ({"data": 5}, "config section `data` is 5 (int); expected a mapping of its fields"),
-        ([1, 2], "a config must be a mapping of sections (distributed, data, checkpoint, health, fsdp), got [1, 2] (list)"),
+        ([1, 2], "a config must be a mapping of sections (distributed, data, checkpoint, health, fsdp, recovery), got [1, 2] (list)"),
     ],
 )
 def test_invalid_values_name_field_value_and_accepted(data, message):
@@ -366,4 +367,4 @@ def test_config_reference_lists_every_field_with_its_doc():
     table = config_reference()
     assert "| `distributed.timeout` | `1800.0` | `ROBUSTDIST_DISTRIBUTED_TIMEOUT` | Collective timeout in seconds" in table
     assert "| `checkpoint.dir` | `null` | `ROBUSTDIST_CHECKPOINT_DIR` |" in table
-    assert table.count("\n") + 1 == 2 + 10 + 5 + 10 + 10 + 5
+    assert table.count("\n") + 1 == 2 + 10 + 5 + 10 + 10 + 5 + 1

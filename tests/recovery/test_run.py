@@ -1,0 +1,168 @@
+"""``h.run(train_fn)`` and ``recovery.in_process``, on real gloo ranks, with a script in the shape of nanoGPT's
+``train.py``: a small causal language model fed by ``get_batch`` (random windows of a token array, drawn with
+torch's RNG), a cosine learning rate with warmup set by hand each iteration, gradient accumulation with
+``no_sync`` on every micro-step but the last, gradient clipping and AdamW."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from robustdist import harden
+from robustdist.recovery import generation
+from robustdist.runtime.errors import ConfigError
+from robustdist.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+MAX_ITERS, ACCUM, BLOCK, VOCAB = 10, 2, 8, 32
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, 16), nn.Embedding(BLOCK, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.ln, self.head = nn.LayerNorm(16), nn.Linear(16, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        mask = torch.triu(torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool), diagonal=1)
+        x = x + self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+        logits = self.head(self.ln(x))
+        return nn.functional.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+def get_lr(it: int) -> float:
+    warmup, lr, min_lr = 3, 1e-2, 1e-3
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    ratio = (it - warmup) / (MAX_ITERS - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def _job(rank: int, root: str, in_process: bool, fault: tuple[int, int] | None, keep_old: bool) -> dict:
+    """``fault``: (rank, iteration): that rank raises ValueError before the last micro-step's backward of that
+    iteration, in generation 0 only (the other rank is then in DDP's gradient all-reduce). ``keep_old``: the
+    training function keeps generation 0's ``h.model`` in a variable of its own."""
+    torch.manual_seed(1337)
+    data = torch.randint(0, VOCAB, (512,), generator=torch.Generator().manual_seed(rank))
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(data) - BLOCK, (4,))
+        x = torch.stack([data[i:i + BLOCK] for i in ix])
+        return x, torch.stack([data[i + 1:i + 1 + BLOCK] for i in ix])
+
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    cfg = {"checkpoint": {"dir": f"{root}/ckpt", "every_n_steps": 100, "local_every_n_steps": 1,
+                          "local_dir": f"{root}/shm"},
+           "health": {"hang_timeout": None},
+           "recovery": {"in_process": in_process},
+           "distributed": {"timeout": 60, "init_timeout": 60, "barrier_timeout": 60}}
+    seen: list[tuple[int, int, str]] = []
+    kept: list[nn.Module] = []
+
+    def train(h, iter_num: int) -> int:
+        loaded = h.last_loaded
+        seen.append((generation(), iter_num, loaded.source if loaded is not None else "none"))
+        if keep_old and not kept:
+            kept.append(h.model)
+        while iter_num < MAX_ITERS:
+            for group in optimizer.param_groups:
+                group["lr"] = get_lr(iter_num)
+            for micro_step in range(ACCUM):
+                last = micro_step == ACCUM - 1
+                x, y = get_batch()
+                with contextlib.nullcontext() if last else h.model.no_sync():
+                    loss = h.model(x, y) / ACCUM
+                    if fault and rank == fault[0] and iter_num + 1 == fault[1] and last and generation() == 0:
+                        raise ValueError(f"boom in iteration {iter_num + 1}")
+                    loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+            h.save(iter_num, optimizer=optimizer)
+        return iter_num
+
+    h = harden(model, None, cfg, optimizer=optimizer)
+    out: dict = {"pid": os.getpid(), "end": h.run(train, optimizer=optimizer)}
+    out.update(seen=seen, generation=generation(), closed=h.closed,
+               params=[p.detach().clone() for p in model.parameters()],
+               current_is_kept=bool(kept) and h.model is kept[0])
+    if kept and kept[0] is not h.model:  # generation 0's DDP, kept by the script: retired, and says so
+        try:
+            kept[0](*get_batch())
+            out["old"] = "ran"
+        except RuntimeError as e:
+            out["old"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("keep_old", [False, True], ids=["h-model", "kept-generation-0-module"])
+def test_h_run_recovers_a_nanogpt_shaped_loop_in_process_bitwise(tmp_path, keep_old):
+    faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, (1, 6), keep_old), init=False, timeout=180)
+    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), False, None, False), init=False, timeout=180)
+    for rank in range(2):
+        got, ref = faulted[rank], straight[rank]
+        assert got["end"] == ref["end"] == MAX_ITERS and got["closed"] and got["generation"] == 0
+        # generation 1 resumed iteration 5 (the fault came in iteration 6) in the same process, from memory
+        assert [(g, s) for g, s, _ in got["seen"]] == [(0, 0), (1, 5)], got["seen"]
+        assert got["seen"][1][2] != "durable", got["seen"]
+        assert ref["seen"] == [(0, 0, "none")]
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
+        if keep_old:  # the module kept from generation 0 is not h.model any more, and fails loudly when used
+            assert not got["current_is_kept"]
+            assert "in-process recovery generation 0" in got["old"] and "h.model" in got["old"], got["old"]
+
+
+def _single(root: str, in_process: bool, fail_at: int | None) -> tuple[int | str, list[int]]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"checkpoint": {"dir": f"{root}/ckpt", "every_n_steps": 1}, "health": {"hang_timeout": None},
+           "recovery": {"in_process": in_process}}
+    starts: list[int] = []
+
+    def train(h, step: int) -> int:
+        starts.append(step)
+        while step < 6:
+            h.model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            h.save(step, optimizer=optimizer)
+            if step == fail_at:
+                raise ValueError(f"boom at step {step}")
+        return step
+
+    h = harden(model, None, cfg, optimizer=optimizer)
+    try:
+        end: int | str = h.run(train, optimizer=optimizer)
+    except ValueError as e:
+        end = str(e)
+    assert h.closed
+    with pytest.raises(ConfigError, match=r"h.run\(\) was called on a closed Hardened"):
+        h.run(train, optimizer=optimizer)
+    return end, starts
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["mode-off", "mode-on"])
+def test_one_process_runs_the_function_once_and_a_fault_ends_it(tmp_path, monkeypatch, in_process):
+    """One process (no launcher): the fault leaves h.run (no one to recover with; the next launch resumes)."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert _single(str(tmp_path), in_process, fail_at=3) == ("boom at step 3", [0])
+    assert _single(str(tmp_path), in_process, fail_at=None) == (6, [3])  # resumed from step 3's checkpoint
+
+
+def test_the_mode_needs_a_checkpoint_directory_and_a_boolean():
+    with pytest.raises(ConfigError, match=r"recovery.in_process is true but checkpoint.dir is None"):
+        harden(nn.Linear(2, 2), None, {"recovery": {"in_process": True}})
+    with pytest.raises(ConfigError, match=r"recovery.in_process"):
+        harden(nn.Linear(2, 2), None, {"recovery": {"in_process": "yes"}, "checkpoint": {"dir": "/tmp/x"}})
