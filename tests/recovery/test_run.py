@@ -45,10 +45,10 @@ def get_lr(it: int) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
-def _job(rank: int, root: str, in_process: bool, fault: tuple[int, int] | None, keep_old: bool) -> dict:
-    """``fault``: (rank, iteration): that rank raises ValueError before the last micro-step's backward of that
-    iteration, in generation 0 only (the other rank is then in DDP's gradient all-reduce). ``keep_old``: the
-    training function keeps generation 0's ``h.model`` in a variable of its own."""
+def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, int]], keep_old: bool) -> dict:
+    """``faults``: (rank, iteration, generation): that rank (-1: every rank) raises ValueError before the last
+    micro-step's backward of that iteration, in that generation (the other rank is then in DDP's gradient
+    all-reduce). ``keep_old``: the training function keeps generation 0's ``h.model`` in a variable of its own."""
     torch.manual_seed(1337)
     data = torch.randint(0, VOCAB, (512,), generator=torch.Generator().manual_seed(rank))
 
@@ -66,6 +66,7 @@ def _job(rank: int, root: str, in_process: bool, fault: tuple[int, int] | None, 
            "distributed": {"timeout": 60, "init_timeout": 60, "barrier_timeout": 60}}
     seen: list[tuple[int, int, str]] = []
     kept: list[nn.Module] = []
+    faults_here = {(rank if r == -1 else r, it, g) for r, it, g in faults}
 
     def train(h, iter_num: int) -> int:
         loaded = h.last_loaded
@@ -80,7 +81,7 @@ def _job(rank: int, root: str, in_process: bool, fault: tuple[int, int] | None, 
                 x, y = get_batch()
                 with contextlib.nullcontext() if last else h.model.no_sync():
                     loss = h.model(x, y) / ACCUM
-                    if fault and rank == fault[0] and iter_num + 1 == fault[1] and last and generation() == 0:
+                    if last and (rank, iter_num + 1, generation()) in faults_here:
                         raise ValueError(f"boom in iteration {iter_num + 1}")
                     loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -106,8 +107,8 @@ def _job(rank: int, root: str, in_process: bool, fault: tuple[int, int] | None, 
 
 @pytest.mark.parametrize("keep_old", [False, True], ids=["h-model", "kept-generation-0-module"])
 def test_h_run_recovers_a_nanogpt_shaped_loop_in_process_bitwise(tmp_path, keep_old):
-    faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, (1, 6), keep_old), init=False, timeout=180)
-    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), False, None, False), init=False, timeout=180)
+    faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [(1, 6, 0)], keep_old), init=False, timeout=180)
+    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), False, [], False), init=False, timeout=180)
     for rank in range(2):
         got, ref = faulted[rank], straight[rank]
         assert got["end"] == ref["end"] == MAX_ITERS and got["closed"] and got["generation"] == 0
@@ -119,6 +120,20 @@ def test_h_run_recovers_a_nanogpt_shaped_loop_in_process_bitwise(tmp_path, keep_
         if keep_old:  # the module kept from generation 0 is not h.model any more, and fails loudly when used
             assert not got["current_is_kept"]
             assert "in-process recovery generation 0" in got["old"] and "h.model" in got["old"], got["old"]
+
+
+@pytest.mark.parametrize("faults, generations", [
+    ([(1, 4, 0), (0, 5, 1)], [(0, 0), (1, 3), (2, 4)]),
+    ([(-1, 6, 0)], [(0, 0), (1, 5)]),
+], ids=["two-quick-faults-on-different-ranks", "every-rank-at-once"])
+def test_quick_and_simultaneous_faults_recover_bitwise(tmp_path, faults, generations):
+    faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, faults, False), init=False, timeout=180)
+    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), True, [], False), init=False, timeout=180)
+    for rank in range(2):
+        got, ref = faulted[rank], straight[rank]
+        assert got["end"] == ref["end"] == MAX_ITERS and got["generation"] == 0
+        assert [(g, s) for g, s, _ in got["seen"]] == generations, got["seen"]
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
 
 
 def _single(root: str, in_process: bool, fail_at: int | None) -> tuple[int | str, list[int]]:
