@@ -101,6 +101,7 @@ class Watchdog:
         self._stale_after = ws.STALE_INTERVALS * self._interval
         self._step: int | None = None
         self._hand_over, self._hand_over_grace = hand_over, float(hand_over_grace)
+        self._hang_callback: Callable[[HangReport], None] | None = None
         self._beater = threading.get_ident()  # the thread that beats: the training thread, once it has beaten
         self._seq = 0
         self._last = time.monotonic()
@@ -129,6 +130,12 @@ class Watchdog:
         return {"alive": now, "node": self._node, "node_rank": self._node_rank, "pid": os.getpid(),
                 "step": self._step, "seq": self._seq, "beat_wall": now - (time.monotonic() - last),
                 "where": self._where, "closed": closed}
+
+    def on_hang(self, callback: Callable[[HangReport], None] | None) -> None:
+        """Call ``callback(report)`` on the watchdog's thread at each hang verdict, after the dump and the report
+        (in-process recovery declares a fault there). With ``action="abort"`` the process then exits only if this
+        watchdog is still open ``hand_over_grace`` seconds later (a recovery closes it first). None removes it."""
+        self._hang_callback = callback
 
     def attach(self, model: Any) -> Watchdog:
         """Beat at every forward start and backward start of ``model`` (a hook on its first output that needs a
@@ -226,15 +233,34 @@ class Watchdog:
             report.lost, report.lost_nodes, report.behind = found.lost, found.lost_nodes, found.behind
             report.store_reachable, report.waiting_on = found.store_reachable, found.waiting_on
         self.reports.append(report)
+        handled = False
+        callback = self._hang_callback
+        if callback is not None and not self._stop.is_set():
+            try:
+                callback(report)
+                handled = True
+            except Exception:
+                log.error("the watchdog's hang callback raised:\n%s", traceback.format_exc(), all_ranks=True)
         if self.action == "abort":
-            self._abort(report, header, summary, seq)
+            self._abort(report, header, summary, seq, handled=handled)
 
-    def _abort(self, report: HangReport, header: str, summary: str | None, seq: int | None = None) -> None:
+    def _abort(self, report: HangReport, header: str, summary: str | None, seq: int | None = None,
+               handled: bool = False) -> None:
         error = HangError(f"{header}.{f' {summary}' if summary else ''} Stacks: {report.dump_path or 'stderr'}. "
                           "health.hang_action='abort' ended this worker so that the job restarts from its last "
                           "checkpoint.", rank=self.rank)
         if self._stop.is_set():  # close() is under way: the training thread got past the silence
             return
+        if handled:  # the callback (in-process recovery) acts first; exit only if it did not end the hang
+            log.error("health.hang_action='abort': the hang is handed to in-process recovery; exiting with code %d "
+                      "if it has not torn this generation down in %g s", HANG_EXIT_CODE, self._hand_over_grace,
+                      all_ranks=True)
+            if self._stop.wait(self._hand_over_grace):
+                return
+            log.error("health.hang_action='abort': exiting with code %d so the launcher restarts this worker",
+                      HANG_EXIT_CODE, all_ranks=True)
+            _flush()
+            os._exit(HANG_EXIT_CODE)
         if self._hand_over is not None and report.waiting_on:
             # A rank waiting in a collective on a stuck peer stops beating too. The launcher shows the first error
             # it sees, so the ranks this one waits on (live, their own watchdogs firing now) hand theirs over first.

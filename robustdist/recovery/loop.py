@@ -35,10 +35,12 @@ lost store, and a run the loop cannot unblock (any backend but gloo, FSDP, ``TOR
 robustdist did not create) are re-raised on every rank: the processes exit and the ordinary path (a restart by
 the launcher, whose restart-loop guard counts launcher attempts as before) takes over.
 
-Not yet (docs/status.md): detection from the watchdog's hang verdict and from stopped heartbeats (a rank that
-hangs, or dies, is not noticed by this loop; the ordinary timeouts and launcher restarts still apply), a fault
-during a recovery (the next generation's harden then fails with its own error), restoring from memory without
-reading the in-memory tier's files, and the Ray Train path.
+The watchdog's hang verdict is a fault as well (:meth:`~robustdist.health.Watchdog.on_hang`): a rank blocked in
+a collective gets out at once; a rank stuck elsewhere says nothing, and unless it comes back within the decision
+bound the others escalate.
+
+Not yet (docs/status.md): a fault during a recovery (the next generation's harden then fails with its own
+error), restoring from memory without reading the in-memory tier's files, and the Ray Train path.
 """
 
 from __future__ import annotations
@@ -146,6 +148,23 @@ def _supported(h: Any, sockets: GroupSockets | None) -> str | None:
     return None
 
 
+def _hang_declarer(store: Any, scope: str, gen: int, rank: int, world: int, timeout: float,
+                   fired: threading.Event) -> Callable[[Any], None]:
+    """The watchdog's hang callback: declare a fault (on a store connection of its own: the training thread may
+    hold the group's), unless one is being handled already. Every rank's watch then unblocks its collective; a
+    rank stuck elsewhere (in Python, in I/O) stays stuck, says nothing, and the others escalate."""
+    connect = connector(store, min(timeout, 30.0))  # bounded: the watchdog's thread must come back
+
+    def on_hang(report: Any) -> None:
+        if fired.is_set():
+            return
+        what = (f"HangError: rank {rank} had no step for {report.idle_seconds:.1f} s (health.hang_timeout); last "
+                f"step {report.step}" + (f"; {report.summary}" if report.summary else ""))
+        declare_fault(connect(), generation=gen, rank=rank, world_size=world, what=what, scope=scope)
+
+    return on_hang
+
+
 def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str, timeout: float) -> list[str]:
     """Every rank's decision for generation ``gen`` ("recover", "escalate" or "done"); a rank that says nothing
     within ``timeout`` counts as "escalate"."""
@@ -201,6 +220,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
 
         watch = FaultWatch(connector(store, h.config.distributed.timeout), store, generation=gen, world_size=world,
                            rank=rank, on_fault=on_fault, scope=scope).start()
+        if h.watchdog is not None and not unsupported:  # the hang verdict is a fault too: every rank gets out
+            h.watchdog.on_hang(_hang_declarer(store, scope, gen, rank, world, h.config.distributed.timeout, fired))
         resumed: object = "resume"
         try:
             resumed = h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0

@@ -96,6 +96,25 @@ def test_abort_exits_with_the_documented_code(single_process):
     assert "had no beat for" in proc.stderr and "exiting with code 86" in proc.stderr
 
 
+@pytest.mark.parametrize("close_in_callback", [True, False], ids=["closed-by-recovery", "left-open"])
+def test_a_hang_callback_runs_and_abort_waits_for_it(single_process, close_in_callback):
+    """``on_hang`` (in-process recovery's hook) is called with the report; with action="abort" the process exits
+    86 only if the watchdog is still open hand_over_grace (2 s) later: a recovery that closes it keeps it alive."""
+    code = ("import threading, time\nfrom robustdist.health import Watchdog\n"
+            "w = Watchdog(1.0, action='abort', hand_over_grace=2.0)\n"
+            "def cb(report):\n    print('callback step', report.step, flush=True)\n"
+            f"    {'threading.Timer(0.5, w.close).start()' if close_in_callback else 'pass'}\n"
+            "w.on_hang(cb)\nw.beat(3)\ntime.sleep(8)\nprint('alive', flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert "callback step 3" in proc.stdout, proc.stderr[-2000:]
+    if close_in_callback:
+        assert proc.returncode == 0 and "alive" in proc.stdout, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == HANG_EXIT_CODE and "alive" not in proc.stdout
+        assert "handed to in-process recovery" in proc.stderr
+
+
 def _handing_over(rank, waiting_on, stop_after=None, beat_after=None):
     """``Watchdog._abort`` with a hand-over that records when it was called and then stops the watchdog (so
     ``_abort`` returns instead of exiting); ``stop_after``: ``close()`` comes that soon instead; ``beat_after``:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 import torch
@@ -45,10 +48,14 @@ def get_lr(it: int) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
-def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, int]], keep_old: bool) -> dict:
+def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, int]], keep_old: bool,
+         stall: tuple[int, int, str, float] | None = None) -> dict:
     """``faults``: (rank, iteration, generation): that rank (-1: every rank) raises ValueError before the last
     micro-step's backward of that iteration, in that generation (the other rank is then in DDP's gradient
-    all-reduce). ``keep_old``: the training function keeps generation 0's ``h.model`` in a variable of its own."""
+    all-reduce). ``keep_old``: the training function keeps generation 0's ``h.model`` in a variable of its own.
+    ``stall``: (rank, iteration, "sleep" or "stop", seconds): in generation 0, that rank sleeps there, or stops
+    itself (SIGSTOP; a helper process continues it that many seconds later), while the other waits in DDP's
+    all-reduce; the watchdog (hang_timeout 3 s) gives the verdict."""
     torch.manual_seed(1337)
     data = torch.randint(0, VOCAB, (512,), generator=torch.Generator().manual_seed(rank))
 
@@ -61,9 +68,12 @@ def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, in
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     cfg = {"checkpoint": {"dir": f"{root}/ckpt", "every_n_steps": 100, "local_every_n_steps": 1,
                           "local_dir": f"{root}/shm"},
-           "health": {"hang_timeout": None},
+           "health": {"hang_timeout": 3 if stall else None},
            "recovery": {"in_process": in_process},
-           "distributed": {"timeout": 60, "init_timeout": 60, "barrier_timeout": 60}}
+           # a collective waits for 300 s, so only the hang verdict ends a stall in time; init_timeout bounds
+           # how long the ranks wait for each other's decision after a fault (15 s)
+           "distributed": {"timeout": 300 if stall else 60, "init_timeout": 15 if stall else 60,
+                           "barrier_timeout": 60}}
     seen: list[tuple[int, int, str]] = []
     kept: list[nn.Module] = []
     faults_here = {(rank if r == -1 else r, it, g) for r, it, g in faults}
@@ -83,6 +93,12 @@ def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, in
                     loss = h.model(x, y) / ACCUM
                     if last and (rank, iter_num + 1, generation()) in faults_here:
                         raise ValueError(f"boom in iteration {iter_num + 1}")
+                    if last and stall and (rank, iter_num + 1, 0) == (stall[0], stall[1], generation()):
+                        if stall[2] == "sleep":
+                            time.sleep(stall[3])
+                        else:
+                            subprocess.Popen(["sh", "-c", f"sleep {stall[3]}; kill -CONT {os.getpid()}"])
+                            os.kill(os.getpid(), signal.SIGSTOP)
                     loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -92,7 +108,13 @@ def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, in
         return iter_num
 
     h = harden(model, None, cfg, optimizer=optimizer)
-    out: dict = {"pid": os.getpid(), "end": h.run(train, optimizer=optimizer)}
+    out: dict = {"pid": os.getpid()}
+    start = time.monotonic()
+    try:
+        out["end"] = h.run(train, optimizer=optimizer)
+    except Exception as e:
+        out["raised"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
     out.update(seen=seen, generation=generation(), closed=h.closed,
                params=[p.detach().clone() for p in model.parameters()],
                current_is_kept=bool(kept) and h.model is kept[0])
@@ -134,6 +156,31 @@ def test_quick_and_simultaneous_faults_recover_bitwise(tmp_path, faults, generat
         assert got["end"] == ref["end"] == MAX_ITERS and got["generation"] == 0
         assert [(g, s) for g, s, _ in got["seen"]] == generations, got["seen"]
         assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
+
+
+def test_a_stall_shorter_than_the_decision_bound_recovers_in_process_bitwise(tmp_path):
+    """Rank 1 sleeps 6 s before its backward while rank 0 waits in the all-reduce: the hang verdict (3 s) is a
+    fault, rank 0 gets out of the collective, rank 1 fails its backward when it wakes, and both recover."""
+    faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [], False, (1, 6, "sleep", 6.0)), init=False,
+                        timeout=240)
+    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), True, [], False), init=False, timeout=180)
+    for rank in range(2):
+        got, ref = faulted[rank], straight[rank]
+        assert "raised" not in got, got["raised"]
+        assert [(g, s) for g, s, _ in got["seen"]] == [(0, 0), (1, 5)], got["seen"]
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
+
+
+def test_a_stopped_rank_makes_every_rank_escalate_long_before_the_collective_timeout(tmp_path):
+    """Rank 1 is stopped (SIGSTOP) for 40 s: rank 0's hang verdict (3 s) gets it out of the all-reduce, rank 1 says
+    nothing within the decision bound (init_timeout, 15 s), so rank 0 escalates (the launcher would restart the
+    job), not after the collective timeout (300 s). Rank 1, continued, sees rank 0's decision and escalates."""
+    out = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [], False, (1, 6, "stop", 40.0)), init=False,
+                    timeout=240)
+    assert "raised" in out[0] and "raised" in out[1], out
+    assert out[0]["seconds"] < 120, out[0]  # 3 s + 15 s and the steps before; not 300 s
+    for rank in range(2):
+        assert [g for g, _, _ in out[rank]["seen"]] == [0], out[rank]["seen"]
 
 
 def _single(root: str, in_process: bool, fail_at: int | None) -> tuple[int | str, list[int]]:
