@@ -4,6 +4,7 @@ lifecycle calls). Exported as ``robustdist.harden.Hardened``."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -15,6 +16,8 @@ from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedChec
 from robustdist.checkpoint._run_owner import RunIdentity
 from robustdist.checkpoint.train_state import Stateful, TrainState
 from robustdist.config.schema import HardenConfig
+from robustdist.data.dataloader import SafeDataLoader
+from robustdist.parallel.state_dict import unwrap_model
 from robustdist.health import restart_guard as _restart_guard
 from robustdist.health.step_guard import StepDecision, StepGuard, Watchdog
 from robustdist.init.process_group import InitReport, destroy_process_group_if_owned
@@ -182,7 +185,17 @@ class Hardened(RayReporting):
             raise ConfigError("this Hardened was not made with recovery.in_process: true; expected one that was. "
                               "Fix: set recovery.in_process: true in the config given to harden().",
                               rank=self._err_rank())
-        self._rebuild(optimizer=optimizer if optimizer is not None else self.optimizer, into=self)
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        loader = self.loader
+        # The closed generation's parts go first: nothing of them (its checkpointer's group, its report, the
+        # copy last loaded) then keeps the old group, its store or its memory alive while the next is made.
+        self.state = TrainState(unwrap_model(self.model), optimizer=optimizer)  # the bare model, until renewed
+        for name in ("checkpointer", "watchdog", "local", "guard", "last_loaded", "init_report"):
+            self.__dict__.pop(name, None)
+        self._pending, self._unreported = [], []
+        gc.collect()
+        self._rebuild(optimizer=optimizer, into=self,
+                      kept_loader=loader if isinstance(loader, SafeDataLoader) else None)
         return self._sockets
 
     # ------------------------------------------------------------------ per step

@@ -67,7 +67,7 @@ from robustdist.checkpoint._run_owner import TUNE_TRIAL_SOURCE, RunIdentity, cla
 from robustdist.checkpoint.local.tier import lineage_of
 from robustdist.checkpoint.train_state import TrainState
 from robustdist.config.schema import HardenConfig, resolve_config
-from robustdist.data.dataloader import SafeDataLoader, safe_dataloader
+from robustdist.data.dataloader import safe_dataloader
 from robustdist.frameworks import accelerate as _accelerate
 from robustdist.frameworks import fabric as _fabric
 from robustdist.health.step_guard import Watchdog
@@ -121,9 +121,11 @@ def harden(model: nn.Module, loader: Any = None, cfg: ConfigInput = None, *,
 
 
 def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: torch.optim.Optimizer | None,
-           shard_policy: Any, init_weights: Any, scaler: Any, into: Hardened | None) -> Hardened:
+           shard_policy: Any, init_weights: Any, scaler: Any, into: Hardened | None,
+           kept_loader: Any = None) -> Hardened:
     """harden()'s work, into a new ``Hardened`` or, for an in-process recovery's next generation, into ``into``
-    (the same object the script holds, renewed: ``h.model`` is then the new generation's)."""
+    (the same object the script holds, renewed: ``h.model`` is then the new generation's), keeping the previous
+    generation's ``SafeDataLoader`` (``kept_loader``; ranks and world size are the same)."""
     given_scaler = scaler
     topo = detect_topology()
     framework = _refuse_wrapped(model, topo)
@@ -156,8 +158,8 @@ def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: to
             safe = loader
             if loader is not None and config.checkpoint.dir is not None:
                 log.warning("%s", _FRAMEWORK_LOADER_WARNING[str(framework)])
-        elif into is not None and isinstance(into.loader, SafeDataLoader):
-            safe = into.loader  # a recovery keeps the loader (ranks and world are the same): resume sets its position
+        elif kept_loader is not None:
+            safe = kept_loader  # a recovery keeps the loader (ranks and world are the same): resume sets its position
         else:
             safe = safe_dataloader(loader, config.data)
         ckpt = config.checkpoint

@@ -165,6 +165,20 @@ def _hang_declarer(store: Any, scope: str, gen: int, rank: int, world: int, time
     return on_hang
 
 
+def _leave(store: Any, scope: str, gen: int, rank: int, world: int, timeout: float = 10.0) -> None:
+    """Say this rank is done with generation ``gen``'s store; rank 0, which serves it, waits (bounded) until every
+    rank has said so before letting it go, so no rank still reading the decisions loses it."""
+    base = f"{scope}/{gen}/left"
+    try:
+        store.set(f"{base}/{rank}", "1")
+        if rank == 0:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not store.check([f"{base}/{r}" for r in range(world)]):
+                time.sleep(0.02)
+    except Exception as e:  # the store is gone already: nothing left to wait for
+        log.debug("rank %d: leaving generation %d's store: %s", rank, gen, e)
+
+
 def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str, timeout: float) -> list[str]:
     """Every rank's decision for generation ``gen`` ("recover", "escalate" or "done"); a rank that says nothing
     within ``timeout`` counts as "escalate"."""
@@ -238,6 +252,9 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                     declare_fault(store, generation=gen, rank=rank, world_size=world, what=what, scope=scope)
                 except Exception as d:  # the others then see this rank's group go (its sockets close)
                     log.warning("rank %d could not declare its fault in the store (%s)", rank, d)
+                # This rank's own collectives end too (the in-memory tier's commit on its background thread: the
+                # peer's shutdown alone leaves a send here waiting for the group's timeout)
+                on_fault(gen)
             started = time.monotonic()
             watch.close()
             repeats = last_resumed[1] + 1 if resumed == last_resumed[0] else 1
@@ -265,6 +282,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 log.error("rank %d: %s: not recovering in process (%s); the process exits for a restart", rank,
                           what[:300], why)
                 raise
+            _leave(keep, scope, gen, rank, world)
             _state["generation"] = gen + 1
             log.warning("rank %d: %s in generation %d (%s); recovering in process as generation %d", rank,
                         "a fault" if own else "another rank's fault", gen, what[:300], gen + 1)
@@ -281,7 +299,10 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         # still alive (h until it is renewed, or the training function's own variable) keeps its Reducer's hooks
         # on the parameters the next DDP shares, and a Reducer cut mid-backward would run them at the next
         # backward(), on the destroyed group: retire every one (its use then raises), then free what is free.
-        del h
+        # Nothing of this generation keeps its store: on rank 0 the server then closes (every rank has left it),
+        # and the next generation serves a fresh one (no keys of this one left in it).
+        del h, store, watch
+        keep = None
         retired = group_teardown.retire_ddp_modules(
             f"rank {rank}: this DistributedDataParallel module belongs to in-process recovery generation {gen}, "
             f"torn down after a fault; expected the current generation's. Fix: use h.model inside the training "

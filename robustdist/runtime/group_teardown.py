@@ -116,7 +116,9 @@ def retire_ddp_modules(why: str) -> int:
     backward, on the destroyed group. The Reducer removes its hooks when it is freed: its two owners, the
     module's ``reducer`` and ``logger`` attributes, are replaced by a stand-in whose use raises ``why``
     (RuntimeError), so a module kept from before (a training function's own variable) fails loudly instead of
-    training on nothing. Pin first (:func:`pin_ddp_modules`): the group's last owner is then the pin."""
+    training on nothing. Pinned first (:func:`pin_module`), so the Reducer never frees the group last; then the
+    module's ``process_group`` and pin go too, so a retired module keeps neither the group nor its store alive
+    (rank 0's store server then closes, and the next generation serves a fresh one)."""
     classes = _ddp_classes()
     exact = set(classes)
     count = 0
@@ -132,6 +134,10 @@ def retire_ddp_modules(why: str) -> int:
                 stand_in = _Retired(why)
                 attrs["logger"] = stand_in  # it holds the Reducer too
                 attrs["reducer"] = stand_in
+                # The Reducer is gone, so the group may go now: its Python object, the last owner, releases the
+                # GIL as it destroys it. Nothing of the module then holds the group, or the store under it.
+                attrs["process_group"] = stand_in
+                attrs.pop(GROUP_PIN, None)
                 count += 1
     finally:
         referrers.clear()
