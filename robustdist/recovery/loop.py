@@ -46,6 +46,8 @@ error), restoring from memory without reading the in-memory tier's files, and th
 from __future__ import annotations
 
 import gc
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -165,18 +167,43 @@ def _hang_declarer(store: Any, scope: str, gen: int, rank: int, world: int, time
     return on_hang
 
 
-def _leave(store: Any, scope: str, gen: int, rank: int, world: int, timeout: float = 10.0) -> None:
-    """Say this rank is done with generation ``gen``'s store; rank 0, which serves it, waits (bounded) until every
-    rank has said so before letting it go, so no rank still reading the decisions loses it."""
+def _leave(store: Any, scope: str, gen: int, rank: int, world: int, served_by_rank0: bool,
+           timeout: float = 10.0) -> None:
+    """Say this rank is done with generation ``gen``'s store; rank 0 waits (bounded) until every rank has said so
+    before letting it go, so no rank still reading the decisions loses it. Where rank 0 serves the store on the
+    job's port (``served_by_rank0``), the others then wait (bounded) until the server on that port is a new one
+    (it lacks this rank's key): the next generation's rendezvous would otherwise reach the old server in its last
+    moments, and lose it. Each look is a connection of its own, so the old server's end says nothing in the log."""
     base = f"{scope}/{gen}/left"
+    deadline = time.monotonic() + timeout
     try:
         store.set(f"{base}/{rank}", "1")
         if rank == 0:
-            deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and not store.check([f"{base}/{r}" for r in range(world)]):
                 time.sleep(0.02)
-    except Exception as e:  # the store is gone already: nothing left to wait for
+            return
+    except Exception as e:  # the store is gone: nothing left to wait for
         log.debug("rank %d: leaving generation %d's store: %s", rank, gen, e)
+        return
+    if not served_by_rank0:
+        return
+    connect = connector(store, timeout)
+    inner = _torch_compat.innermost_store(store)
+    address = (getattr(inner, "host", None), getattr(inner, "port", None))
+    while time.monotonic() < deadline:
+        try:
+            if address[0] and address[1]:  # nothing listening yet: look again soon (a store client backs off)
+                with socket.create_connection(address, timeout=1.0):
+                    pass
+            probe = connect()
+            old = probe.check([f"{base}/{rank}"])
+            del probe
+            if not old:
+                return
+        except Exception as e:  # nothing listens yet, or the old server closed as this connected
+            log.debug("rank %d: looking for generation %d's store to close: %s", rank, gen, e)
+        time.sleep(0.02)
+    log.info("rank %d: rank 0's store of generation %d is still up after %g s; going on", rank, gen, timeout)
 
 
 def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str, timeout: float) -> list[str]:
@@ -215,6 +242,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         if sockets is not None:
             sockets.exclude(*ports)
         rank, world, gen = _dist.rank(), _dist.world_size(), _state["generation"]
+        served_by_rank0 = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+                           and not h.config.distributed.init_method.startswith("file://"))
         unsupported = _supported(h, sockets)
         if unsupported and gen == 0:
             log.warning("rank %d: in-process recovery is off for this run: %s; a fault ends the process as usual",
@@ -282,7 +311,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 log.error("rank %d: %s: not recovering in process (%s); the process exits for a restart", rank,
                           what[:300], why)
                 raise
-            _leave(keep, scope, gen, rank, world)
+            _leave(keep, scope, gen, rank, world, served_by_rank0)
             _state["generation"] = gen + 1
             log.warning("rank %d: %s in generation %d (%s); recovering in process as generation %d", rank,
                         "a fault" if own else "another rank's fault", gen, what[:300], gen + 1)

@@ -234,7 +234,14 @@ class Collectives:
 
     # ------------------------------------------------------------------ collectives
     def run(self, what: str, fn: Callable[[], T]) -> T:
-        """Run a collective; turn its failure into ``self.error`` saying when and what failed."""
+        """Run a collective; turn its failure into ``self.error`` saying when and what failed. Not started while
+        waits are interrupted (:func:`interrupt_waits`): a gloo collective started on connections an in-process
+        recovery shut down was seen waiting out its whole timeout instead of failing."""
+        if (reason := interrupted()) is not None:
+            self.broken = f"the {what} collective was interrupted"
+            raise self.error(f"the {self.noun}'s {what} collective was not started: {reason}. Expected when the job "
+                             "recovers in place (the recovery makes new objects); anywhere else, "
+                             "robustdist.runtime.dist.resume_waits() was not called after a recovery.", rank=self.rank)
         start = time.monotonic()
         try:
             return fn()

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 __all__ = ["LINEAGE", "LocalSaveInfo", "LocalTier", "lineage_of", "node_need"]  # lineage: .lineage
 
 log = get_logger(__name__)
+_ABANDON_S = 2.0  # how long wait() gives a background part stuck in a collective after a recovery began
 OPS = ("local save", "local load")
 @dataclass
 class LocalSaveInfo:
@@ -189,6 +190,8 @@ class LocalTier:
         self._checked_sizes: list[int] | None = None
         self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
         self._thread: threading.Thread | None = None
+        self._in_collective = False  # the background part is past writing its own copy (in its collectives)
+        self._abandoned = False  # wait() left the background part behind (in-process recovery)
         self._error: BaseException | None = None
         self._closed = False
 
@@ -232,6 +235,7 @@ class LocalTier:
         assert snap is not None
         info = LocalSaveInfo(step=step, blocking_seconds=time.perf_counter() - start)
         job = (step, save_id, snap.kinds, snap.replicated, {"mine": snap.mine, "shards": shards}, info, start)
+        self._in_collective = False
         self._thread = threading.Thread(target=self._background, args=(job,), name=f"robustdist-local-ckpt-{step}",
                                         daemon=True)
         self._thread.start()
@@ -287,7 +291,10 @@ class LocalTier:
                 self.on_complete(step)
         except BaseException as e:  # surfaces at the next save(), wait(), load() or close()
             self._error = e
-            log.error("in-memory checkpoint step %d failed: %s", step, e)
+            if self._abandoned:  # a recovery left it behind: it failed as expected
+                log.info("in-memory checkpoint step %d, left behind by an in-process recovery, ended: %s", step, e)
+            else:
+                log.error("in-memory checkpoint step %d failed: %s", step, e)
         finally:
             info.done.set()
 
@@ -304,6 +311,7 @@ class LocalTier:
         except Exception as e:  # still take part in the exchange (the peers wait for it), then report
             problem = f"writing its own copy into {self.directory}: {type(e).__name__}: {e}"
         _faults.phase("local_own_committed")
+        self._in_collective = True  # from here to the end only collectives, then rotation once they succeed
         peer = self.peers[self.rank]
         sends = {peer: [as_tensor(b) for b in blobs]} if peer is not None else {}
         try:
@@ -325,6 +333,9 @@ class LocalTier:
                                   f"({detail[:2000]}). The previous complete step ({self.last_complete}) stays. Fix: "
                                   "see the named ranks' errors (a full /dev/shm? a dead peer?).", rank=self.err_rank,
                                   ranks=sorted(failed))
+        if self._abandoned:  # a recovery moved on without this save: the next generation owns the directory now
+            raise CheckpointError(f"in-memory checkpoint step {step} was left behind by an in-process recovery; "
+                                  "not rotated.", rank=self.err_rank)
         keep = {step} | ({self.last_complete} if self.keep_last == 2 and self.last_complete is not None else set())
         if self.leader:  # every copy on this node, stale ones of earlier rank-to-node mappings included
             layout.rotate_all(self.directory, keep)
@@ -332,7 +343,20 @@ class LocalTier:
         return written
 
     def wait(self) -> None:
-        """Wait for the background part of the last save; raise its error (once) if it failed."""
+        """Wait for the background part of the last save; raise its error (once) if it failed.
+
+        While an in-process recovery has interrupted the waits (:func:`robustdist.runtime.dist.interrupt_waits`),
+        a background part stuck in one of its collectives is waited for only :data:`_ABANDON_S` seconds, then left
+        to fail on its own: a gloo send waiting for its peer's receive is not ended by shutting the connection
+        down (seen here: the commit's all-gather waited out its whole timeout), and after a collective fails the
+        background part writes nothing more. Its files stay for the restart path; this raises."""
+        if self._thread is not None and _dist.interrupted() is not None:
+            self._thread.join(_ABANDON_S)
+            if self._thread.is_alive() and self._in_collective:
+                self._abandoned, self._thread = True, None
+                raise CheckpointError(f"the in-memory checkpoint's background part was still in a collective "
+                                      f"{_ABANDON_S:g} s after the recovery interrupted it; left to fail on its own. "
+                                      "The previous complete step stays.", rank=self.err_rank)
         if self._thread is not None:
             self._thread.join(self.timeout + 60.0)
             if self._thread.is_alive():

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import CheckpointError
 
 __all__ = ["as_tensor", "exchange"]
@@ -49,7 +50,11 @@ def _wait(works: list[tuple[Any, str]], timeout: float, rank: int, what: str) ->
 def exchange(group: Any, rank: int, sends: dict[int, list[torch.Tensor]], receive_from: list[int], *,
              timeout: float, what: str) -> dict[int, list[torch.Tensor]]:
     """Send ``sends[dst]`` (up to two uint8 tensors each) to every ``dst`` and receive from every rank in
-    ``receive_from``; return what each sender sent, CRC-checked. Every rank of a pair must call it."""
+    ``receive_from``; return what each sender sent, CRC-checked. Every rank of a pair must call it. Not started
+    while waits are interrupted (an in-process recovery shut the group's connections)."""
+    if (reason := _dist.interrupted()) is not None:
+        raise CheckpointError(f"{what} was not started: {reason}. Expected when the job recovers in place.",
+                              rank=rank)
     works: list[tuple[Any, str]] = []
     keep: list[torch.Tensor] = []
     for dst, blobs in sends.items():
