@@ -179,6 +179,18 @@ class Hardened(RayReporting):
                 return train_fn(self, self.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0)
         return _recovery.run_hardened(self, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra)
 
+    def _let_go(self, optimizer: Optimizer | None = None) -> None:
+        """recovery.in_process, after :meth:`close`: drop the closed generation's parts (its checkpointer's group,
+        its watchdog, its report, the copy last loaded), so nothing of them keeps the old group, its store or its
+        memory alive while the next generation is made. The model, loader, optimizer, scheduler and extras stay."""
+        scheduler, extras = self.scheduler, dict(self.extras)
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        self.state = TrainState(unwrap_model(self.model), optimizer=optimizer)  # the bare model, until renewed
+        self.state.remember(scheduler=scheduler, extra=extras)
+        self.checkpointer = self.watchdog = self.local = self.last_loaded = None
+        self._pending, self._unreported = [], []
+        gc.collect()
+
     def _next_generation(self, optimizer: Optimizer | None) -> GroupSockets | None:
         """recovery.in_process: harden the next generation into this object (after :meth:`close`)."""
         if self._rebuild is None:
@@ -187,15 +199,12 @@ class Hardened(RayReporting):
                               rank=self._err_rank())
         optimizer = optimizer if optimizer is not None else self.optimizer
         loader = self.loader
-        # The closed generation's parts go first: nothing of them (its checkpointer's group, its report, the
-        # copy last loaded) then keeps the old group, its store or its memory alive while the next is made.
-        self.state = TrainState(unwrap_model(self.model), optimizer=optimizer)  # the bare model, until renewed
-        for name in ("checkpointer", "watchdog", "local", "guard", "last_loaded", "init_report"):
-            self.__dict__.pop(name, None)
-        self._pending, self._unreported = [], []
-        gc.collect()
+        scheduler, extras = self.scheduler, dict(self.extras)
+        self._let_go(optimizer)
         self._rebuild(optimizer=optimizer, into=self,
                       kept_loader=loader if isinstance(loader, SafeDataLoader) else None)
+        # what the script set on h (h.scheduler = ..., extras given to save) carries over, as a restart's would
+        self.state.remember(scheduler=scheduler, extra=extras)
         return self._sockets
 
     # ------------------------------------------------------------------ per step

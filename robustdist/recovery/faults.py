@@ -130,7 +130,7 @@ def read_fault(store: Any, *, generation: int, world_size: int, scope: str = SCO
 def clear_generation(store: Any, *, generation: int, world_size: int, scope: str = SCOPE) -> None:
     """Delete ``generation``'s keys (once every rank has moved past it)."""
     store = _job_store(store)
-    keys = [_key(scope, generation, "fault")]
+    keys = [_key(scope, generation, k) for k in ("fault", "verdict", "left/kept")]
     keys += [_key(scope, generation, kind, r) for r in range(world_size) for kind in ("why", "wake", "decision", "left")]
     for k in keys:
         store.delete_key(k)

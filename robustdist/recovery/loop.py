@@ -24,9 +24,10 @@ the same bare model, loader and optimizer, a new group at a new rendezvous round
 :func:`~robustdist.runtime.dist.interrupt_waits`). Every rank then says whether it recovers or escalates, and waits
 (bounded) for every other rank's word: one escalating, or silent, and all escalate. Then each closes its
 ``Hardened`` (keeping the in-memory tier's copies), retires the old DDP modules
-(:func:`~robustdist.runtime.group_teardown.retire_ddp_modules`), and starts the next generation. Each
-generation's job store object is kept until the next generation's store is up, so the fault keys outlive the
-group that faulted.
+(:func:`~robustdist.runtime.group_teardown.retire_ddp_modules`), leaves the generation's store (rank 0, which
+serves it, lets it go once every rank has left; the others wait until the server on the port is a new one), and
+starts the next generation on a fresh store. The first rank to read every decision stores the generation's
+verdict, and every rank acts on it.
 
 Escalation, never a cover-up: a fault that repeats after resuming from the same step (or inside ``resume()``)
 ``health.max_restarts_without_progress`` times, a fault this loop must not paper over (a configuration or version
@@ -54,6 +55,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from robustdist.health.watchdog_store import connector
+from robustdist.init.rendezvous import bounded
 from robustdist.recovery.faults import SCOPE, FaultWatch, clear_generation, declare_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
@@ -69,6 +71,7 @@ T = TypeVar("T")
 
 _state = {"generation": 0, "calls": 0}  # the recovery generation (0: the first group), and run_in_process calls
 # made in this process: both the same on every rank (the calls are collective)
+_PROBE_S = 1.0  # a look at the job's store port while generations change over: short, and repeated
 _FATAL = (ConfigError, RestartLoopError, UnsupportedVersionError, MemoryError)
 
 
@@ -167,13 +170,9 @@ def _hang_declarer(store: Any, scope: str, gen: int, rank: int, world: int, time
     return on_hang
 
 
-def _leave(store: Any, scope: str, gen: int, rank: int, world: int, served_by_rank0: bool,
-           timeout: float = 10.0) -> None:
+def _leave(store: Any, scope: str, gen: int, rank: int, world: int, timeout: float = 10.0) -> None:
     """Say this rank is done with generation ``gen``'s store; rank 0 waits (bounded) until every rank has said so
-    before letting it go, so no rank still reading the decisions loses it. Where rank 0 serves the store on the
-    job's port (``served_by_rank0``), the others then wait (bounded) until the server on that port is a new one
-    (it lacks this rank's key): the next generation's rendezvous would otherwise reach the old server in its last
-    moments, and lose it. Each look is a connection of its own, so the old server's end says nothing in the log."""
+    before letting it go, so no rank still reading the decisions loses it."""
     base = f"{scope}/{gen}/left"
     deadline = time.monotonic() + timeout
     try:
@@ -181,24 +180,36 @@ def _leave(store: Any, scope: str, gen: int, rank: int, world: int, served_by_ra
         if rank == 0:
             while time.monotonic() < deadline and not store.check([f"{base}/{r}" for r in range(world)]):
                 time.sleep(0.02)
-            return
     except Exception as e:  # the store is gone: nothing left to wait for
         log.debug("rank %d: leaving generation %d's store: %s", rank, gen, e)
-        return
-    if not served_by_rank0:
-        return
-    connect = connector(store, timeout)
-    inner = _torch_compat.innermost_store(store)
-    address = (getattr(inner, "host", None), getattr(inner, "port", None))
+
+
+def _await_new_server(connect: Callable[[], Any], address: tuple[Any, Any], scope: str, gen: int, rank: int,
+                      timeout: float = 10.0) -> None:
+    """A rank other than 0, where rank 0 serves the store on the job's port: once this rank holds nothing of
+    generation ``gen``'s store (a server closing waits, up to 5 s, for the connections still open to it), wait
+    (bounded) until the server on that port is a new one (it lacks this rank's "left" key), or rank 0 has marked
+    the old one as kept (:func:`_mark_kept`; the next generation is then served by it): the next generation's
+    rendezvous would otherwise reach the old server in its last moments, and lose it. Each look is a connection
+    of its own, on a thread of its own given :data:`_PROBE_S` (a store client that meets a server in its last
+    moments, or in its first, can wait seconds), so the old server's end says nothing in the log and costs no more
+    than a look."""
+    key, kept = f"{scope}/{gen}/left/{rank}", f"{scope}/{gen}/left/kept"
+
+    def look() -> bool:  # True: the old server, not marked as kept
+        probe = connect()
+        return bool(probe.check([key]) and not probe.check([kept]))
+
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if address[0] and address[1]:  # nothing listening yet: look again soon (a store client backs off)
-                with socket.create_connection(address, timeout=1.0):
+                with socket.create_connection(address, timeout=_PROBE_S):
                     pass
-            probe = connect()
-            old = probe.check([f"{base}/{rank}"])
-            del probe
-            if not old:
+            old, error, finished = bounded(look, time.monotonic() + _PROBE_S, "store-probe")
+            if error is not None:
+                raise error
+            if finished and not old:
                 return
         except Exception as e:  # nothing listens yet, or the old server closed as this connected
             log.debug("rank %d: looking for generation %d's store to close: %s", rank, gen, e)
@@ -206,9 +217,38 @@ def _leave(store: Any, scope: str, gen: int, rank: int, world: int, served_by_ra
     log.info("rank %d: rank 0's store of generation %d is still up after %g s; going on", rank, gen, timeout)
 
 
-def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str, timeout: float) -> list[str]:
-    """Every rank's decision for generation ``gen`` ("recover", "escalate" or "done"); a rank that says nothing
-    within ``timeout`` counts as "escalate"."""
+def _mark_kept(connect: Callable[[], Any], address: tuple[Any, Any], scope: str, gen: int) -> None:
+    """Rank 0, once it holds nothing of generation ``gen``'s store: a server that still answers is held by a part
+    of that generation left behind (an in-memory save stuck in a collective, until that collective's timeout). Say
+    so in it, so the other ranks stop waiting for a new server (:func:`_await_new_server`): the next generation is
+    served by this one (torch shares a port's server within a process)."""
+    def mark() -> bool:
+        probe = connect()
+        if not probe.check([f"{scope}/{gen}/left/0"]):
+            return False
+        probe.set(f"{scope}/{gen}/left/kept", "1")
+        return True
+
+    try:  # refused at once where the server closed (the usual case): no store client, no wait
+        with socket.create_connection(address, timeout=_PROBE_S):
+            pass
+    except OSError as e:
+        log.debug("rank 0: generation %d's store is closed (%s)", gen, e)
+        return
+    kept, error, _ = bounded(mark, time.monotonic() + _PROBE_S, "store-kept")
+    if kept:
+        log.info("rank 0: generation %d's store outlives it (a part of that generation left behind holds it); the "
+                 "next generation is served by it", gen)
+    elif error is not None:  # nothing listens: the server closed, as it should
+        log.debug("rank 0: generation %d's store is closed (%s)", gen, error)
+
+
+def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str,
+           timeout: float) -> tuple[list[str], str]:
+    """Every rank's decision for generation ``gen`` ("recover", "escalate" or "done"; a rank that says nothing
+    within ``timeout`` counts as "escalate"), and the generation's verdict: the first rank to have read every
+    decision stores its outcome, and every rank acts on that stored one (a rank that comes back after the others
+    gave up on it reads their "escalate", never its own view of the decisions)."""
     base = f"{scope}/{gen}/decision"
     store.set(f"{base}/{rank}", mine)
     deadline = time.monotonic() + timeout
@@ -218,7 +258,9 @@ def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str, t
         while not store.check([key]) and time.monotonic() < deadline:
             time.sleep(0.02)
         out.append(store.get(key).decode("ascii", "replace") if store.check([key]) else "escalate")
-    return out
+    outcome = "recover" if all(d == "recover" for d in out) else "escalate"
+    verdict = store.compare_set(f"{scope}/{gen}/verdict", "", outcome)
+    return out, verdict.decode("ascii", "replace") if isinstance(verdict, bytes) else str(verdict)
 
 
 def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callable[[Any, int], T], *,
@@ -245,9 +287,12 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         served_by_rank0 = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
                            and not h.config.distributed.init_method.startswith("file://"))
         unsupported = _supported(h, sockets)
-        if unsupported and gen == 0:
-            log.warning("rank %d: in-process recovery is off for this run: %s; a fault ends the process as usual",
-                        rank, unsupported)
+        if unsupported:  # the ordinary path: no watch, nothing shut down, a fault ends the process
+            log.warning("rank %d: in-process recovery is off for this run: %s; a fault ends the process as usual. "
+                        "Fix: recovery.in_process: false to silence this, or run DDP on gloo on a group harden "
+                        "creates", rank, unsupported)
+            with h:
+                return train_fn(h, h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0)
         if gen > 0 and rank == 0:  # every rank is past generation gen - 1 (they rendezvoused): drop its keys
             try:
                 clear_generation(store, generation=gen - 1, world_size=world, scope=scope)
@@ -291,17 +336,19 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             limit = h.config.health.max_restarts_without_progress
             why = (unsupported if unsupported else
                    "the watch lost the store" if watch.lost else
-                   "it must not be recovered in place" if _fatal(e) and (own or not isinstance(e, Exception)) else
+                   "it must not be recovered in place" if _fatal(e) else
                    f"{repeats} faults in a row after resuming from {'step ' if resumed != 'resume' else ''}{resumed} "
                    f"(health.max_restarts_without_progress={limit})" if repeats >= limit else None)
             try:  # every rank decides alike: if one escalates, or is gone, all do
-                decisions = _agree(keep, scope, gen, rank, world, "escalate" if why else "recover",
-                                   min(60.0, h.config.distributed.init_timeout))
+                decisions, verdict = _agree(keep, scope, gen, rank, world, "escalate" if why else "recover",
+                                            min(60.0, h.config.distributed.init_timeout))
             except Exception as d:  # the store is gone: nobody can agree on a recovery
-                decisions, why = ["escalate"], why or f"the store is gone ({type(d).__name__})"
-            if why is None and any(d != "recover" for d in decisions):
+                decisions, verdict = ["escalate"], "escalate"
+                why = why or f"the store is gone ({type(d).__name__})"
+            if why is None and verdict != "recover":
                 others = [r for r, d in enumerate(decisions) if d != "recover"]
-                why = f"rank(s) {others} did not recover ({', '.join(decisions[r] for r in others)})"
+                why = (f"rank(s) {others} did not recover ({', '.join(decisions[r] for r in others)})" if others
+                       else "another rank gave up waiting for this generation's decisions, and escalated")
             try:
                 h.close(keep_local=True)
             except Exception as c:  # a group that the fault broke: what matters is that it is gone
@@ -311,17 +358,23 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 log.error("rank %d: %s: not recovering in process (%s); the process exits for a restart", rank,
                           what[:300], why)
                 raise
-            _leave(keep, scope, gen, rank, world, served_by_rank0)
+            _leave(keep, scope, gen, rank, world)
             _state["generation"] = gen + 1
             log.warning("rank %d: %s in generation %d (%s); recovering in process as generation %d", rank,
                         "a fault" if own else "another rank's fault", gen, what[:300], gen + 1)
         else:
+            try:  # before the watch closes: a rank faulting now reads "done" at once, not after the bound
+                keep.set(f"{scope}/{gen}/decision/{rank}", "done")
+            except Exception as d:
+                log.debug("could not record this rank's finish: %s", d)
             watch.close()
-            if fired.is_set():  # another rank faulted after this one's last collective: it will not recover
+            if fired.is_set():  # another rank faulted after this one's last collective: this one is done anyway
                 try:
-                    keep.set(f"{scope}/{gen}/decision/{rank}", "done")
-                except Exception as d:
-                    log.debug("could not record this rank's finish: %s", d)
+                    h.close(keep_local=True)
+                except Exception as c:
+                    log.warning("rank %d finished, but closing after another rank's fault failed: %s: %s", rank,
+                                type(c).__name__, str(c)[:300])
+                return result
             h.close()
             return result
         # Out of the except block, so the exception and its frames are gone. A DDP module of this generation
@@ -329,13 +382,22 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         # on the parameters the next DDP shares, and a Reducer cut mid-backward would run them at the next
         # backward(), on the destroyed group: retire every one (its use then raises), then free what is free.
         # Nothing of this generation keeps its store: on rank 0 the server then closes (every rank has left it),
-        # and the next generation serves a fresh one (no keys of this one left in it).
-        del h, store, watch
+        # and the next generation serves a fresh one (no keys of this one left in it). The other ranks let go of
+        # it first (their open connections would keep the closing server waiting), then wait for the new one.
+        inner = _torch_compat.innermost_store(keep)
+        address = (getattr(inner, "host", None), getattr(inner, "port", None))
+        connect = connector(keep, _PROBE_S) if served_by_rank0 and address[0] and address[1] else None
+        h._let_go()
+        del h, store, watch, inner
         keep = None
         retired = group_teardown.retire_ddp_modules(
             f"rank {rank}: this DistributedDataParallel module belongs to in-process recovery generation {gen}, "
             f"torn down after a fault; expected the current generation's. Fix: use h.model inside the training "
             f"function (the Hardened object holds generation {gen + 1}'s), not a module kept from before")
         gc.collect()
+        if connect is not None and rank == 0:
+            _mark_kept(connect, address, scope, gen)
+        elif connect is not None:
+            _await_new_server(connect, address, scope, gen, rank)
         log.info("rank %d: generation %d torn down in %.2f s (%d DDP module(s) retired)", rank, gen,
                  time.monotonic() - started, retired)

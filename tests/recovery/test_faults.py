@@ -202,8 +202,8 @@ def _interrupted_arrival(rank: int) -> tuple[str, float, bool]:
     message, elapsed = "", 0.0
     if rank == 0:
         timer = threading.Timer(0.5, rdist.interrupt_waits, args=("rank 1 faulted at step 7",))
+        start = time.monotonic()  # before the timer starts: it fires no sooner than 0.5 s after this
         timer.start()
-        start = time.monotonic()
         try:
             first.arrive("save")
         except CheckpointError as e:

@@ -183,6 +183,17 @@ def test_a_stopped_rank_makes_every_rank_escalate_long_before_the_collective_tim
         assert [g for g, _, _ in out[rank]["seen"]] == [0], out[rank]["seen"]
 
 
+def test_a_run_that_cannot_recover_in_place_takes_the_ordinary_path(tmp_path, monkeypatch):
+    """TORCH_GLOO_LAZY_INIT: gloo connects after the group is made, so nothing could be unblocked. h.run says so and
+    runs the ordinary way: the fault ends the run on every rank, with no recovery attempted."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    out = run_ranks(_job, 2, args=(str(tmp_path), True, [(1, 6, 0)], False), init=False, timeout=180)
+    assert out[1]["raised"] == "ValueError: boom in iteration 6"
+    assert "raised" in out[0]
+    for rank in range(2):
+        assert [g for g, _, _ in out[rank]["seen"]] == [0] and out[rank]["closed"], out[rank]
+
+
 def _single(root: str, in_process: bool, fail_at: int | None) -> tuple[int | str, list[int]]:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

@@ -315,6 +315,8 @@ class LocalTier:
         peer = self.peers[self.rank]
         sends = {peer: [as_tensor(b) for b in blobs]} if peer is not None else {}
         try:
+            if self._abandoned:
+                raise CheckpointError("left behind by an in-process recovery", rank=self.err_rank)
             received = exchange(self.group, self.rank, sends, self.senders, timeout=self.timeout,
                                 what=f"replication of step {step}") if sends or self.senders else {}
             for src, got in received.items():
@@ -325,7 +327,11 @@ class LocalTier:
         except Exception as e:
             problem = problem or f"replicating: {e}"
         _faults.phase("local_replicated")
+        if self._abandoned:  # no collective on the old group once a recovery has moved on
+            raise CheckpointError(f"in-memory checkpoint step {step} was left behind by an in-process recovery",
+                                  rank=self.err_rank)
         everyone = self.collectives.all_gather(problem, "local commit")
+        self._in_collective = False  # past the collectives: wait() now waits for the rotation
         failed = {r: p for r, p in enumerate(everyone) if p}
         if failed:
             detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
