@@ -185,7 +185,10 @@ class Hardened(RayReporting):
         memory alive while the next generation is made. The model, loader, optimizer, scheduler and extras stay."""
         scheduler, extras = self.scheduler, dict(self.extras)
         optimizer = optimizer if optimizer is not None else self.optimizer
-        self.state = TrainState(unwrap_model(self.model), optimizer=optimizer)  # the bare model, until renewed
+        if self.local is not None:  # a save of this generation left behind reports nothing to the next
+            self.local.on_complete = None
+        self.state = TrainState(unwrap_model(self.model), optimizer=optimizer, loader=self.loader,
+                                scaler=self.state.scaler)  # the bare model, until renewed
         self.state.remember(scheduler=scheduler, extra=extras)
         self.checkpointer = self.watchdog = self.local = self.last_loaded = None
         self._pending, self._unreported = [], []

@@ -72,6 +72,7 @@ T = TypeVar("T")
 _state = {"generation": 0, "calls": 0}  # the recovery generation (0: the first group), and run_in_process calls
 # made in this process: both the same on every rank (the calls are collective)
 _PROBE_S = 1.0  # a look at the job's store port while generations change over: short, and repeated
+_PROBE_ENDS_S = 15.0  # a look left behind ends by then (a store client's own bound): joined at exit, not cut
 _FATAL = (ConfigError, RestartLoopError, UnsupportedVersionError, MemoryError)
 
 
@@ -201,20 +202,26 @@ def _await_new_server(connect: Callable[[], Any], address: tuple[Any, Any], scop
         return bool(probe.check([key]) and not probe.check([kept]))
 
     deadline = time.monotonic() + timeout
+    pause, seen = 0.02, "nothing"
     while time.monotonic() < deadline:
         try:
             if address[0] and address[1]:  # nothing listening yet: look again soon (a store client backs off)
                 with socket.create_connection(address, timeout=_PROBE_S):
                     pass
-            old, error, finished = bounded(look, time.monotonic() + _PROBE_S, "store-probe")
+            old, error, finished = bounded(look, time.monotonic() + _PROBE_S, "store-probe",
+                                           ends_by=time.monotonic() + _PROBE_ENDS_S)
             if error is not None:
                 raise error
             if finished and not old:
                 return
+            seen = "the old server, still up" if finished else "a server that did not answer within 1 s"
         except Exception as e:  # nothing listens yet, or the old server closed as this connected
+            seen = f"no server ({type(e).__name__})"
             log.debug("rank %d: looking for generation %d's store to close: %s", rank, gen, e)
-        time.sleep(0.02)
-    log.info("rank %d: rank 0's store of generation %d is still up after %g s; going on", rank, gen, timeout)
+        time.sleep(pause)
+        pause = min(0.5, pause * 1.5)  # many ranks look at one port: back off
+    log.info("rank %d: no new store on rank 0's port after %g s (last seen: %s); going on to the next "
+             "generation's rendezvous, which waits for rank 0 as usual", rank, timeout, seen)
 
 
 def _mark_kept(connect: Callable[[], Any], address: tuple[Any, Any], scope: str, gen: int) -> None:
@@ -229,18 +236,26 @@ def _mark_kept(connect: Callable[[], Any], address: tuple[Any, Any], scope: str,
         probe.set(f"{scope}/{gen}/left/kept", "1")
         return True
 
-    try:  # refused at once where the server closed (the usual case): no store client, no wait
-        with socket.create_connection(address, timeout=_PROBE_S):
-            pass
-    except OSError as e:
-        log.debug("rank 0: generation %d's store is closed (%s)", gen, e)
-        return
-    kept, error, _ = bounded(mark, time.monotonic() + _PROBE_S, "store-kept")
-    if kept:
-        log.info("rank 0: generation %d's store outlives it (a part of that generation left behind holds it); the "
-                 "next generation is served by it", gen)
-    elif error is not None:  # nothing listens: the server closed, as it should
-        log.debug("rank 0: generation %d's store is closed (%s)", gen, error)
+    deadline = time.monotonic() + 3 * _PROBE_S
+    while True:
+        try:  # refused at once where the server closed (the usual case): no store client, no wait
+            with socket.create_connection(address, timeout=_PROBE_S):
+                pass
+        except OSError as e:
+            log.debug("rank 0: generation %d's store is closed (%s)", gen, e)
+            return
+        kept, error, finished = bounded(mark, time.monotonic() + _PROBE_S, "store-kept",
+                                        ends_by=time.monotonic() + _PROBE_ENDS_S)
+        if finished and error is None:
+            if kept:
+                log.info("rank 0: generation %d's store outlives it (a part of that generation left behind holds "
+                         "it); the next generation is served by it", gen)
+            return
+        if time.monotonic() >= deadline:
+            log.info("rank 0: could not tell whether generation %d's store outlives it (%s); the other ranks wait "
+                     "for a new one, within their bound", gen, error or "no answer within 1 s")
+            return
+        time.sleep(0.05)
 
 
 def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str,

@@ -57,7 +57,7 @@ def _job(rank: int, root: str, recoveries: int) -> dict:
     usage: list[dict[str, int]] = []
 
     def train(h, step: int) -> int:
-        usage.append(_usage())
+        usage.append(_usage() | {"loader": id(h.loader)})
         while True:
             for x, y in h.loader:
                 nn.functional.mse_loss(h.model(x), y).backward()
@@ -84,6 +84,7 @@ def test_a_hundred_recoveries_in_one_process_leave_resources_flat(tmp_path):
     for rank in range(2):
         usage = out[rank]["usage"]
         assert out[rank]["end"] == RECOVERIES + 1 and len(usage) == RECOVERIES + 1
+        assert len({u["loader"] for u in usage}) == 1  # one SafeDataLoader, kept across every recovery
         settled, after = usage[5], out[rank]["after"]  # after the first generations (imports, first use)
         for what in ("threads", "fds", "sockets"):  # back where they were, once the left-behind saves timed out
             assert after[what] <= settled[what], (rank, what, after[what], [u[what] for u in usage])
