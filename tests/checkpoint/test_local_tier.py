@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 import subprocess
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -245,6 +247,44 @@ def _interrupted(rank: int, root: str) -> tuple[str, int | None, str | None]:
         loaded = tier.load(state={"model": model, "optimizer": opt})
     tier.close()
     return raised, loaded.step if loaded else None, loaded.source if loaded else None
+
+
+def _interrupted_while_waiting(rank: int, root: str) -> tuple[str, float]:
+    """Rank 1's background part of step 2 is held back before its commit; rank 0's is in the commit's all-gather,
+    and rank 0's main thread is already waiting for it when an in-process recovery interrupts the waits."""
+    from robustdist.runtime import dist as rdist
+
+    model, opt = _objects()
+    tier = _tier(root, rank, timeout=60)
+    tier.save(1, {"model": model, "optimizer": opt})
+    tier.wait()
+    if rank == 1:
+        _faults.HOOK = lambda phase: time.sleep(20) if phase == "local_replicated" else None
+    tier.save(2, {"model": model, "optimizer": opt})
+    raised, seconds = "", 0.0
+    if rank == 0:
+        timer = threading.Timer(1.0, rdist.interrupt_waits, args=("rank 1 faulted",))
+        start = time.monotonic()
+        timer.start()
+        try:
+            tier.wait()
+        except CheckpointError as e:
+            raised, seconds = str(e), time.monotonic() - start
+        timer.join()
+        rdist.resume_waits()
+        for left in [t for t in threading.enumerate() if t.name == "robustdist-local-ckpt-2"]:
+            left.join(60)  # the part left behind meets rank 1's commit, and ends (writing nothing)
+    else:
+        tier.wait()  # step 2 completes: rank 0's part left behind joins the commit when rank 1 gets there
+        _faults.HOOK = None
+    return raised, seconds
+
+
+def test_a_wait_under_way_gives_up_on_a_stuck_commit_once_a_recovery_interrupts_it(tmp_path):
+    (raised, seconds), _ = run_ranks(_interrupted_while_waiting, 2, args=(str(tmp_path),),
+                                     env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}], timeout=120)
+    assert "still in a collective 2 s after the recovery interrupted it" in raised, raised
+    assert seconds < 15, seconds  # the interrupt (1 s) and the 2 s given to the part, not rank 1's 20 s
 
 
 def test_a_save_that_fails_mid_write_leaves_the_previous_step(tmp_path):

@@ -356,15 +356,18 @@ class LocalTier:
         to fail on its own: a gloo send waiting for its peer's receive is not ended by shutting the connection
         down (seen here: the commit's all-gather waited out its whole timeout), and after a collective fails the
         background part writes nothing more. Its files stay for the restart path; this raises."""
-        if self._thread is not None and _dist.interrupted() is not None:
-            self._thread.join(_ABANDON_S)
-            if self._thread.is_alive() and self._in_collective:
-                self._abandoned, self._thread = True, None
-                raise CheckpointError(f"the in-memory checkpoint's background part was still in a collective "
-                                      f"{_ABANDON_S:g} s after the recovery interrupted it; left to fail on its own. "
-                                      "The previous complete step stays.", rank=self.err_rank)
         if self._thread is not None:
-            self._thread.join(self.timeout + 60.0)
+            deadline, abandon_at = time.monotonic() + self.timeout + 60.0, None
+            # in slices: a recovery may interrupt the waits while this one is under way, not only before it
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                if abandon_at is None and _dist.interrupted() is not None:
+                    abandon_at = time.monotonic() + _ABANDON_S
+                if abandon_at is not None and time.monotonic() >= abandon_at and self._in_collective:
+                    self._abandoned, self._thread = True, None
+                    raise CheckpointError(f"the in-memory checkpoint's background part was still in a collective "
+                                          f"{_ABANDON_S:g} s after the recovery interrupted it; left to fail on its "
+                                          "own. The previous complete step stays.", rank=self.err_rank)
+                self._thread.join(0.05)
             if self._thread.is_alive():
                 raise CheckpointError(f"the in-memory checkpoint's background part did not finish within "
                                       f"{self.timeout + 60:g} s; expected it to finish or fail. Fix: check the peers' "
