@@ -366,7 +366,8 @@ class LocalTier:
                     self._abandoned, self._thread = True, None
                     raise CheckpointError(f"the in-memory checkpoint's background part was still in a collective "
                                           f"{_ABANDON_S:g} s after the recovery interrupted it; left to fail on its "
-                                          "own. The previous complete step stays.", rank=self.err_rank)
+                                          "own. The previous complete step stays, and the next generation "
+                                          "resumes from it: nothing to fix.", rank=self.err_rank)
                 self._thread.join(0.05)
             if self._thread.is_alive():
                 raise CheckpointError(f"the in-memory checkpoint's background part did not finish within "
