@@ -8,6 +8,12 @@
   then leave a file no restart can load, and the benchmark would stop there).
 * ``durable``: the same model and loop through ``harden()``, ``checkpoint.every_n_steps = --every``.
 * ``memory``: ``durable`` plus the in-memory tier, ``checkpoint.local_every_n_steps = --local-every``.
+* ``inprocess``: ``memory`` with ``recovery.in_process: true``, the loop run by ``h.run`` (benchmark P10,
+  ``bench_inprocess.py``): a fault that kills no process is recovered in the same processes.
+
+A fault that kills no process: SIGUSR1 makes the process raise ``RuntimeError`` at its next step, after the forward
+and before the backward (its peer is then in DDP's all-reduce); ``fault`` is logged first. Under ``memory`` the
+exception ends the process (``harden``'s block records it) and torchrun restarts the workers.
 
 A step: a batch drawn from the step number (so replayed steps see the same data), forward, backward (DDP
 all-reduce), Adam, the variant's save call, then ``--sleep`` seconds standing in for accelerator time the
@@ -17,7 +23,9 @@ and when the script began), ``imported``, ``ready`` (group and model built), ``r
 ``t0``/``t1`` around the restore), ``step`` when a step is done (before its save), ``save`` after a save call
 that saved (``save_s``: the call; ``blocking_s``: the in-memory tier's own blocking time; ``prev_commit_s``: how
 long the previous in-memory save took to be complete across the job), ``done``; on a peer's death ``failed``
-(when the error reached the script) and ``exiting`` (after leaving ``harden``'s block).
+(when the error reached the script) and ``exiting`` (after leaving ``harden``'s block). Under ``inprocess``
+``resumed`` is logged when ``h.run`` calls the loop again (``t0`` = ``t1``: the restore is inside the recovery), and
+``failed`` each time an error leaves the loop.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +69,7 @@ class Events:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", choices=("floor", "plain", "durable", "memory"), required=True)
+    p.add_argument("--variant", choices=("floor", "plain", "durable", "memory", "inprocess"), required=True)
     p.add_argument("--events", required=True)
     p.add_argument("--ckpt", default=None, help="durable checkpoint dir (plain: where its snapshot file goes)")
     p.add_argument("--stop", default=None, help="floor: exit cleanly once this file exists")
@@ -107,9 +116,28 @@ def train(args: argparse.Namespace, events: Events) -> None:
         hardened: Any = contextlib.nullcontext()
     else:
         ckpt: dict[str, Any] = {"dir": args.ckpt, "every_n_steps": args.every or None, "keep_last": 2}
-        if args.variant == "memory":
+        if args.variant in ("memory", "inprocess"):
             ckpt.update(local_every_n_steps=args.local_every, local_dir=os.environ["P9_LOCAL_DIR"])
-        hardened = harden(model, None, {"checkpoint": ckpt})
+        hardened = harden(model, None, {"checkpoint": ckpt, "recovery": {"in_process": args.variant == "inprocess"}})
+    fault = _arm_faults()
+    if args.variant == "inprocess":
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        events("ready", attempt=hardened.attempt)
+
+        def again(h: Any, start: int) -> None:
+            events("resumed", step=start, source=h.last_loaded.source if h.last_loaded is not None else None,
+                   t0=time.time(), t1=time.time())
+            try:
+                loop(args, events, h.model, optimizer, h, fault, start=start)
+            except BaseException as e:
+                events("failed", error=f"{type(e).__name__}: {str(e)[:300]}")
+                raise
+
+        try:
+            hardened.run(again, optimizer=optimizer)
+        finally:
+            events("exiting")
+        return
     try:
         with hardened as h:
             net = h.model if h is not None else nn.parallel.DistributedDataParallel(model)
@@ -117,7 +145,7 @@ def train(args: argparse.Namespace, events: Events) -> None:
             attempt = h.attempt if h is not None else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
             events("ready", attempt=attempt)
             try:
-                loop(args, events, net, optimizer, h)
+                loop(args, events, net, optimizer, h, fault)
             except BaseException as e:  # a peer died: what follows (leaving harden's block) delays the restart
                 events("failed", error=f"{type(e).__name__}: {str(e)[:300]}")
                 raise
@@ -127,14 +155,28 @@ def train(args: argparse.Namespace, events: Events) -> None:
         events("exiting")
 
 
-def loop(args: argparse.Namespace, events: Events, net: Any, optimizer: Any, h: Any) -> None:
+def _arm_faults() -> list[bool]:
+    """SIGUSR1 sets the returned flag; the loop raises at its next step."""
+    flag = [False]
+
+    def on_signal(signum: int, frame: Any) -> None:
+        flag[0] = True
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    return flag
+
+
+def loop(args: argparse.Namespace, events: Events, net: Any, optimizer: Any, h: Any, fault: list[bool], *,
+         start: int | None = None) -> None:
     import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     snapshot = os.path.join(args.ckpt, "snapshot.pt") if args.ckpt else ""
-    t0 = time.time()
-    if h is not None:
+    t0, source = time.time(), None
+    if start is not None:  # h.run resumed already (and logged it)
+        pass
+    elif h is not None:
         start = h.resume(optimizer=optimizer) or 0
         source = h.last_loaded.source if h.last_loaded is not None else None
     elif args.every and os.path.exists(snapshot):
@@ -144,12 +186,18 @@ def loop(args: argparse.Namespace, events: Events, net: Any, optimizer: Any, h: 
         start, source = int(saved["step"]), "torch.load"
     else:
         start, source = 0, None
-    events("resumed", step=start, source=source, t0=t0, t1=time.time())
+    if args.variant != "inprocess":
+        events("resumed", step=start, source=source, t0=t0, t1=time.time())
+    assert start is not None
     step, last_local = start, None  # type: tuple[int, Any]
     while step < args.steps:
         g = torch.Generator().manual_seed(step * world + rank)
         x = torch.randn(args.batch, args.width, generator=g)
         loss = net(x).square().mean()
+        if fault[0]:
+            fault[0] = False
+            events("fault", step=step)
+            raise RuntimeError(f"injected fault (SIGUSR1) at step {step + 1} on rank {rank}")
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -553,16 +553,25 @@ def main() -> None:
             nodes.close()
         restore = restore_run(args)
     except BaseException:
-        for log in sorted((work / "logs").glob("*.log")):  # what the agents and ranks said, for the failure
-            print(f"----- {log.name} (tail)\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+        dump_logs(work)
         raise
     finally:
-        if args.keep:
-            print(f"  work directory kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        tidy(work, args.keep)
     report(args, use_lab, why, floor, ideal_steps, runs, restore, time.time() - started,
            (load0, os.getloadavg()[0]))
+
+
+def dump_logs(work: Path) -> None:
+    """What the agents and ranks said, for a failed run."""
+    for log in sorted((work / "logs").glob("*.log")):
+        print(f"----- {log.name} (tail)\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+
+
+def tidy(work: Path, keep: bool) -> None:
+    if keep:
+        print(f"  work directory kept: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _med(values: list[float]) -> float:

@@ -53,6 +53,14 @@ TARGETS: list[tuple[str, str, str, float | None, str]] = [
     ("P9", "goodput_gap_to_ceiling", "<=", 0.05, "ceiling - goodput of the in-memory tier (points of goodput)"),
     ("P9", "goodput_ratio_over_others", ">", 1.0,
      "goodput of the in-memory tier / the better of plain torch.save and the durable tier only"),
+    ("P10", "recovery_seconds_inprocess", "<=", 1.0,
+     "in-process recovery: a fault that kills no process (an exception) to the first new step, median"),
+    ("P10", "goodput_inprocess", ">=", 0.90,
+     "in-process recovery: goodput on the schedule of faults that kill no process"),
+    ("P10", "step_time_ratio_no_faults", "<=", 1.01,
+     "step time without faults: in-process recovery on / off (median of alternating pairs)"),
+    ("P10", "recovery_seconds_restart", "report", None, "the same fault recovered by torchrun's restart, median"),
+    ("P10", "goodput_restart", "report", None, "the same schedule recovered by torchrun's restarts"),
 ]
 
 

@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         RankDivergenceError,
         RanksFailed,
         RanksTimeout,
+        RecoveryError,
         RestartLoopError,
         RobustDistDeprecationWarning,
         RobustDistError,
@@ -83,7 +84,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(
         ["CheckpointBusyError", "CheckpointCorruptError", "CheckpointError", "ConfigError", "HangError", "InitError",
          "MissingDependencyError", "NonFiniteLossError", "RankDivergenceError", "RanksFailed", "RanksTimeout",
-         "RestartLoopError", "RobustDistDeprecationWarning", "RobustDistError",
+         "RecoveryError", "RestartLoopError", "RobustDistDeprecationWarning", "RobustDistError",
          "RobustDistWarning", "StateDictMismatchError", "TopologyError", "UnsupportedVersionError"],
         "robustdist.runtime.errors",
     ),

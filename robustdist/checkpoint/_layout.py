@@ -38,7 +38,8 @@ from robustdist.checkpoint._schema import (
 from robustdist.runtime.errors import CheckpointCorruptError
 
 __all__ = ["DCP_METADATA", "FORMAT_VERSION", "MANIFEST", "REPLICATED", "SHARDED_DIR", "committed_steps",
-           "files_for_rank", "identity", "rank_file", "read_manifest", "step_dirname", "step_dirs", "verify"]
+           "files_for_rank", "identity", "rank_file", "read_manifest", "staging_dir", "step_dirname", "step_dirs",
+           "verify"]
 
 _STEP_RE = re.compile(r"^step_(\d{10,})$")
 _OLD_RE = re.compile(r"^\.old-step_(\d{10,})-[0-9a-f]+$")
@@ -153,3 +154,8 @@ def verify(step_dir: str, manifest: dict[str, Any], names: Iterable[str]) -> Non
     CheckpointCorruptError naming the file."""
     for name in names:
         open_verified(step_dir, name, manifest["files"][name]).close()
+
+
+def staging_dir(directory: str, step: int, token: str) -> str:
+    """Where a save of ``step`` is written before its rename: ``<dir>/.tmp-step_<step>-<token>``."""
+    return os.path.join(directory, f".tmp-{step_dirname(step)}-{token}")

@@ -79,6 +79,7 @@ from robustdist.checkpoint._confined import Confined
 from robustdist.checkpoint._io import DirLock, HashingWriter, fsync_dir, os_error
 from robustdist.checkpoint._shared import refusal, this_node, unseen_files
 from robustdist.checkpoint._types import Context, FileEntry, SaveJob
+from robustdist.runtime import dist as _dist
 from robustdist.runtime.dist import default_store
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, ranks_phrase
 from robustdist.runtime.log import get_logger
@@ -88,10 +89,6 @@ __all__ = ["Committer", "staging_dir", "write_file"]
 Reports = dict[int, tuple[str | None, dict[str, FileEntry] | None, str]]
 """rank -> ``(its error or None, the files it wrote, its node label)``: the report of step 4."""
 log = get_logger(__name__)
-
-
-def staging_dir(directory: str, step: int, token: str) -> str:
-    return os.path.join(directory, f".tmp-{_layout.step_dirname(step)}-{token}")
 
 
 def write_file(staging: str, name: str, obj: Any) -> FileEntry:
@@ -148,7 +145,7 @@ class Committer:
                 self._check_order(step)
                 token = uuid.uuid4().hex[:12]
                 with Confined(ctx.directory, create=True) as folder:
-                    folder.sub(os.path.basename(staging_dir(ctx.directory, step, token)), fresh=True).close()
+                    folder.sub(os.path.basename(_layout.staging_dir(ctx.directory, step, token)), fresh=True).close()
             except Exception as e:
                 token = e
         if isinstance(token, OSError):  # an unwritable directory, a path too long: named, with the fix
@@ -234,6 +231,8 @@ class Committer:
             _faults.phase("files_written")
         except BaseException as e:
             error = e
+        job.replicated, job.mine = {}, {}  # written: a part left behind by a recovery holds no copy of the state
+        job.leaving.enter()  # an in-process recovery may leave it behind from here (._background)
         self.finish(job, files, error)
         job.info.total_seconds = time.perf_counter() - job.start
         job.info.done.set()
@@ -241,6 +240,9 @@ class Committer:
     def finish(self, job: SaveJob, files: dict[str, FileEntry] | None, error: BaseException | None) -> None:
         """Steps 4 to 6: report ``files`` (or this rank's ``error``); commit if every rank succeeded; rotate."""
         reports = self._gather_reports(job, files, error)
+        job.reported = True
+        if job.leaving.left:  # a recovery moved on while this waited for the reports: nothing of it is committed
+            raise self._left_behind(job)
         failed = {r: err for r, (err, _, _) in reports.items() if err is not None}
         if failed:
             if self.ctx.rank == 0:
@@ -272,11 +274,14 @@ class Committer:
                     missing = [r for r in range(ctx.world_size) if not store.check([f"{key}/{r}"])]
                 except Exception:
                     missing = []
-            who = f"{ranks_phrase(missing)} never reported" if missing else "a rank did not report"
+            who = (f"{ranks_phrase(missing)} never reported" if missing else "a rank did not report") + \
+                " (died or hung)"
+            if _dist.interrupted() is not None:  # not a death: every rank is leaving for an in-process recovery
+                who = "an in-process recovery interrupted the report"
             if ctx.rank == 0:
                 _cleanup.remove(job.staging)
             raise CheckpointError(
-                f"checkpoint not committed: {who} (died or hung); the report failed after "
+                f"checkpoint not committed: {who}; the report failed after "
                 f"{time.monotonic() - start:.1f} s (bound {ctx.timeout:g} s). Expected every rank to report its files. "
                 "Nothing was committed; rank 0 removes the staging directory now (or, if rank 0 is the one that "
                 f"died, the next save does). ({e.__cause__ or e})", rank=ctx.err_rank, ranks=missing) from e
@@ -287,9 +292,16 @@ class Committer:
         then tidies up."""
         ctx = self.ctx
         outcome: tuple[bool, bool, str] | CheckpointError | None = None
-        if ctx.rank == 0:
-            outcome = self._refuse_unseen(job, reports) or self._rename_into_place(job, manifest)
+        if ctx.rank == 0:  # the rename is storage work, waited for: a recovery leaves only the collective behind
+            outcome = (self._refuse_unseen(job, reports) or self._rename_into_place(job, manifest)) \
+                if job.leaving.leave_collective() else self._left_behind(job)
+            job.committed = outcome is None or (isinstance(outcome, tuple) and outcome[0])
+            job.leaving.enter()
         outcome = ctx.collectives.broadcast(outcome, "commit")
+        if not job.leaving.leave_collective():  # no rotation without the directory's lock, which close() let go
+            raise CheckpointError(f"checkpoint step {job.step} was left behind by an in-process recovery after its "
+                                  f"commit collective{' (it is committed)' if job.committed else ''}; old "
+                                  "checkpoints were not rotated.", rank=ctx.err_rank)
         if isinstance(outcome, CheckpointError):
             if ctx.rank != 0:  # this rank's own staging dir, where it is not rank 0's (a node-local directory)
                 _cleanup.remove(job.staging)
@@ -310,6 +322,13 @@ class Committer:
                                   rank=ctx.err_rank, ranks=[0])
         if ctx.rank == 0:
             self._tidy(job)
+
+    def _left_behind(self, job: SaveJob) -> CheckpointError:
+        """An in-process recovery left this save behind before its commit: rank 0 removes its staging directory."""
+        if self.ctx.rank == 0:
+            _cleanup.remove(job.staging)
+        return CheckpointError(f"checkpoint step {job.step} was left behind by an in-process recovery; not "
+                               "committed (the previous checkpoint stays).", rank=self.ctx.err_rank)
 
     def _refuse_unseen(self, job: SaveJob, reports: Reports) -> CheckpointError | None:
         """Rank 0's step 5 check: the refusal (the staging dir removed) if a reported file is not where it looks."""

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from robustdist.checkpoint._background import Leaving
 from robustdist.runtime.dist import Collectives
 
 if TYPE_CHECKING:
@@ -102,3 +103,10 @@ class SaveJob:
     """The caller's JSON metadata, for the manifest."""
     kinds: dict[str, str] = field(default_factory=dict)
     """Entry name -> ``"module"``/``"stateful"``/``"data"``/``"sharded"``, for the manifest."""
+    leaving: Leaving = field(default_factory=Leaving)
+    """Whether the background part is in its report or commit collective, and whether an in-process recovery left
+    it behind (it then starts no further step: :mod:`._background`)."""
+    reported: bool = False
+    """Every rank's report arrived (the commit collective is next)."""
+    committed: bool = False
+    """Rank 0: the step was renamed into place."""

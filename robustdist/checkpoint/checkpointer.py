@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from robustdist.checkpoint import _layout, _payload
+from robustdist.checkpoint import _background, _layout, _payload
 from robustdist.checkpoint._collective import checkpoint_collectives
 from robustdist.checkpoint._confined import Confined
 from robustdist.checkpoint._loading import is_ray_checkpoint, load_checkpoint
-from robustdist.checkpoint._protocol import Committer, staging_dir
+from robustdist.checkpoint._protocol import Committer
 from robustdist.checkpoint._schema import MAX_STEP, is_int
 from robustdist.checkpoint._sharded import save_sharded
 from robustdist.checkpoint._shared import check_shared_dir
@@ -123,6 +123,7 @@ class AtomicCheckpointer:
         self._shared_ok = world_size <= 1
         """Whether every rank was seen to share the directory (:mod:`._shared`), checked at the first save/load."""
         self._thread: threading.Thread | None = None
+        self._job: SaveJob | None = None  # the background save's job, while it runs
         self._error: BaseException | None = None
         self._closed = False
         # async saves copy the state into these CPU buffers, reused from one save to the next (save() waits for
@@ -195,7 +196,7 @@ class AtomicCheckpointer:
         blocking = (not self.async_save) if blocking is None else blocking
         token = self._committer.begin(step)
         info = CheckpointInfo(step=step, path=os.path.join(self.directory, _layout.step_dirname(step)))
-        job = SaveJob(step=step, token=token, staging=staging_dir(self.directory, step, token), info=info,
+        job = SaveJob(step=step, token=token, staging=_layout.staging_dir(self.directory, step, token), info=info,
                       start=start)
         sharded: dict[str, Any] = {}
         error: BaseException | None = None
@@ -215,21 +216,41 @@ class AtomicCheckpointer:
         if blocking:
             self._committer.run(job)
         else:
+            self._job = job
             self._thread = threading.Thread(target=self._background, args=(job,), name=f"robustdist-ckpt-{step}",
                                             daemon=True)
             self._thread.start()
         return info
 
     def wait(self) -> None:
-        """Wait for an in-flight async save; re-raise its error (once) if it failed."""
+        """Wait for an in-flight async save; re-raise its error (once) if it failed.
+
+        During an in-process recovery a background save stuck in its report or commit collective is left behind
+        after :data:`~robustdist.checkpoint._background.ABANDON_S` seconds (:mod:`._background`): it commits
+        nothing more (a step rank 0 had renamed into place stays, and the error says so), rank 0 removes its
+        staging directory, and it rotates nothing; this raises, and the directory lock is released."""
         if self._thread is not None:
-            waited = self.timeout + WAIT_GRACE_S
-            self._thread.join(waited)
-            if self._thread.is_alive():
+            waited, job = self.timeout + WAIT_GRACE_S, self._job
+            assert job is not None  # set with the thread
+            outcome = _background.join(self._thread, waited, job.leaving)
+            if outcome == "left":
+                self._thread = self._job = None
+                if job.committed:
+                    fate = f"step {job.step} was committed before that (resume may use it)"
+                elif job.reported and self.rank != 0:
+                    fate = "rank 0 may have committed it before that (resume uses the newest complete checkpoint)"
+                else:
+                    fate = "it commits nothing (the previous checkpoint stays)"
+                raise CheckpointError(f"the background save of checkpoint step {job.step} was still in its "
+                                      f"{'commit' if job.reported else 'report'} collective "
+                                      f"{_background.ABANDON_S:g} s after an in-process recovery interrupted the "
+                                      f"waits; left to fail on its own: {fate}. The next generation resumes from "
+                                      "the newest complete checkpoint: nothing to fix.", rank=self.err_rank)
+            if outcome != "done":
                 raise CheckpointError(f"the background checkpoint save did not finish within {waited:g} s (the "
                                       f"checkpoint timeout {self.timeout:g} s + {WAIT_GRACE_S:g} s); expected it to "
                                       "commit or fail. Fix: check the storage's health.", rank=self.err_rank)
-            self._thread = None
+            self._thread = self._job = None
         if self._error is not None:
             error, self._error = self._error, None
             if isinstance(error, CheckpointError):
@@ -349,6 +370,10 @@ class AtomicCheckpointer:
             self._committer.run(job)
         except BaseException as e:  # surfaces at the next save(), wait() or close()
             self._error = e
-            log.error("background checkpoint save of step %d failed: %s", job.info.step, e)
+            if job.leaving.left:  # an in-process recovery left it behind: it failed as expected
+                log.info("background checkpoint save of step %d, left behind by an in-process recovery, ended: %s",
+                         job.info.step, e)
+            else:
+                log.error("background checkpoint save of step %d failed: %s", job.info.step, e)
         finally:
             job.info.done.set()

@@ -24,43 +24,49 @@ the same bare model, loader and optimizer, a new group at a new rendezvous round
 :func:`~robustdist.runtime.dist.interrupt_waits`). Every rank then says whether it recovers or escalates, and waits
 (bounded) for every other rank's word: one escalating, or silent, and all escalate. Then each closes its
 ``Hardened`` (keeping the in-memory tier's copies), retires the old DDP modules
-(:func:`~robustdist.runtime.group_teardown.retire_ddp_modules`), leaves the generation's store (rank 0, which
-serves it, lets it go once every rank has left; the others wait until the server on the port is a new one), and
-starts the next generation on a fresh store. The first rank to read every decision stores the generation's
-verdict, and every rank acts on it.
+(:func:`~robustdist.runtime.group_teardown.retire_ddp_modules`), leaves the generation's store
+(:mod:`.handover`), and starts the next generation on a fresh store. The first rank to read every decision stores
+the generation's verdict, and every rank acts on it.
 
 Escalation, never a cover-up: a fault that repeats after resuming from the same step (or inside ``resume()``)
 ``health.max_restarts_without_progress`` times, a fault this loop must not paper over (a configuration or version
 error, the restart-loop verdict, memory exhaustion, a CUDA error, ``KeyboardInterrupt`` or ``SystemExit``), a
 lost store, and a run the loop cannot unblock (any backend but gloo, FSDP, ``TORCH_GLOO_LAZY_INIT``, a group
-robustdist did not create) are re-raised on every rank: the processes exit and the ordinary path (a restart by
-the launcher, whose restart-loop guard counts launcher attempts as before) takes over.
+robustdist did not create) end the run on every rank: the processes exit and the ordinary path (a restart by
+the launcher, whose restart-loop guard counts launcher attempts as before) takes over. The faulting rank re-raises
+its own error; a rank that did not fault raises :class:`~robustdist.RecoveryError` naming the fault (what it saw
+itself, a collective the teardown cut short, is the ``__cause__``). Either is recorded for the restart-loop guard's
+message, as ``with harden(...)`` records it.
 
 The watchdog's hang verdict is a fault as well (:meth:`~robustdist.health.Watchdog.on_hang`): a rank blocked in
 a collective gets out at once; a rank stuck elsewhere says nothing, and unless it comes back within the decision
 bound the others escalate.
 
-Not yet (docs/status.md): a fault during a recovery (the next generation's harden then fails with its own
-error), restoring from memory without reading the in-memory tier's files, and the Ray Train path.
+A fresh start takes an in-memory copy of step 0 (the start state), so a fault before the first checkpoint
+recovers; a later generation that finds nothing to resume from raises :class:`~robustdist.RecoveryError` (a
+fault like any other: a restore that raised may succeed in the next generation).
+
+Not yet (docs/status.md): a failure while the next generation is hardened is not declared (the others learn of it
+in the rendezvous), restoring from memory without reading the in-memory tier's files, and the Ray Train path.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from robustdist.health import restart_guard as _restart_guard
 from robustdist.health.watchdog_store import connector
-from robustdist.init.rendezvous import bounded
-from robustdist.recovery.faults import SCOPE, FaultWatch, clear_generation, declare_fault
+from robustdist.recovery import handover
+from robustdist.recovery.faults import SCOPE, FaultWatch, clear_generation, declare_fault, read_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
-from robustdist.runtime.errors import ConfigError, RestartLoopError, UnsupportedVersionError
+from robustdist.runtime.errors import ConfigError, RecoveryError, RestartLoopError, UnsupportedVersionError
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger
 
@@ -71,8 +77,6 @@ T = TypeVar("T")
 
 _state = {"generation": 0, "calls": 0}  # the recovery generation (0: the first group), and run_in_process calls
 # made in this process: both the same on every rank (the calls are collective)
-_PROBE_S = 1.0  # a look at the job's store port while generations change over: short, and repeated
-_PROBE_ENDS_S = 15.0  # a look left behind ends by then (a store client's own bound): joined at exit, not cut
 _FATAL = (ConfigError, RestartLoopError, UnsupportedVersionError, MemoryError)
 
 
@@ -171,91 +175,46 @@ def _hang_declarer(store: Any, scope: str, gen: int, rank: int, world: int, time
     return on_hang
 
 
-def _leave(store: Any, scope: str, gen: int, rank: int, world: int, timeout: float = 10.0) -> None:
-    """Say this rank is done with generation ``gen``'s store; rank 0 waits (bounded) until every rank has said so
-    before letting it go, so no rank still reading the decisions loses it."""
-    base = f"{scope}/{gen}/left"
-    deadline = time.monotonic() + timeout
-    try:
-        store.set(f"{base}/{rank}", "1")
-        if rank == 0:
-            while time.monotonic() < deadline and not store.check([f"{base}/{r}" for r in range(world)]):
-                time.sleep(0.02)
-    except Exception as e:  # the store is gone: nothing left to wait for
-        log.debug("rank %d: leaving generation %d's store: %s", rank, gen, e)
+def _start_state(h: Any, gen: int, rank: int, extra: dict[str, Any]) -> None:
+    """Nothing to resume. In generation 0 (a fresh start) the in-memory tier takes step 0 (the start state: what a
+    fault before the first checkpoint recovers to). In a later generation the model and optimizer have moved since
+    the start, so running again from step 0 would not be the same run: a fault (the next generation tries again, as
+    a restore that raised may succeed then; repeated, it escalates like any fault that repeats)."""
+    if gen == 0:
+        if h.local is not None:
+            h.state.save_local(h.local, 0, extra)
+            h.local.wait()
+        return
+    raise RecoveryError(
+        f"in-process recovery generation {gen} found no checkpoint to resume from (the fault came before the first "
+        "complete one, and no in-memory copy of the start state is complete); the model and optimizer have changed "
+        "since the start, so running the training function again from step 0 in this process would not be the same "
+        "run. Expected a checkpoint of this run. The next generation tries again; if this repeats, the process "
+        "exits for a restart, which starts afresh. Fix: "
+        + ("the in-memory tier's copy of the start state (step 0) did not complete: see the errors before this one"
+           if h.local is not None else "turn on the in-memory tier (checkpoint.local_every_n_steps): it holds the "
+           "start state for in-process recovery") + ".", rank=rank)
 
 
-def _await_new_server(connect: Callable[[], Any], address: tuple[Any, Any], scope: str, gen: int, rank: int,
-                      timeout: float = 10.0) -> None:
-    """A rank other than 0, where rank 0 serves the store on the job's port: once this rank holds nothing of
-    generation ``gen``'s store (a server closing waits, up to 5 s, for the connections still open to it), wait
-    (bounded) until the server on that port is a new one (it lacks this rank's "left" key), or rank 0 has marked
-    the old one as kept (:func:`_mark_kept`; the next generation is then served by it): the next generation's
-    rendezvous would otherwise reach the old server in its last moments, and lose it. Each look is a connection
-    of its own, on a thread of its own given :data:`_PROBE_S` (a store client that meets a server in its last
-    moments, or in its first, can wait seconds), so the old server's end says nothing in the log and costs no more
-    than a look."""
-    key, kept = f"{scope}/{gen}/left/{rank}", f"{scope}/{gen}/left/kept"
+def _record_error(h: Any, rank: int, error: BaseException) -> None:
+    """The error that ends this process goes to the restart-loop guard's record, as ``with harden(...)`` does."""
+    if h.checkpointer is not None and isinstance(error, Exception):
+        _restart_guard.record_error(h.checkpointer.directory, h.attempt, rank, error)
 
-    def look() -> bool:  # True: the old server, not marked as kept
-        probe = connect()
-        return bool(probe.check([key]) and not probe.check([kept]))
 
-    deadline = time.monotonic() + timeout
-    pause, seen = 0.02, "nothing"
-    while time.monotonic() < deadline:
+def _cause(watch: FaultWatch, store: Any, scope: str, gen: int, world: int) -> str:
+    """What ended a generation on a rank that did not fault itself."""
+    fault = watch.fault
+    if store is not None and (fault is None or not fault.why):  # the watch may have closed before reading them
         try:
-            if address[0] and address[1]:  # nothing listening yet: look again soon (a store client backs off)
-                with socket.create_connection(address, timeout=_PROBE_S):
-                    pass
-            old, error, finished = bounded(look, time.monotonic() + _PROBE_S, "store-probe",
-                                           ends_by=time.monotonic() + _PROBE_ENDS_S)
-            if error is not None:
-                raise error
-            if finished and not old:
-                return
-            seen = "the old server, still up" if finished else "a server that did not answer within 1 s"
-        except Exception as e:  # nothing listens yet, or the old server closed as this connected
-            seen = f"no server ({type(e).__name__})"
-            log.debug("rank %d: looking for generation %d's store to close: %s", rank, gen, e)
-        time.sleep(pause)
-        pause = min(0.5, pause * 1.5)  # many ranks look at one port: back off
-    log.info("rank %d: no new store on rank 0's port after %g s (last seen: %s); going on to the next "
-             "generation's rendezvous, which waits for rank 0 as usual", rank, timeout, seen)
-
-
-def _mark_kept(connect: Callable[[], Any], address: tuple[Any, Any], scope: str, gen: int) -> None:
-    """Rank 0, once it holds nothing of generation ``gen``'s store: a server that still answers is held by a part
-    of that generation left behind (an in-memory save stuck in a collective, until that collective's timeout). Say
-    so in it, so the other ranks stop waiting for a new server (:func:`_await_new_server`): the next generation is
-    served by this one (torch shares a port's server within a process)."""
-    def mark() -> bool:
-        probe = connect()
-        if not probe.check([f"{scope}/{gen}/left/0"]):
-            return False
-        probe.set(f"{scope}/{gen}/left/kept", "1")
-        return True
-
-    deadline = time.monotonic() + 3 * _PROBE_S
-    while True:
-        try:  # refused at once where the server closed (the usual case): no store client, no wait
-            with socket.create_connection(address, timeout=_PROBE_S):
-                pass
-        except OSError as e:
-            log.debug("rank 0: generation %d's store is closed (%s)", gen, e)
-            return
-        kept, error, finished = bounded(mark, time.monotonic() + _PROBE_S, "store-kept",
-                                        ends_by=time.monotonic() + _PROBE_ENDS_S)
-        if finished and error is None:
-            if kept:
-                log.info("rank 0: generation %d's store outlives it (a part of that generation left behind holds "
-                         "it); the next generation is served by it", gen)
-            return
-        if time.monotonic() >= deadline:
-            log.info("rank 0: could not tell whether generation %d's store outlives it (%s); the other ranks wait "
-                     "for a new one, within their bound", gen, error or "no answer within 1 s")
-            return
-        time.sleep(0.05)
+            fault = read_fault(store, generation=gen, world_size=world, scope=scope) or fault
+        except Exception as e:  # the store is gone
+            log.debug("could not read generation %d's fault: %s", gen, e)
+    if fault is not None and fault.why:
+        return f"a declared fault ({fault.describe()})"
+    if watch.lost:
+        return "the job's store was lost"
+    return "a declared fault (no reason recorded)"
 
 
 def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str,
@@ -327,7 +286,10 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             h.watchdog.on_hang(_hang_declarer(store, scope, gen, rank, world, h.config.distributed.timeout, fired))
         resumed: object = "resume"
         try:
-            resumed = h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0
+            found = h.resume(optimizer=optimizer, scheduler=scheduler, **extra)
+            if found is None:
+                _start_state(h, gen, rank, extra)
+            resumed = found or 0
             if gen > 0:  # a fault mid-backward left partial gradients: the recovered step starts from none
                 h.model.zero_grad(set_to_none=True)
                 if optimizer is not None:
@@ -354,11 +316,12 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                    "it must not be recovered in place" if _fatal(e) else
                    f"{repeats} faults in a row after resuming from {'step ' if resumed != 'resume' else ''}{resumed} "
                    f"(health.max_restarts_without_progress={limit})" if repeats >= limit else None)
+            store_ok = not watch.lost
             try:  # every rank decides alike: if one escalates, or is gone, all do
                 decisions, verdict = _agree(keep, scope, gen, rank, world, "escalate" if why else "recover",
                                             min(60.0, h.config.distributed.init_timeout))
             except Exception as d:  # the store is gone: nobody can agree on a recovery
-                decisions, verdict = ["escalate"], "escalate"
+                decisions, verdict, store_ok = ["escalate"], "escalate", False
                 why = why or f"the store is gone ({type(d).__name__})"
             if why is None and verdict != "recover":
                 others = [r for r, d in enumerate(decisions) if d != "recover"]
@@ -372,8 +335,20 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             if why is not None:
                 log.error("rank %d: %s: not recovering in process (%s); the process exits for a restart", rank,
                           what[:300], why)
-                raise
-            _leave(keep, scope, gen, rank, world)
+                if own or _fatal(e) or isinstance(e, RecoveryError) or not isinstance(e, Exception):
+                    _record_error(h, rank, e)
+                    raise
+                # what this rank saw was the teardown's doing (a collective cut short): name the fault itself
+                cause = _cause(watch, keep if store_ok else None, scope, gen, world)
+                named = RecoveryError(
+                    f"in-process recovery generation {gen} ended: {cause}; not recovering in process ({why}). "
+                    "Expected every rank to recover; the process exits for a restart (the launcher's, whose "
+                    f"restart-loop guard counts it). This rank's own error was a consequence ({what[:300]}). Fix: "
+                    "see the error and log of the rank the fault names (for a hang verdict, the rank the watchdog "
+                    "names as stuck).", rank=rank)
+                _record_error(h, rank, named)
+                raise named from e
+            handover.leave(keep, scope, gen, rank, world)
             _state["generation"] = gen + 1
             log.warning("rank %d: %s in generation %d (%s); recovering in process as generation %d", rank,
                         "a fault" if own else "another rank's fault", gen, what[:300], gen + 1)
@@ -401,7 +376,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         # it first (their open connections would keep the closing server waiting), then wait for the new one.
         inner = _torch_compat.innermost_store(keep)
         address = (getattr(inner, "host", None), getattr(inner, "port", None))
-        connect = connector(keep, _PROBE_S) if served_by_rank0 and address[0] and address[1] else None
+        connect = connector(keep, handover.PROBE_S) if served_by_rank0 and address[0] and address[1] else None
         h._let_go()
         del h, store, watch, inner
         keep = None
@@ -411,8 +386,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             f"function (the Hardened object holds generation {gen + 1}'s), not a module kept from before")
         gc.collect()
         if connect is not None and rank == 0:
-            _mark_kept(connect, address, scope, gen)
+            handover.mark_kept(connect, address, scope, gen)
         elif connect is not None:
-            _await_new_server(connect, address, scope, gen, rank)
+            handover.await_new_server(connect, address, scope, gen, rank)
         log.info("rank %d: generation %d torn down in %.2f s (%d DDP module(s) retired)", rank, gen,
                  time.monotonic() - started, retired)

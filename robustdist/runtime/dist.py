@@ -37,7 +37,7 @@ import torch.distributed as dist
 from robustdist.runtime.errors import RobustDistError, ranks_phrase
 
 __all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "error_rank", "interrupt_waits",
-           "interrupted", "is_multi", "is_up", "rank", "resume_waits", "world_size"]
+           "interrupted", "interrupted_at", "is_multi", "is_up", "rank", "resume_waits", "world_size"]
 
 T = TypeVar("T")
 
@@ -93,7 +93,7 @@ def default_store() -> Any:
     return _torch_compat.default_store()
 
 
-_interrupt: list[str] = []  # why the waits below were interrupted (in-process recovery), or empty
+_interrupt: list[Any] = []  # (why, when) the waits below were interrupted (in-process recovery), or empty
 _interrupt_lock = threading.Lock()
 
 
@@ -103,7 +103,8 @@ def interrupt_waits(reason: str) -> None:
     (in-process recovery; a gloo collective needs :mod:`robustdist.runtime.group_sockets` instead). Safe from
     any thread."""
     with _interrupt_lock:
-        _interrupt[:] = [reason]
+        when = _interrupt[1] if _interrupt else time.monotonic()  # the first interrupt of this generation
+        _interrupt[:] = [reason, when]
 
 
 def resume_waits() -> None:
@@ -116,6 +117,12 @@ def interrupted() -> str | None:
     """Why waits are interrupted, or None."""
     with _interrupt_lock:
         return _interrupt[0] if _interrupt else None
+
+
+def interrupted_at() -> float | None:
+    """When (``time.monotonic()``) the waits were first interrupted since they last resumed, or None."""
+    with _interrupt_lock:
+        return _interrupt[1] if _interrupt else None
 
 
 class Collectives:

@@ -19,6 +19,7 @@ working::
         ├── NonFiniteLossError                  a loss or gradients went NaN/Inf (health.nan_policy='raise')
         ├── HangError                           something waited past its bound
         ├── RestartLoopError                    restart after restart made no progress (a crash loop)
+        ├── RecoveryError                       in-process recovery escalated (names the fault)
         └── RanksFailed                         one or more ranks of ``testing.run_ranks`` failed
             └── RanksTimeout (+ HangError)      ranks still running at the harness timeout
 
@@ -47,6 +48,7 @@ __all__ = [
     "RankDivergenceError",
     "RanksFailed",
     "RanksTimeout",
+    "RecoveryError",
     "RestartLoopError",
     "RobustDistDeprecationWarning",
     "RobustDistError",
@@ -125,6 +127,14 @@ class CheckpointBusyError(CheckpointError):
 
 class RestartLoopError(RobustDistError):
     """Restart after restart resumed from the same step and none committed a newer one: a crash loop."""
+
+
+class RecoveryError(RobustDistError):
+    """In-process recovery (``recovery.in_process``) escalated: on a rank that did not fault itself, the message
+    names the fault (another rank's error, a hang verdict, a lost store) and why the job does not recover in place,
+    and the error this rank saw (a collective cut short by the teardown) is its ``__cause__``; or, on every rank,
+    a recovery found nothing it could resume from in the same process. The process exits for a restart, as after
+    any other fault."""
 
 
 class StateDictMismatchError(RobustDistError):

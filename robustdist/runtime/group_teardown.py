@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -58,13 +59,7 @@ def _ddp_classes() -> list[type]:
 
 def live_ddp_modules() -> int:
     """How many DDP modules (any subclass) are alive in this process (one garbage-collector referrer pass)."""
-    classes = _ddp_classes()
-    exact = set(classes)
-    referrers = gc.get_referrers(*classes)
-    try:
-        return sum(1 for ref in referrers if type(ref) in exact)
-    finally:
-        referrers.clear()
+    return _each_ddp_module(lambda ref, attrs: True)
 
 
 def pin_ddp_modules() -> int:
@@ -75,6 +70,18 @@ def pin_ddp_modules() -> int:
     group. Found as the referrers of the DDP classes (an instance refers to its class): one garbage-collector
     pass over the tracked objects, 29-33 ms with 284k-315k objects here (benchmarks/findings.md T1), so a DDP
     module robustdist never saw (the script's own, the one Ray's ``prepare_model`` made) is pinned too."""
+    def pin(ref: Any, attrs: dict[str, Any]) -> bool:
+        group = attrs.get("process_group")
+        if group is not None and "reducer" in attrs:
+            pin_module(ref, group)
+            return True
+        return False
+
+    return _each_ddp_module(pin)
+
+
+def _each_ddp_module(visit: Callable[[Any, dict[str, Any]], bool]) -> int:
+    """Call ``visit(module, module.__dict__)`` on every live DDP module; returns how many visits returned True."""
     classes = _ddp_classes()
     exact = set(classes)
     count = 0
@@ -83,11 +90,7 @@ def pin_ddp_modules() -> int:
         for ref in referrers:
             if type(ref) not in exact:  # a dict or module naming the class, a subclass itself
                 continue
-            attrs = ref.__dict__
-            group = attrs.get("process_group")
-            if group is not None and "reducer" in attrs:
-                pin_module(ref, group)
-                count += 1
+            count += bool(visit(ref, ref.__dict__))
     finally:
         # The list holds the calling frames' objects: a frame -> list -> frame cycle would keep an old group,
         # and with it rank 0's store server, alive until the next collection, where a rank re-initialising at
@@ -119,30 +122,21 @@ def retire_ddp_modules(why: str) -> int:
     training on nothing. Pinned first (:func:`pin_module`), so the Reducer never frees the group last; then the
     module's ``process_group`` and pin go too, so a retired module keeps neither the group nor its store alive
     (rank 0's store server then closes, and the next generation serves a fresh one)."""
-    classes = _ddp_classes()
-    exact = set(classes)
-    count = 0
-    referrers = gc.get_referrers(*classes)
-    try:
-        for ref in referrers:
-            if type(ref) not in exact:
-                continue
-            attrs = ref.__dict__
-            if "reducer" in attrs and not isinstance(attrs["reducer"], _Retired):
-                if GROUP_PIN not in attrs and attrs.get("process_group") is not None:
-                    pin_module(ref, attrs["process_group"])
-                stand_in = _Retired(why)
-                attrs["logger"] = stand_in  # it holds the Reducer too
-                attrs["reducer"] = stand_in
-                # The Reducer is gone, so the group may go now: its Python object, the last owner, releases the
-                # GIL as it destroys it. Nothing of the module then holds the group, or the store under it.
-                attrs["process_group"] = stand_in
-                attrs.pop(GROUP_PIN, None)
-                count += 1
-    finally:
-        referrers.clear()
-        del referrers
-    return count
+    def retire(ref: Any, attrs: dict[str, Any]) -> bool:
+        if "reducer" not in attrs or isinstance(attrs["reducer"], _Retired):
+            return False
+        if GROUP_PIN not in attrs and attrs.get("process_group") is not None:
+            pin_module(ref, attrs["process_group"])
+        stand_in = _Retired(why)
+        attrs["logger"] = stand_in  # it holds the Reducer too
+        attrs["reducer"] = stand_in
+        # The Reducer is gone, so the group may go now: its Python object, the last owner, releases the GIL as it
+        # destroys it. Nothing of the module then holds the group, or the store under it.
+        attrs["process_group"] = stand_in
+        attrs.pop(GROUP_PIN, None)
+        return True
+
+    return _each_ddp_module(retire)
 
 
 def destroy_default_group() -> None:

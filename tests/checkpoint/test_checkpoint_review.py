@@ -397,3 +397,71 @@ def test_a_failed_report_says_rank_0_removes_the_staging_dir_now(tmp_path):
     assert "rank 0 removes the staging directory now (or, if rank 0 is the one that died, the next save does)" \
         in str(exc.value) and "removed by the next save" not in str(exc.value)
     assert not staging.exists()
+
+
+# 8. an in-process recovery does not wait out a background save stuck in its report ----------------------------
+def _durable_interrupted_while_waiting(rank, directory):
+    """Rank 1's background save of step 2 is still writing its files (held back 6 s); rank 0's is in the report's
+    all-gather, and rank 0's main thread is already waiting for it when an in-process recovery interrupts the waits
+    on both ranks (1 s in). Then, as the recovery's next generation would, each rank opens the directory again."""
+    from robustdist.runtime import dist as rdist
+
+    ckpt = AtomicCheckpointer(directory, async_save=True, timeout=20, arrival_timeout=10)
+    ckpt.save(1, {"x": torch.ones(1)})
+    ckpt.wait()
+    if rank == 1:
+        _faults.HOOK = lambda phase: time.sleep(6) if phase == "files_written" else None
+    ckpt.save(2, {"x": torch.full((1,), 2.0)})
+    timer = threading.Timer(1.0, rdist.interrupt_waits, args=("a rank faulted",))
+    start = time.monotonic()
+    timer.start()
+    raised, seconds = "", 0.0
+    try:
+        ckpt.wait()
+    except CheckpointError as e:
+        raised, seconds = str(e), time.monotonic() - start
+    timer.join()
+    _faults.HOOK = None
+    try:
+        ckpt.close()
+        closed = ""
+    except CheckpointError as e:  # a left-behind part's error may surface here; the lock is released anyway
+        closed = str(e)
+    rdist.resume_waits()
+    for left in [t for t in threading.enumerate() if t.name == "robustdist-ckpt-2"]:
+        left.join(60)  # the part left behind ends when its collective fails (rank 1's group is gone)
+    with AtomicCheckpointer(directory, timeout=20, arrival_timeout=10) as again:  # the lock was let go
+        loaded = again.load(state={"x": torch.zeros(1)})
+        steps = again.steps()
+    staging = [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+    return raised, seconds, closed, loaded.step, steps, staging
+
+
+def test_a_wait_under_way_leaves_a_save_stuck_in_its_report_once_a_recovery_interrupts_it(tmp_path):
+    (raised0, seconds0, _, step0, steps, staging), (raised1, seconds1, _, step1, _, _) = run_ranks(
+        _durable_interrupted_while_waiting, 2, args=(str(tmp_path),), timeout=150)
+    # rank 0's part, in the report's all-gather, is left 2 s after the interrupt, not after 20 s + 60 s
+    assert "background save of checkpoint step 2 was still in its report collective 2 s after an in-process " \
+        "recovery interrupted the waits; left to fail on its own: it commits nothing" in raised0, raised0
+    assert "nothing to fix" in raised0, raised0
+    assert seconds0 < 15, seconds0
+    # rank 1's part was still writing its files: waited for, then its report was not started (interrupted)
+    assert "checkpoint not committed: an in-process recovery interrupted the report" in raised1, raised1
+    assert "report collective was not started: a rank faulted" in raised1 and "left behind" not in raised1, raised1
+    assert 5 < seconds1 < 30, seconds1
+    assert step0 == step1 == 1 and steps == [1] and staging == [], (steps, staging)
+
+
+def test_a_whole_step_left_under_a_staging_name_is_never_loaded_and_a_new_save_commits_past_it(tmp_path):
+    """What a save left behind by an in-process recovery can leave (hostile or not): a complete-looking step under
+    a staging name, newer than every committed one. It is never a candidate, and a save of that step commits."""
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"x": torch.ones(1)})
+        ckpt.save(2, {"x": torch.full((1,), 2.0)})
+    shutil.copytree(tmp_path / "step_0000000002", tmp_path / ".tmp-step_0000000009-0123456789ab")
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        assert ckpt.steps() == [1, 2]
+        assert ckpt.load().step == 2
+        ckpt.save(9, {"x": torch.full((1,), 9.0)})
+        loaded = ckpt.load()
+        assert loaded.step == 9 and torch.equal(loaded.state["x"], torch.full((1,), 9.0))

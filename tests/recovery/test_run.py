@@ -178,6 +178,10 @@ def test_a_stopped_rank_makes_every_rank_escalate_long_before_the_collective_tim
     out = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [], False, (1, 6, "stop", 40.0)), init=False,
                     timeout=240)
     assert "raised" in out[0] and "raised" in out[1], out
+    # rank 0's own error is the all-reduce its hang verdict cut short: it raises the named error, naming the verdict
+    assert out[0]["raised"].startswith("RecoveryError: [rank 0] in-process recovery generation 0 ended: a declared "
+                                       "fault (generation 0: rank 0 (") and "HangError: rank 0 had no step" in \
+        out[0]["raised"], out[0]["raised"]
     assert out[0]["seconds"] < 120, out[0]  # 3 s + 15 s and the steps before; not 300 s
     for rank in range(2):
         assert [g for g, _, _ in out[rank]["seen"]] == [0], out[rank]["seen"]

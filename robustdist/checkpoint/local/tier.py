@@ -45,14 +45,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from robustdist.checkpoint import _faults
+from robustdist.checkpoint import _background, _faults
 from robustdist.checkpoint._schema import MAX_STEP, is_int
 from robustdist.checkpoint._snapshot import collect
 from robustdist.checkpoint.local import layout, memory
 from robustdist.checkpoint.local import restore as _local_restore
 from robustdist.checkpoint.local.lineage import LINEAGE, lineage_of
 from robustdist.checkpoint.local.memory import node_need
-from robustdist.checkpoint.local.wire import as_tensor, exchange
+from robustdist.checkpoint.local.wire import as_tensor, exchange, nbytes, serialise
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import exit_drain
 from robustdist.runtime.dist import Collectives, default_store
@@ -68,7 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["LINEAGE", "LocalSaveInfo", "LocalTier", "lineage_of", "node_need"]  # lineage: .lineage
 
 log = get_logger(__name__)
-_ABANDON_S = 2.0  # how long wait() gives a background part stuck in a collective after a recovery began
 OPS = ("local save", "local load")
 @dataclass
 class LocalSaveInfo:
@@ -81,38 +80,6 @@ class LocalSaveInfo:
     bytes: int | None = None
     complete: bool = False
     done: threading.Event = field(default_factory=threading.Event, repr=False)
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 64
-
-
-class _Sink:
-    """A write-only file for ``torch.save`` that grows a ``bytearray``. Not ``BytesIO.getbuffer()``: a view of a
-    BytesIO that a garbage-collected cycle outlives crashes CPython 3.12.1 ("deallocated BytesIO object has
-    exported buffers", then a segfault; seen in the version matrix with torch 2.15)."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, chunk: Any) -> int:
-        self.data += chunk
-        return len(memoryview(chunk))
-
-    def flush(self) -> None:
-        pass
-
-
-def _serialise(obj: Any) -> memoryview:
-    sink = _Sink()
-    torch.save(obj, sink)
-    return memoryview(sink.data)  # no copy: the view keeps the bytearray alive
 
 
 class LocalTier:
@@ -190,8 +157,7 @@ class LocalTier:
         self._checked_sizes: list[int] | None = None
         self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
         self._thread: threading.Thread | None = None
-        self._in_collective = False  # the background part is past writing its own copy (in its collectives)
-        self._abandoned = False  # wait() left the background part behind (in-process recovery)
+        self._leaving = _background.Leaving()  # the last save's background part: in its collectives? left behind?
         self._error: BaseException | None = None
         self._closed = False
 
@@ -230,12 +196,12 @@ class LocalTier:
             shards = _local_restore.local_shards(snap.sharded, self._staging)
         except BaseException as e:  # told to every rank in the agreement below; every rank raises there
             error = e
-        nbytes = _nbytes(snap.replicated) + _nbytes(snap.mine) + _nbytes(shards) if snap is not None else 0
-        save_id = self._agree_snapshot(step, error, nbytes)
+        size = nbytes(snap.replicated) + nbytes(snap.mine) + nbytes(shards) if snap is not None else 0
+        save_id = self._agree_snapshot(step, error, size)
         assert snap is not None
         info = LocalSaveInfo(step=step, blocking_seconds=time.perf_counter() - start)
         job = (step, save_id, snap.kinds, snap.replicated, {"mine": snap.mine, "shards": shards}, info, start)
-        self._in_collective = False
+        self._leaving = _background.Leaving()
         self._thread = threading.Thread(target=self._background, args=(job,), name=f"robustdist-local-ckpt-{step}",
                                         daemon=True)
         self._thread.start()
@@ -291,7 +257,7 @@ class LocalTier:
                 self.on_complete(step)
         except BaseException as e:  # surfaces at the next save(), wait(), load() or close()
             self._error = e
-            if self._abandoned:  # a recovery left it behind: it failed as expected
+            if self._leaving.left:  # a recovery left it behind: it failed as expected
                 log.info("in-memory checkpoint step %d, left behind by an in-process recovery, ended: %s", step, e)
             else:
                 log.error("in-memory checkpoint step %d failed: %s", step, e)
@@ -302,7 +268,7 @@ class LocalTier:
                              payload: dict[str, Any]) -> int:
         token = uuid.uuid4().hex[:12]
         meta = {"world_size": self.world_size, "lineage": self.lineage, "kinds": kinds, "save": save_id}
-        blobs = [_serialise(payload)] + ([_serialise(replicated)] if self.rank == 0 else [])
+        blobs = [serialise(payload)] + ([serialise(replicated)] if self.rank == 0 else [])
         files = dict(zip((layout.PAYLOAD, layout.REPLICATED), blobs))
         written, problem = 0, None
         try:
@@ -311,11 +277,12 @@ class LocalTier:
         except Exception as e:  # still take part in the exchange (the peers wait for it), then report
             problem = f"writing its own copy into {self.directory}: {type(e).__name__}: {e}"
         _faults.phase("local_own_committed")
-        self._in_collective = True  # from here to the end only collectives, then rotation once they succeed
+        leaving = self._leaving  # from here to the end only collectives, then rotation once they succeed
+        stayed = leaving.enter()
         peer = self.peers[self.rank]
         sends = {peer: [as_tensor(b) for b in blobs]} if peer is not None else {}
         try:
-            if self._abandoned:
+            if not stayed:
                 raise CheckpointError("left behind by an in-process recovery", rank=self.err_rank)
             received = exchange(self.group, self.rank, sends, self.senders, timeout=self.timeout,
                                 what=f"replication of step {step}") if sends or self.senders else {}
@@ -327,11 +294,11 @@ class LocalTier:
         except Exception as e:
             problem = problem or f"replicating: {e}"
         _faults.phase("local_replicated")
-        if self._abandoned:  # no collective on the old group once a recovery has moved on
+        if not leaving.enter():  # no collective on the old group once a recovery has moved on
             raise CheckpointError(f"in-memory checkpoint step {step} was left behind by an in-process recovery",
                                   rank=self.err_rank)
         everyone = self.collectives.all_gather(problem, "local commit")
-        self._in_collective = False  # past the collectives: wait() now waits for the rotation
+        stayed = leaving.leave_collective()  # past the collectives: wait() now waits for the rotation
         failed = {r: p for r, p in enumerate(everyone) if p}
         if failed:
             detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
@@ -339,7 +306,7 @@ class LocalTier:
                                   f"({detail[:2000]}). The previous complete step ({self.last_complete}) stays. Fix: "
                                   "see the named ranks' errors (a full /dev/shm? a dead peer?).", rank=self.err_rank,
                                   ranks=sorted(failed))
-        if self._abandoned:  # a recovery moved on without this save: the next generation owns the directory now
+        if not stayed:  # a recovery moved on without this save: the next generation owns the directory now
             raise CheckpointError(f"in-memory checkpoint step {step} was left behind by an in-process recovery; "
                                   "not rotated.", rank=self.err_rank)
         keep = {step} | ({self.last_complete} if self.keep_last == 2 and self.last_complete is not None else set())
@@ -351,27 +318,21 @@ class LocalTier:
     def wait(self) -> None:
         """Wait for the background part of the last save; raise its error (once) if it failed.
 
-        While an in-process recovery has interrupted the waits (:func:`robustdist.runtime.dist.interrupt_waits`),
-        a background part stuck in one of its collectives is waited for only :data:`_ABANDON_S` seconds, then left
-        to fail on its own: a gloo send waiting for its peer's receive is not ended by shutting the connection
-        down (seen here: the commit's all-gather waited out its whole timeout), and after a collective fails the
-        background part writes nothing more. Its files stay for the restart path; this raises."""
+        During an in-process recovery a background part stuck in one of its collectives is left behind after
+        :data:`~robustdist.checkpoint._background.ABANDON_S` seconds (:mod:`robustdist.checkpoint._background`);
+        its files stay for the restart path, and this raises."""
         if self._thread is not None:
-            deadline, abandon_at = time.monotonic() + self.timeout + 60.0, None
-            # in slices: a recovery may interrupt the waits while this one is under way, not only before it
-            while self._thread.is_alive() and time.monotonic() < deadline:
-                if abandon_at is None and _dist.interrupted() is not None:
-                    abandon_at = time.monotonic() + _ABANDON_S
-                if abandon_at is not None and time.monotonic() >= abandon_at and self._in_collective:
-                    self._abandoned, self._thread = True, None
-                    raise CheckpointError(f"the in-memory checkpoint's background part was still in a collective "
-                                          f"{_ABANDON_S:g} s after the recovery interrupted it; left to fail on its "
-                                          "own. The previous complete step stays, and the next generation "
-                                          "resumes from it: nothing to fix.", rank=self.err_rank)
-                self._thread.join(0.05)
-            if self._thread.is_alive():
+            waited = self.timeout + 60.0
+            outcome = _background.join(self._thread, waited, self._leaving)
+            if outcome == "left":
+                self._thread = None
+                raise CheckpointError(f"the in-memory checkpoint's background part was still in a collective "
+                                      f"{_background.ABANDON_S:g} s after the recovery interrupted it; left to fail "
+                                      "on its own. The previous complete step stays, and the next generation "
+                                      "resumes from it: nothing to fix.", rank=self.err_rank)
+            if outcome == "timeout":
                 raise CheckpointError(f"the in-memory checkpoint's background part did not finish within "
-                                      f"{self.timeout + 60:g} s; expected it to finish or fail. Fix: check the peers' "
+                                      f"{waited:g} s; expected it to finish or fail. Fix: check the peers' "
                                       "logs.", rank=self.err_rank)
             self._thread = None
         if self._error is not None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import CheckpointError
 
-__all__ = ["as_tensor", "exchange"]
+__all__ = ["as_tensor", "exchange", "nbytes", "serialise"]
 
 MAX_BLOBS = 2
 _HEADER = 1 + 2 * MAX_BLOBS
@@ -91,3 +91,37 @@ def exchange(group: Any, rank: int, sends: dict[int, list[torch.Tensor]], receiv
                                       "than the one it sent; expected the bytes it sent. Fix: check the network.",
                                       rank=rank)
     return received
+
+
+def nbytes(value: Any) -> int:
+    """About how many bytes ``value`` (tensors in dicts, lists and tuples) holds: what a local save sizes."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    return 64
+
+
+class _Sink:
+    """A write-only file for ``torch.save`` that grows a ``bytearray``. Not ``BytesIO.getbuffer()``: a view of a
+    BytesIO that a garbage-collected cycle outlives crashes CPython 3.12.1 ("deallocated BytesIO object has
+    exported buffers", then a segfault; seen in the version matrix with torch 2.15)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, chunk: Any) -> int:
+        self.data += chunk
+        return len(memoryview(chunk))
+
+    def flush(self) -> None:
+        pass
+
+
+def serialise(obj: Any) -> memoryview:
+    """``torch.save`` of ``obj`` into memory: the bytes a local copy holds."""
+    sink = _Sink()
+    torch.save(obj, sink)
+    return memoryview(sink.data)  # no copy: the view keeps the bytearray alive

@@ -1,0 +1,203 @@
+"""P10: faults that kill no process: in-process recovery vs torchrun's restart, on the P9 job.
+
+The job and the two nodes are P9's (``bench_recovery.py``, ``_recovery_job.py``): DDP over gloo, a 2.1M-parameter MLP
+with Adam, ~50 ms steps (a fixed 20 ms of it a sleep standing in for accelerator time), two lab nodes (network
+namespaces, one torchrun agent and one rank each; two agents on this host where the lab cannot run, and the record
+says so). Both variants keep durable and in-memory checkpoints (P9's ``memory``); they differ in what a fault costs:
+
+* ``restart``: the fault's exception ends the process (``with harden(...)`` records it) and torchrun restarts every
+  worker: respawn, ``import torch``, rendezvous, restore from the in-memory tier, replay.
+* ``inprocess``: ``recovery.in_process: true`` and ``h.run``: every rank tears the generation down and runs the loop
+  again in the same process, from the in-memory tier.
+
+The faults: a rank raises at its next step (SIGUSR1, after the forward, before the backward, so its peer waits in
+DDP's all-reduce), alternately rank 1 and rank 0, ``INTERVALS`` apart (P9's failure schedule, 21 to 28 s) from the
+first step on, the same schedule for both variants, until the job ends. Not in this schedule yet (issue #34): SIGSTOP hangs, partitions that heal.
+
+Per fault: fault -> first new step (a step beyond the last one done before the fault, on every rank), split into
+fault -> the loop running again (respawn, init and restore; for ``inprocess`` teardown, rebuild and restore) and
+replay. Goodput = steps x the baseline step time (P9's plain job, no checkpoint, no fault, right before each
+variant) / wall time from the first step to the last. Then, without faults, the step time of ``inprocess`` over
+``restart`` (the recovery machinery costs nothing per step): both jobs run fault-free, alternately, ``--pairs``
+times, and the ratio of their mean step times is taken per pair (median reported).
+
+Run: .venv/bin/python benchmarks/bench_inprocess.py [--ideal-seconds 62] [--host] [--keep];
+``make bench BENCH=bench_inprocess`` (about 6 minutes here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+import bench_recovery as p9
+from robustdist.testing import nodelab
+
+VARIANTS = ("restart", "inprocess")
+JOB_VARIANT = {"restart": "memory", "inprocess": "inprocess"}
+INTERVALS = p9.INTERVALS
+"""Seconds from one fault to the next (the first counted from the first step): P9's schedule, for both variants."""
+
+
+def fault_run(nodes: p9.Nodes, work: Path, variant: str, a: Any, *, faults: bool, tag: str) -> list[dict[str, Any]]:
+    """Run ``variant`` (``faults``: under the schedule); returns its events."""
+    ev, ckpt = work / f"{tag}-events", work / f"{tag}-ckpt"
+    ckpt.mkdir(parents=True)
+    args = p9.job_args(JOB_VARIANT[variant], ev, ckpt, a, a.steps if faults else a.quiet_steps, a.every)
+    agents = [nodes.agent(i, args, rdzv_id=f"p10-{tag}", name=f"{tag}-n{i}", sub=tag) for i in range(2)]
+    p9.wait_until(lambda: p9._tail_has(ev, "rank0-*.jsonl", '"event": "step"'), 120, f"{tag}'s first step", agents)
+    first = min(t for p in p9.processes(p9.read_events(ev)).values() for t, _ in p.steps)
+    due, sent = first + INTERVALS[0], 0
+    deadline = time.monotonic() + a.variant_timeout
+    while any(agent.poll() is None for agent in agents):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"P10: {tag} did not finish within {a.variant_timeout:g} s")
+        if any(agent.poll() not in (None, 0) for agent in agents):
+            raise RuntimeError(f"P10: {tag}: an agent failed (exit {[x.poll() for x in agents]}); see the logs")
+        if faults and time.time() >= due and not p9._tail_has(ev, "rank*.jsonl", '"event": "done"'):
+            pid = p9.live_pid(ev, 1 if sent % 2 == 0 else 0)
+            if pid is not None:  # between two processes (a restart): the fault waits for the new one
+                os.kill(pid, signal.SIGUSR1)
+                sent += 1
+                due += INTERVALS[sent % len(INTERVALS)]
+        time.sleep(0.05)
+    p9.finish(agents, 10, tag)
+    return p9.read_events(ev)
+
+
+def per_fault(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fault: steps lost, fault -> first new step = to the loop running again + replay, and the peer's detection
+    (fault -> its error reaching the script)."""
+    procs = p9.processes(events)
+    faults = [e for e in events if e["event"] == "fault"]
+    failed = [e for e in events if e["event"] == "failed"]
+    resumed = [e for e in events if e["event"] == "resumed"]
+    out = []
+    for i, f in enumerate(faults):
+        before = max((s for p in procs.values() for t, s in p.steps if t <= f["t"]), default=0)
+        new: dict[int, float] = {}
+        for p in procs.values():
+            for t, s in p.steps:
+                if t > f["t"] and s > before and (p.rank not in new or t < new[p.rank]):
+                    new[p.rank] = t
+        again = {}
+        for e in resumed:
+            if e["t1"] > f["t"] and e["rank"] not in again:
+                again[e["rank"]] = e
+        if set(new) != {0, 1} or set(again) != {0, 1}:
+            continue  # the job ended before any new step
+        first, back = max(new.values()), max(e["t1"] for e in again.values())
+        peer = [e["t"] - f["t"] for e in failed if e["rank"] != f["rank"] and e["t"] >= f["t"]]
+        out.append({"rank": f["rank"], "lost": before - min(e["step"] for e in again.values()),
+                    "recovery": first - f["t"], "to_loop": back - f["t"], "replay": first - back,
+                    "detect": min(peer) if peer else float("nan"),
+                    "overlapped": i + 1 < len(faults) and faults[i + 1]["t"] < first,
+                    "sources": sorted(str(e["source"]) for e in again.values())})
+    return out
+
+
+def step_mean(events: list[dict[str, Any]]) -> float:
+    """Rank 0's mean step interval, over its processes, past each one's warm-up."""
+    gaps = [g for p in p9.processes(events).values() if p.rank == 0 for g in p9.intervals(p)]
+    return statistics.mean(gaps)
+
+
+def main() -> None:
+    p = h.parser(__doc__.splitlines()[0])
+    p.add_argument("--ideal-seconds", type=float, default=62.0, help="the job's length in seconds of training (P9's)")
+    p.add_argument("--durable-seconds", type=float, default=12.5, help="durable checkpoint spacing, as in P9")
+    p.add_argument("--local-every", type=int, default=10, help="in-memory cadence, steps")
+    p.add_argument("--sleep", type=float, default=0.02, help="seconds of 'accelerator time' per step")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--baseline-steps", type=int, default=130)
+    p.add_argument("--quiet-steps", type=int, default=200, help="steps of each fault-free run")
+    p.add_argument("--pairs", type=int, default=3, help="fault-free restart/inprocess pairs")
+    p.add_argument("--variant-timeout", type=float, default=300)
+    p.add_argument("--host", action="store_true", help="two agents on this host even where the lab can run")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (events, logs)")
+    a = p.parse_args()
+    a.steps = a.every = None
+    why = nodelab.unavailable()
+    use_lab = why is None and not a.host
+    work = Path(tempfile.mkdtemp(prefix="rd-bench-inprocess-"))
+    started, load0 = time.time(), os.getloadavg()[0]
+    ideal: dict[str, list[float]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    walls: dict[str, float] = {}
+    ratios: list[float] = []
+    try:
+        nodes = p9.Nodes(work, use_lab)
+        try:
+            for variant in VARIANTS:
+                ideal[variant] = p9.baseline_run(nodes, work, a, variant)
+                step = statistics.mean(ideal[variant])
+                if a.steps is None:
+                    a.steps = round(a.ideal_seconds / step)
+                    a.every = a.local_every * max(1, round(a.durable_seconds / step / a.local_every))
+                events = fault_run(nodes, work, variant, a, faults=True, tag=variant)
+                rank0 = sorted(t for pr in p9.processes(events).values() if pr.rank == 0 for t, _ in pr.steps)
+                walls[variant] = rank0[-1] - rank0[0] + step
+                runs[variant] = per_fault(events)
+                print(f"  {variant}: goodput {a.steps * step / walls[variant]:.3f}, faults {runs[variant]}",
+                      flush=True)
+            for i in range(a.pairs):
+                order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
+                means = {v: step_mean(fault_run(nodes, work, v, a, faults=False, tag=f"quiet-{v}-{i}")) for v in order}
+                ratios.append(means["inprocess"] / means["restart"])
+        finally:
+            nodes.close()
+    except BaseException:
+        p9.dump_logs(work)
+        raise
+    finally:
+        p9.tidy(work, a.keep)
+    report(a, use_lab, why, ideal, runs, walls, ratios, time.time() - started, (load0, os.getloadavg()[0]))
+
+
+def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]], runs: dict[str, list[dict[str, Any]]],
+           walls: dict[str, float], ratios: list[float], seconds: float, load: tuple[float, float]) -> None:
+    times: dict[str, list[float]] = {}
+    metrics: dict[str, float] = {"lab": float(use_lab)}
+    for v, faults in runs.items():
+        step = statistics.mean(ideal[v])
+        lone = [f for f in faults if not f["overlapped"]]
+        times[f"{v}: baseline step right before (no checkpoint, no fault)"] = ideal[v]
+        times[f"{v}: fault to first new step"] = [f["recovery"] for f in lone]
+        metrics[f"goodput_{v}"] = a.steps * step / walls[v]
+        metrics[f"faults_{v}"] = float(len(faults))
+        for part in ("recovery", "to_loop", "replay", "detect"):
+            metrics[f"{part}_seconds_{v}"] = p9._med([f[part] for f in lone])
+        metrics[f"steps_lost_max_{v}"] = float(max((f["lost"] for f in faults), default=float("nan")))
+    times["no faults: inprocess step / restart step (per pair)"] = ratios
+    metrics["step_time_ratio_no_faults"] = statistics.median(ratios)
+    if "restart" in runs and "inprocess" in runs:
+        metrics["recovery_speedup"] = metrics["recovery_seconds_restart"] / metrics["recovery_seconds_inprocess"]
+    where = "2 lab nodes (network namespaces, one torchrun agent and one rank each, a private tmpfs local disk)" \
+        if use_lab else f"2 torchrun agents on one host, 1 rank each (NOT the lab: {why or '--host'})"
+    setup = (f"{where}; P9's job: DDP/gloo MLP {a.layers}x{a.width} + Adam, {a.steps} steps "
+             f"({a.sleep * 1e3:.0f} ms of each a fixed sleep), durable every {a.every} steps, in-memory every "
+             f"{a.local_every}; faults (an exception before the backward, rank 1 then rank 0, ...) "
+             f"{min(INTERVALS):g} to {max(INTERVALS):g} s apart from the first step on, the same for both variants; "
+             f"no-fault step ratio from {len(ratios)} alternating pairs of {a.quiet_steps}-step runs; "
+             f"{seconds:.0f} s in all")
+    notes = [f"machine load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
+             f"{os.cpu_count()} CPUs"]
+    notes += [f"{v}, per fault (rank, steps lost, fault to first new step = to the loop again + replay s, peer's "
+              "detection s, sources): " + "; ".join(
+                  f"{f['rank']} {f['lost']} {f['recovery']:.2f} = {f['to_loop']:.2f} + {f['replay']:.2f} "
+                  f"{f['detect']:.2f} {'/'.join(f['sources'])}{' (overlapped)' if f['overlapped'] else ''}"
+                  for f in faults) for v, faults in runs.items()]
+    metrics = {k: v for k, v in metrics.items() if v == v}  # NaN: not measured
+    h.emit(a, "P10", "faults that kill no process: in-process recovery vs torchrun's restart", times, metrics,
+           setup=setup, notes=notes)
+
+
+if __name__ == "__main__":
+    main()

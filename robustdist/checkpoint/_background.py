@@ -1,0 +1,71 @@
+"""Waiting for a save's background part: shared by the durable checkpointer and the in-memory tier.
+
+A save's background part writes files, then takes part in collectives (the durable tier's report and commit, the
+in-memory tier's replication and commit). While an in-process recovery has interrupted the waits
+(:func:`robustdist.runtime.dist.interrupt_waits`), a background part stuck in one of those collectives is waited
+for only :data:`ABANDON_S` seconds, then left to fail on its own: a gloo send waiting for its peer's receive is not
+ended by shutting the group's connections down (seen here: the in-memory tier's commit waited out the group's
+whole timeout), and after a collective fails the background part writes nothing more. A background part still
+writing its files is waited for (up to the bound): the files are this rank's, and a write is not a hang.
+
+The wait runs in slices, so a recovery that begins while a wait is already under way is seen too (the pinned
+matrix lane: a rank already waiting for the in-memory commit when its peer faulted waited 60 s).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Literal
+
+from robustdist.runtime import dist as _dist
+
+__all__ = ["ABANDON_S", "Leaving", "join"]
+
+ABANDON_S = 2.0
+"""How long a background part stuck in a collective is waited for once a recovery has interrupted the waits,
+counted from the interrupt (so the in-memory tier's wait and the durable tier's, one after the other, share it)."""
+_SLICE_S = 0.05
+
+
+class Leaving:
+    """Whether a background part is in its collectives, and whether a wait left it behind: both under one lock, so
+    the part never starts a commit step after a wait decided to leave it, and a wait never leaves a part that has
+    just gone past its collectives (to rename, say)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.in_collective = False
+        self.left = False
+
+    def enter(self) -> bool:
+        """The part goes (back) into a collective; False when it was left behind (it must start nothing more)."""
+        with self._lock:
+            self.in_collective = True
+            return not self.left
+
+    def leave_collective(self) -> bool:
+        """The part is past its collective (storage work follows, waited for); False when it was left behind."""
+        with self._lock:
+            self.in_collective = False
+            return not self.left
+
+    def try_leave(self) -> bool:
+        """A wait: leave the part behind if it is in a collective; True when it did."""
+        with self._lock:
+            if self.in_collective:
+                self.left = True
+            return self.left
+
+
+def join(thread: threading.Thread, bound: float, leaving: Leaving) -> Literal["done", "left", "timeout"]:
+    """Wait for ``thread`` at most ``bound`` seconds: ``"done"`` when it ended, ``"timeout"`` when it still runs,
+    ``"left"`` when a recovery interrupted the waits :data:`ABANDON_S` seconds ago or more and the part was still in
+    a collective (``leaving.left`` is then set: the part starts no further step)."""
+    deadline = time.monotonic() + bound
+    while thread.is_alive() and time.monotonic() < deadline:
+        since = _dist.interrupted_at()
+        if since is not None and time.monotonic() >= since + ABANDON_S and leaving.try_leave():
+            return "left"
+        thread.join(_SLICE_S)
+    return "timeout" if thread.is_alive() else "done"
