@@ -389,7 +389,7 @@ def _share_attempt(part: int, group: Any) -> int:
 
 def _validate(report: InitReport, dcfg: DistributedConfig, fingerprint: str, *, share_attempt: bool = False) -> None:
     report.rank, report.world_size = dist.get_rank(), dist.get_world_size()
-    if report.backend != "gloo" and report.world_size > 1:  # monitored_barrier exists only on gloo
+    if report.backend != "gloo":  # monitored_barrier exists only on gloo (a 1-rank NCCL group too: the GPU run)
         report.side_group = dist.new_group(backend="gloo")
     report.timings["barrier"] = named_barrier("init", dcfg.barrier_timeout, group=report.side_group)
     if share_attempt:
