@@ -257,3 +257,18 @@ def test_a_staging_directory_swapped_for_a_link_mid_save_is_not_written_through(
         assert ckpt.steps() == [1, 2, 4]
     assert not list(directory.glob(".tmp-step_*")) and not (directory / "step_0000000003").exists()
     assert sorted(p.name for p in victim.iterdir()) == ["data"] and (victim / "data").read_text() == "precious"
+
+
+def test_a_whole_step_left_under_a_staging_name_is_never_loaded_and_a_new_save_commits_past_it(tmp_path):
+    """What a save left behind by an in-process recovery can leave (hostile or not): a complete-looking step under
+    a staging name, newer than every committed one. It is never a candidate, and a save of that step commits."""
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"x": torch.ones(1)})
+        ckpt.save(2, {"x": torch.full((1,), 2.0)})
+    shutil.copytree(tmp_path / "step_0000000002", tmp_path / ".tmp-step_0000000009-0123456789ab")
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        assert ckpt.steps() == [1, 2]
+        assert ckpt.load().step == 2
+        ckpt.save(9, {"x": torch.full((1,), 9.0)})
+        loaded = ckpt.load()
+        assert loaded.step == 9 and torch.equal(loaded.state["x"], torch.full((1,), 9.0))
