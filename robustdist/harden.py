@@ -80,6 +80,7 @@ from robustdist.init.process_group import (
 from robustdist.parallel import fsdp, fsdp_wrap
 from robustdist.parallel.ddp import HF_TRAINER_FIX, wrap_ddp
 from robustdist.ray import train as _ray_train
+from robustdist.recovery import building as _building
 from robustdist.recovery import loop as _recovery
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
@@ -142,6 +143,7 @@ def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: to
     except BaseException:
         recording.close()
         raise
+    _building.group_made(config.distributed.timeout)  # a recovery's next generation watches from here on
     checkpointer: AtomicCheckpointer | None = None
     identity: RunIdentity | None = None
     local: LocalTier | None = None
@@ -189,8 +191,9 @@ def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: to
                                      init_report=report, checkpointer=checkpointer, config=config, watchdog=watchdog,
                                      local=local, ray=ray, identity=identity, scaler=scaler)
         hardened = Hardened(**parts) if into is None else into._renew(**parts)
-    except BaseException:
+    except BaseException as e:
         recording.close()
+        _building.failed(e, sockets)  # a recovery's next generation: the other ranks learn of it, named
         if watchdog is not None:
             watchdog.close()
         if local is not None:

@@ -2,7 +2,9 @@
 every rank gets out of the collective it is in, without a process restart.
 
 What exists: :mod:`.loop` (:func:`run_in_process`: the re-entrant loop, experimental), :mod:`.faults` (the
-generation protocol: :func:`declare_fault`, :class:`FaultWatch`) and, in the runtime,
+generation protocol: :func:`declare_fault`, :class:`FaultWatch`), :mod:`.building` (a generation's watch from the
+moment its group exists; a failed build declared), :mod:`.handover` (the store from one generation to the next)
+and, in the runtime,
 :mod:`robustdist.runtime.group_sockets` (a gloo collective in progress unblocked by shutting its group's
 connections down) and :func:`robustdist.runtime.dist.interrupt_waits`. What is missing: docs/status.md. Imports
 :mod:`robustdist.runtime` and :mod:`robustdist.health`.

@@ -46,8 +46,9 @@ A fresh start takes an in-memory copy of step 0 (the start state), so a fault be
 recovers; a later generation that finds nothing to resume from raises :class:`~robustdist.RecoveryError` (a
 fault like any other: a restore that raised may succeed in the next generation).
 
-Not yet (docs/status.md): a failure while the next generation is hardened is not declared (the others learn of it
-in the rendezvous), restoring from memory without reading the in-memory tier's files, and the Ray Train path.
+A failure while the next generation is hardened is declared by its rank once the group exists
+(:mod:`.building`); the others end at once, naming it. Not yet (docs/status.md): restoring from memory without
+reading the in-memory tier's files, and the Ray Train path.
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from robustdist.health import restart_guard as _restart_guard
 from robustdist.health.watchdog_store import connector
 from robustdist.recovery import handover
+from robustdist.recovery.building import Generation, building
 from robustdist.recovery.faults import SCOPE, FaultWatch, clear_generation, declare_fault, read_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
@@ -202,6 +204,32 @@ def _record_error(h: Any, rank: int, error: BaseException) -> None:
         _restart_guard.record_error(h.checkpointer.directory, h.attempt, rank, error)
 
 
+def _built_badly(g: Generation, error: BaseException, record_to: tuple[str, int] | None) -> NoReturn:
+    """Generation ``g``'s build raised on this rank: its own failure (declared to the others by
+    :func:`.building.failed`, or before any group existed) is re-raised; a failure caused by another rank's becomes a
+    :class:`~robustdist.RecoveryError` naming that one. Either is recorded for the restart-loop guard."""
+    rank = _dist.rank() if _dist.is_up() else int(os.environ.get("RANK", "0") or 0)
+    what = f"{type(error).__name__}: {str(error).strip()[:300]}"
+    named: BaseException = error
+    if g.cause is None and g.fired.is_set() and g.watch is not None:  # seen by the watch, not read at the failure
+        g.cause = g.watch.fault.describe() if g.watch.fault is not None and g.watch.fault.why else None
+    if g.cause is not None and not g.own:
+        named = RecoveryError(
+            f"in-process recovery generation {g.generation} could not be built: another rank's build failed "
+            f"({g.cause}). Expected every rank to build the next generation; the process exits for a restart (the "
+            f"launcher's, whose restart-loop guard counts it). This rank's own error was a consequence ({what}). "
+            "Fix: see the error and log of the rank the fault names.", rank=rank)
+    else:
+        log.error("rank %d: building in-process recovery generation %d failed (%s)%s; the process exits for a "
+                  "restart", rank, g.generation, what,
+                  ": the other ranks were told" if g.own else " before its group existed")
+    if record_to is not None and isinstance(named, Exception):
+        _restart_guard.record_error(record_to[0], record_to[1], rank, named)
+    if named is error:
+        raise error
+    raise named from error
+
+
 def _cause(watch: FaultWatch, store: Any, scope: str, gen: int, world: int) -> str:
     """What ended a generation on a rank that did not fault itself."""
     fault = watch.fault
@@ -241,9 +269,20 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
           optimizer: Any, scheduler: Any, extra: dict[str, Any], scope: str) -> T:
     keep: Any = None  # this generation's job store: its server, and the fault keys, outlive the group
     last_resumed: tuple[object, int] = (None, 0)  # (the step resumed from, or "resume", faults after it in a row)
+    record_to: tuple[str, int] | None = None  # where the restart-loop guard's record is (the last generation's)
     while True:
         _dist.resume_waits()
-        h, sockets = build()
+        gen = _state["generation"]
+        g = Generation(scope, gen)
+        try:
+            with building(g if gen > 0 else None):  # generation 0 is the script's own harden call
+                h, sockets = build()
+        except BaseException as e:
+            g.close()
+            if gen == 0:
+                raise
+            _built_badly(g, e, record_to)
+        g.sockets = sockets
         store = _dist.default_store()
         if store is None or _dist.world_size() == 1:
             try:
@@ -257,7 +296,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         ports = [p for p in (getattr(keep, "port", None), h.topology.master_port) if p]
         if sockets is not None:
             sockets.exclude(*ports)
-        rank, world, gen = _dist.rank(), _dist.world_size(), _state["generation"]
+        rank, world = _dist.rank(), _dist.world_size()
         served_by_rank0 = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
                            and not h.config.distributed.init_method.startswith("file://"))
         unsupported = _supported(h, sockets)
@@ -265,6 +304,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             log.warning("rank %d: in-process recovery is off for this run: %s; a fault ends the process as usual. "
                         "Fix: recovery.in_process: false to silence this, or run DDP on gloo on a group harden "
                         "creates", rank, unsupported)
+            g.close()
             with h:
                 return train_fn(h, h.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0)
         if gen > 0 and rank == 0:  # every rank is past generation gen - 1 (they rendezvoused): drop its keys
@@ -272,16 +312,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 clear_generation(store, generation=gen - 1, world_size=world, scope=scope)
             except Exception as e:  # only bytes are left behind
                 log.debug("could not clear generation %d's keys: %s", gen - 1, e)
-        fired = threading.Event()
-
-        def on_fault(g: int, sockets: GroupSockets | None = sockets, fired: threading.Event = fired) -> None:
-            fired.set()
-            if sockets is not None:
-                sockets.unblock()
-            _dist.interrupt_waits(f"a rank faulted in recovery generation {g}")
-
-        watch = FaultWatch(connector(store, h.config.distributed.timeout), store, generation=gen, world_size=world,
-                           rank=rank, on_fault=on_fault, scope=scope).start()
+        fired, on_fault = g.fired, g.on_fault
+        watch = g.watch_on(store, h.config.distributed.timeout)  # started while it was built, after a fault
         if h.watchdog is not None and not unsupported:  # the hang verdict is a fault too: every rank gets out
             h.watchdog.on_hang(_hang_declarer(store, scope, gen, rank, world, h.config.distributed.timeout, fired))
         resumed: object = "resume"
@@ -317,6 +349,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                    f"{repeats} faults in a row after resuming from {'step ' if resumed != 'resume' else ''}{resumed} "
                    f"(health.max_restarts_without_progress={limit})" if repeats >= limit else None)
             store_ok = not watch.lost
+            if h.checkpointer is not None:  # the next generation's build may fail: its error is recorded there
+                record_to = (h.checkpointer.directory, h.attempt)
             try:  # every rank decides alike: if one escalates, or is gone, all do
                 decisions, verdict = _agree(keep, scope, gen, rank, world, "escalate" if why else "recover",
                                             min(60.0, h.config.distributed.init_timeout))
@@ -378,7 +412,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         address = (getattr(inner, "host", None), getattr(inner, "port", None))
         connect = connector(keep, handover.PROBE_S) if served_by_rank0 and address[0] and address[1] else None
         h._let_go()
-        del h, store, watch, inner
+        del h, store, watch, inner, g, fired, on_fault  # g and its watch hold the store too
         keep = None
         retired = group_teardown.retire_ddp_modules(
             f"rank {rank}: this DistributedDataParallel module belongs to in-process recovery generation {gen}, "

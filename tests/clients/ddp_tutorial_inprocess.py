@@ -7,7 +7,8 @@ with ``_run_batch`` and ``_run_epoch`` (the batch-size peek, ``set_epoch``), sav
 tests (nothing pasted): the loop body is ``Trainer.train(h, step)``, the function ``h.run`` re-runs; it saves to the
 in-memory tier every step.
 
-``--fault RANK:STEP`` raises ``ValueError`` on that rank after the optimizer step of global step STEP (its peer then
+``--epochs`` (3), ``--step-sleep`` (seconds per step), ``--hang-timeout`` (the watchdog's) and ``--log-steps`` (an
+event per step) and ``--local-every`` (the in-memory tier's interval, 1) shape a run for tests that act on it mid-run. ``--fault RANK:STEP`` raises ``ValueError`` on that rank after the optimizer step of global step STEP (its peer then
 waits in the save's arrival check), in generation 0 of attempt 0 only, or with ``--always`` in every generation of
 every attempt (a deterministic fault). Each rank writes ``events-<tag>-rank<r>.jsonl`` (every start of the
 training function and the restart-loop guard's stop), and at the end ``result-<tag>-rank<r>.json`` and
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -30,7 +32,7 @@ from robustdist import harden
 from robustdist.recovery import generation
 from robustdist.runtime.errors import RestartLoopError
 
-TOTAL_EPOCHS, BATCH = 3, 4
+BATCH = 4
 
 
 class MyTrainDataset(Dataset):
@@ -58,14 +60,17 @@ def prepare_dataloader(dataset: Dataset, batch_size: int) -> DataLoader:
 
 
 class Trainer:
-    def __init__(self, optimizer, fault: tuple[int, int] | None, always: bool, note) -> None:
+    def __init__(self, optimizer, fault: tuple[int, int] | None, always: bool, note, *, epochs: int,
+                 step_sleep: float, log_steps: bool) -> None:
         self.rank = int(os.environ["RANK"])
         self.optimizer, self.fault, self.always, self.note = optimizer, fault, always, note
+        self.epochs, self.step_sleep, self.log_steps = epochs, step_sleep, log_steps
 
     def _run_batch(self, h, source, targets, step: int) -> None:
         self.optimizer.zero_grad()
         loss = F.mse_loss(h.model(source), targets)
-        loss.backward()
+        time.sleep(self.step_sleep)  # accelerator time, for tests that act mid-run (a fault lands here, before the
+        loss.backward()              # gradient all-reduce)
         if h.step_guard(loss, step):
             self.optimizer.step()
 
@@ -76,17 +81,19 @@ class Trainer:
         for source, targets in h.loader:
             self._run_batch(h, source, targets, step)
             step += 1
+            if self.log_steps:
+                self.note(event="step", step=step)
             first = generation() == 0 and h.attempt == 0
             if self.fault == (self.rank, step) and (self.always or first):
                 raise ValueError(f"boom at step {step} (attempt {h.attempt}, generation {generation()})")
-            h.save(step)  # the in-memory tier every step, the durable one every 4
+            h.save(step)  # the in-memory tier every --local-every steps (1), the durable one every 4
         return step
 
     def train(self, h, step: int) -> int:
         """The part h.run re-runs: from the step it resumed (0 on a fresh start) to the end."""
         self.note(event="start", step=step)
         per_epoch = len(h.loader)
-        while step < TOTAL_EPOCHS * per_epoch:
+        while step < self.epochs * per_epoch:
             step = self._run_epoch(h, step // per_epoch, step)
         return step
 
@@ -98,25 +105,33 @@ def main() -> None:
     p.add_argument("--fault", default=None, help="RANK:STEP")
     p.add_argument("--always", action="store_true")
     p.add_argument("--max-no-progress", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--hang-timeout", type=float, default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--log-steps", action="store_true")
+    p.add_argument("--local-every", type=int, default=1)
+    p.add_argument("--local-dir", default=None, help="the in-memory tier's (default: <workdir>/shm-<tag>)")
     a = p.parse_args()
     work, rank = Path(a.workdir), int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def note(**kw) -> None:
         with open(work / f"events-{a.tag}-rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"attempt": attempt, "generation": generation(), "pid": os.getpid(), **kw}) + "\n")
+            f.write(json.dumps({"attempt": attempt, "generation": generation(), "pid": os.getpid(),
+                                "time": time.time(), **kw}) + "\n")
 
     torch.manual_seed(0)
     dataset, model, optimizer = load_train_objs()
     loader = prepare_dataloader(dataset, BATCH)
-    cfg = {"checkpoint": {"dir": str(work / "ckpt"), "every_n_steps": 4, "local_every_n_steps": 1,
-                          "local_dir": str(work / f"shm-{a.tag}")},
-           "health": {"hang_timeout": None, "max_restarts_without_progress": a.max_no_progress},
+    cfg = {"checkpoint": {"dir": str(work / "ckpt"), "every_n_steps": 4, "local_every_n_steps": a.local_every,
+                          "local_dir": a.local_dir or str(work / f"shm-{a.tag}")},
+           "health": {"hang_timeout": a.hang_timeout, "max_restarts_without_progress": a.max_no_progress},
            "distributed": {"timeout": 60, "init_timeout": 60, "barrier_timeout": 60},
            "recovery": {"in_process": True}}
     fault = tuple(int(v) for v in a.fault.split(":")) if a.fault else None
     h = harden(model, loader, cfg, optimizer=optimizer)
-    trainer = Trainer(optimizer, fault, a.always, note)  # type: ignore[arg-type]
+    trainer = Trainer(optimizer, fault, a.always, note, epochs=a.epochs,  # type: ignore[arg-type]
+                      step_sleep=a.step_sleep, log_steps=a.log_steps)
     try:
         end = h.run(trainer.train, optimizer=optimizer)
     except RestartLoopError as e:

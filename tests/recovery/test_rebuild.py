@@ -1,0 +1,105 @@
+"""A failure while the next in-process recovery generation is built, on real gloo ranks (a DDP-tutorial-shaped
+loop, test_loop's): the rank whose build fails declares it; every rank ends promptly (not after the collective or
+init timeout, 60 s here), the failing rank with its own error, the others with a RecoveryError naming it, and each
+error is recorded for the restart-loop guard.
+
+The failure is injected into harden's own steps in the rank's process (a fault that needs no GPU and no broken disk
+to happen): the run directory's claim (a collective every rank is in while the failing rank raises), or the
+watchdog's start (after the last collective of the build: the other ranks are resuming by then)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from robustdist import harden
+from robustdist.recovery import generation, run_in_process
+from robustdist.runtime.errors import RecoveryError
+from robustdist.testing.ranks import run_ranks
+from tests.recovery.test_loop import ToyModel
+
+pytestmark = pytest.mark.timeout(300)
+TOTAL = 10
+
+
+def _job(rank: int, root: str, failing: int, where: str) -> dict:
+    """Rank 1 raises ValueError after step 4 in generation 0; generation 1's build then fails on rank ``failing``
+    at ``where`` ("claim" or "watchdog") with OSError."""
+    def fail_in_generation_1(real):
+        def call(*args, **kwargs):
+            if generation() == 1 and rank == failing:
+                raise OSError(f"injected: {where} failed on rank {rank}")
+            return real(*args, **kwargs)
+        return call
+
+    harden_module = sys.modules[harden.__module__]  # harden's own module, where its steps are looked up
+    if where == "claim":
+        harden_module.claim = fail_in_generation_1(harden_module.claim)
+    else:
+        harden_module.Watchdog = fail_in_generation_1(harden_module.Watchdog)
+    torch.manual_seed(0)
+    model = ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(64, 10), torch.randn(64, 5)), batch_size=4, shuffle=True)
+    cfg = {"checkpoint": {"dir": f"{root}/ckpt", "every_n_steps": 100, "local_every_n_steps": 1,
+                          "local_dir": f"{root}/shm"},
+           "health": {"hang_timeout": 600},
+           "distributed": {"timeout": 60, "init_timeout": 60, "barrier_timeout": 60}}
+
+    def train(h, step: int) -> int:
+        while step < TOTAL:
+            for x, y in h.loader:
+                nn.functional.mse_loss(h.model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                step += 1
+                if rank == 1 and step == 4 and generation() == 0:
+                    raise ValueError("boom at step 4")
+                h.save(step, optimizer=optimizer)
+                if step == TOTAL:
+                    break
+        return step
+
+    out: dict = {}
+    start = time.monotonic()
+    try:
+        out["end"] = run_in_process(lambda: harden(model, loader, cfg, optimizer=optimizer), train,
+                                    optimizer=optimizer)
+    except BaseException as e:
+        out.update(raised=f"{type(e).__name__}: {e}", named=isinstance(e, RecoveryError))
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def _recorded(root: Path) -> dict[int, str]:
+    found = {}
+    for path in (root / "ckpt").rglob("attempt_0_rank_*.txt"):
+        found[int(path.stem.rsplit("_", 1)[1])] = path.read_text()
+    return found
+
+
+@pytest.mark.parametrize("failing,where", [(1, "claim"), (0, "claim"), (1, "watchdog")],
+                         ids=["rank1-in-a-collective", "rank0-serving-the-store", "rank1-after-the-collectives"])
+def test_a_failed_build_of_the_next_generation_ends_every_rank_promptly_naming_it(tmp_path, failing, where):
+    out = run_ranks(_job, 2, args=(str(tmp_path), failing, where), init=False, timeout=200)
+    other = 1 - failing
+    assert out[failing]["raised"] == f"OSError: injected: {where} failed on rank {failing}", out
+    assert not out[failing]["named"]
+    message = out[other]["raised"]
+    assert out[other]["named"], message
+    assert message.startswith(f"RecoveryError: [rank {other}] in-process recovery generation 1 "), message
+    assert (f"rank {failing} (" in message and "building in-process recovery generation 1 failed: OSError: "
+            f"injected: {where} failed on rank {failing}" in message), message
+    # long before the group's and the rendezvous's timeouts (60 s), which a rank not told would wait out
+    assert max(o["seconds"] for o in out) < 45, out
+    recorded = _recorded(tmp_path)
+    assert f"injected: {where} failed on rank {failing}" in recorded.get(failing, ""), recorded
+    assert "RecoveryError" in recorded.get(other, ""), recorded
+    assert os.listdir(tmp_path / "ckpt")  # the run directory is there (the guard's record with it)
