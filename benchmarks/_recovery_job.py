@@ -11,6 +11,9 @@
 * ``inprocess``: ``memory`` with ``recovery.in_process: true``, the loop run by ``h.run`` (benchmark P10,
   ``bench_inprocess.py``): a fault that kills no process is recovered in the same processes.
 
+``--hang-timeout S`` sets ``health.hang_timeout`` with ``hang_action: abort`` (P10's SIGSTOP hangs and partitions:
+the watchdog's verdict ends the process for torchrun's restart, or is a fault the in-process variant recovers from).
+
 A fault that kills no process: SIGUSR1 makes the process raise ``RuntimeError`` at its next step, after the forward
 and before the backward (its peer is then in DDP's all-reduce); ``fault`` is logged first. Under ``memory`` the
 exception ends the process (``harden``'s block records it) and torchrun restarts the workers.
@@ -80,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--hang-timeout", type=float, default=None,
+                   help="health.hang_timeout, with hang_action abort (P10's hangs and partitions); default: none")
     return p.parse_args()
 
 
@@ -118,7 +123,9 @@ def train(args: argparse.Namespace, events: Events) -> None:
         ckpt: dict[str, Any] = {"dir": args.ckpt, "every_n_steps": args.every or None, "keep_last": 2}
         if args.variant in ("memory", "inprocess"):
             ckpt.update(local_every_n_steps=args.local_every, local_dir=os.environ["P9_LOCAL_DIR"])
-        hardened = harden(model, None, {"checkpoint": ckpt, "recovery": {"in_process": args.variant == "inprocess"}})
+        health = {"hang_timeout": args.hang_timeout, "hang_action": "abort"} if args.hang_timeout else {}
+        hardened = harden(model, None, {"checkpoint": ckpt, "health": health,
+                                        "recovery": {"in_process": args.variant == "inprocess"}})
     fault = _arm_faults()
     if args.variant == "inprocess":
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)

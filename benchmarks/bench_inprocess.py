@@ -12,7 +12,12 @@ says so). Both variants keep durable and in-memory checkpoints (P9's ``memory``)
 
 The faults: a rank raises at its next step (SIGUSR1, after the forward, before the backward, so its peer waits in
 DDP's all-reduce), alternately rank 1 and rank 0, ``INTERVALS`` apart (P9's failure schedule, 21 to 28 s) from the
-first step on, the same schedule for both variants, until the job ends. Not in this schedule yet (issue #34): SIGSTOP hangs, partitions that heal.
+first step on, the same schedule for both variants, until the job ends. Two more kinds of fault that kill no
+process run on the same schedule (``--kinds``), with ``health.hang_timeout`` ``--hang-timeout`` (3 s) and
+``hang_action: abort`` in both variants: ``stop``, the rank SIGSTOPped and continued ``--heal-seconds`` (5 s) later (a
+hang that ends); ``partition``, the rank's node cut off from the other (its switch port leaves the bridge) and linked
+again ``--heal-seconds`` later (lab only). For those the fault's time is when the benchmark sent it; the restart
+variant restarts once the watchdog's verdict ends a process, the in-process one recovers once every rank can.
 
 Per fault: fault -> first new step (a step beyond the last one done before the fault, on every rank), split into
 fault -> the loop running again (respawn, init and restore; for ``inprocess`` teardown, rebuild and restore) and
@@ -40,42 +45,79 @@ import bench_recovery as p9
 from robustdist.testing import nodelab
 
 VARIANTS = ("restart", "inprocess")
+KINDS = ("exception", "stop", "partition")
 JOB_VARIANT = {"restart": "memory", "inprocess": "inprocess"}
 INTERVALS = p9.INTERVALS
 """Seconds from one fault to the next (the first counted from the first step): P9's schedule, for both variants."""
 
 
-def fault_run(nodes: p9.Nodes, work: Path, variant: str, a: Any, *, faults: bool, tag: str) -> list[dict[str, Any]]:
-    """Run ``variant`` (``faults``: under the schedule); returns its events."""
+def fault_run(nodes: p9.Nodes, work: Path, variant: str, a: Any, *, faults: bool, tag: str,
+              kind: str = "exception") -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """Run ``variant`` (``faults``: under the schedule, faults of ``kind``); returns its events, and the faults the
+    benchmark injected itself (``stop``, ``partition``: time and rank; None for ``exception``, which the job logs)."""
     ev, ckpt = work / f"{tag}-events", work / f"{tag}-ckpt"
     ckpt.mkdir(parents=True)
     args = p9.job_args(JOB_VARIANT[variant], ev, ckpt, a, a.steps if faults else a.quiet_steps, a.every)
+    if faults and kind != "exception":
+        args += ["--hang-timeout", str(a.hang_timeout)]
     agents = [nodes.agent(i, args, rdzv_id=f"p10-{tag}", name=f"{tag}-n{i}", sub=tag) for i in range(2)]
     p9.wait_until(lambda: p9._tail_has(ev, "rank0-*.jsonl", '"event": "step"'), 120, f"{tag}'s first step", agents)
     first = min(t for p in p9.processes(p9.read_events(ev)).values() for t, _ in p.steps)
     due, sent = first + INTERVALS[0], 0
+    injected: list[dict[str, Any]] = []
+    heal: list[tuple[float, Any]] = []  # (when, what ends the fault)
     deadline = time.monotonic() + a.variant_timeout
-    while any(agent.poll() is None for agent in agents):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"P10: {tag} did not finish within {a.variant_timeout:g} s")
-        if any(agent.poll() not in (None, 0) for agent in agents):
-            raise RuntimeError(f"P10: {tag}: an agent failed (exit {[x.poll() for x in agents]}); see the logs")
-        if faults and time.time() >= due and not p9._tail_has(ev, "rank*.jsonl", '"event": "done"'):
-            pid = p9.live_pid(ev, 1 if sent % 2 == 0 else 0)
-            if pid is not None:  # between two processes (a restart): the fault waits for the new one
-                os.kill(pid, signal.SIGUSR1)
-                sent += 1
-                due += INTERVALS[sent % len(INTERVALS)]
-        time.sleep(0.05)
+    try:
+        while any(agent.poll() is None for agent in agents):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"P10: {tag} did not finish within {a.variant_timeout:g} s")
+            if any(agent.poll() not in (None, 0) for agent in agents):
+                raise RuntimeError(f"P10: {tag}: an agent failed (exit {[x.poll() for x in agents]}); see the logs")
+            for item in [h for h in heal if h[0] <= time.time()]:
+                heal.remove(item)
+                item[1]()
+            if faults and not heal and time.time() >= due and not p9._tail_has(ev, "rank*.jsonl", '"event": "done"'):
+                rank = 1 if sent % 2 == 0 else 0
+                pid = p9.live_pid(ev, rank)
+                if pid is not None:  # between two processes (a restart): the fault waits for the new one
+                    heal += inject(nodes, kind, rank, pid, a.heal_seconds)
+                    injected.append({"t": time.time(), "rank": rank})
+                    sent += 1
+                    due += INTERVALS[sent % len(INTERVALS)]
+            time.sleep(0.05)
+    finally:
+        for _, end in heal:  # never leave a process stopped or a node cut off
+            end()
     p9.finish(agents, 10, tag)
-    return p9.read_events(ev)
+    return p9.read_events(ev), (injected if kind != "exception" else None)
 
 
-def per_fault(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def inject(nodes: p9.Nodes, kind: str, rank: int, pid: int, heal_s: float) -> list[tuple[float, Any]]:
+    """Inject one fault of ``kind`` into ``rank`` (process ``pid``, the only rank on node ``rank``); returns what
+    ends it, and when."""
+    if kind == "exception":
+        os.kill(pid, signal.SIGUSR1)
+        return []
+    if kind == "stop":
+        os.kill(pid, signal.SIGSTOP)
+
+        def cont() -> None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # ended while stopped (the launcher's SIGKILL)
+                pass
+        return [(time.time() + heal_s, cont)]
+    assert kind == "partition" and nodes.lab is not None
+    nodes.lab.link_down(rank)
+    return [(time.time() + heal_s, lambda: nodes.lab.link_up(rank))]
+
+
+def per_fault(events: list[dict[str, Any]], injected: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Per fault: steps lost, fault -> first new step = to the loop running again + replay, and the peer's detection
-    (fault -> its error reaching the script)."""
+    (fault -> its error reaching the script). ``injected``: the faults' times and ranks, where the job did not log
+    them (SIGSTOP, partitions)."""
     procs = p9.processes(events)
-    faults = [e for e in events if e["event"] == "fault"]
+    faults = injected if injected is not None else [e for e in events if e["event"] == "fault"]
     failed = [e for e in events if e["event"] == "failed"]
     resumed = [e for e in events if e["event"] == "resumed"]
     out = []
@@ -121,11 +163,20 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3, help="fault-free restart/inprocess pairs")
     p.add_argument("--variant-timeout", type=float, default=300)
     p.add_argument("--host", action="store_true", help="two agents on this host even where the lab can run")
+    p.add_argument("--kinds", default=",".join(KINDS), help="the kinds of fault, each on the schedule: "
+                   "exception (always), stop (SIGSTOP, SIGCONT later), partition (a node's link down, up later)")
+    p.add_argument("--hang-timeout", type=float, default=3.0, help="health.hang_timeout for stop and partition")
+    p.add_argument("--heal-seconds", type=float, default=5.0, help="how long a stop or a partition lasts")
     p.add_argument("--keep", action="store_true", help="keep the work directory (events, logs)")
     a = p.parse_args()
     a.steps = a.every = None
     why = nodelab.unavailable()
     use_lab = why is None and not a.host
+    kinds = [k for k in a.kinds.split(",") if k]
+    if set(kinds) - set(KINDS) or "exception" not in kinds:
+        raise SystemExit(f"--kinds {a.kinds!r}: expected a comma-separated subset of {','.join(KINDS)} with exception")
+    if not use_lab and "partition" in kinds:
+        kinds.remove("partition")  # a partition needs the lab's links; said in the record's setup
     work = Path(tempfile.mkdtemp(prefix="rd-bench-inprocess-"))
     started, load0 = time.time(), os.getloadavg()[0]
     ideal: dict[str, list[float]] = {}
@@ -135,21 +186,23 @@ def main() -> None:
     try:
         nodes = p9.Nodes(work, use_lab)
         try:
-            for variant in VARIANTS:
-                ideal[variant] = p9.baseline_run(nodes, work, a, variant)
-                step = statistics.mean(ideal[variant])
-                if a.steps is None:
-                    a.steps = round(a.ideal_seconds / step)
-                    a.every = a.local_every * max(1, round(a.durable_seconds / step / a.local_every))
-                events = fault_run(nodes, work, variant, a, faults=True, tag=variant)
-                rank0 = sorted(t for pr in p9.processes(events).values() if pr.rank == 0 for t, _ in pr.steps)
-                walls[variant] = rank0[-1] - rank0[0] + step
-                runs[variant] = per_fault(events)
-                print(f"  {variant}: goodput {a.steps * step / walls[variant]:.3f}, faults {runs[variant]}",
-                      flush=True)
+            for kind in kinds:
+                for variant in VARIANTS:
+                    key = variant if kind == "exception" else f"{variant}_{kind}"  # the run's name in the record
+                    ideal[key] = p9.baseline_run(nodes, work, a, key)
+                    step = statistics.mean(ideal[key])
+                    if a.steps is None:
+                        a.steps = round(a.ideal_seconds / step)
+                        a.every = a.local_every * max(1, round(a.durable_seconds / step / a.local_every))
+                    events, injected = fault_run(nodes, work, variant, a, faults=True, tag=key, kind=kind)
+                    rank0 = sorted(t for pr in p9.processes(events).values() if pr.rank == 0 for t, _ in pr.steps)
+                    walls[key] = rank0[-1] - rank0[0] + step
+                    runs[key] = per_fault(events, injected)
+                    print(f"  {key}: goodput {a.steps * step / walls[key]:.3f}, faults {runs[key]}", flush=True)
             for i in range(a.pairs):
                 order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
-                means = {v: step_mean(fault_run(nodes, work, v, a, faults=False, tag=f"quiet-{v}-{i}")) for v in order}
+                means = {v: step_mean(fault_run(nodes, work, v, a, faults=False, tag=f"quiet-{v}-{i}")[0])
+                         for v in order}
                 ratios.append(means["inprocess"] / means["restart"])
         finally:
             nodes.close()
@@ -163,34 +216,42 @@ def main() -> None:
 
 def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]], runs: dict[str, list[dict[str, Any]]],
            walls: dict[str, float], ratios: list[float], seconds: float, load: tuple[float, float]) -> None:
+    """Metrics per run: ``<metric>_<variant>`` for exceptions (P10's targets), ``<metric>_<variant>_<kind>`` for
+    SIGSTOP hangs and partitions."""
     times: dict[str, list[float]] = {}
     metrics: dict[str, float] = {"lab": float(use_lab)}
     for v, faults in runs.items():
         step = statistics.mean(ideal[v])
         lone = [f for f in faults if not f["overlapped"]]
-        times[f"{v}: baseline step right before (no checkpoint, no fault)"] = ideal[v]
-        times[f"{v}: fault to first new step"] = [f["recovery"] for f in lone]
-        metrics[f"goodput_{v}"] = a.steps * step / walls[v]
-        metrics[f"faults_{v}"] = float(len(faults))
+        label = v.replace("_", ", ")
+        times[f"{label}: baseline step right before (no checkpoint, no fault)"] = ideal[v]
+        times[f"{label}: fault to first new step"] = [f["recovery"] for f in lone]
+        variant, _, kind = v.partition("_")
+        suffix = f"{variant}_{kind}" if kind else variant
+        metrics[f"goodput_{suffix}"] = a.steps * step / walls[v]
+        metrics[f"faults_{suffix}"] = float(len(faults))
         for part in ("recovery", "to_loop", "replay", "detect"):
-            metrics[f"{part}_seconds_{v}"] = p9._med([f[part] for f in lone])
-        metrics[f"steps_lost_max_{v}"] = float(max((f["lost"] for f in faults), default=float("nan")))
+            metrics[f"{part}_seconds_{suffix}"] = p9._med([f[part] for f in lone])
+        metrics[f"steps_lost_max_{suffix}"] = float(max((f["lost"] for f in faults), default=float("nan")))
     times["no faults: inprocess step / restart step (per pair)"] = ratios
     metrics["step_time_ratio_no_faults"] = statistics.median(ratios)
     if "restart" in runs and "inprocess" in runs:
         metrics["recovery_speedup"] = metrics["recovery_seconds_restart"] / metrics["recovery_seconds_inprocess"]
+    kinds = sorted({v.partition("_")[2] for v in runs} - {""})
     where = "2 lab nodes (network namespaces, one torchrun agent and one rank each, a private tmpfs local disk)" \
-        if use_lab else f"2 torchrun agents on one host, 1 rank each (NOT the lab: {why or '--host'})"
+        if use_lab else f"2 torchrun agents on one host, 1 rank each (NOT the lab: {why or '--host'}; no partitions)"
     setup = (f"{where}; P9's job: DDP/gloo MLP {a.layers}x{a.width} + Adam, {a.steps} steps "
              f"({a.sleep * 1e3:.0f} ms of each a fixed sleep), durable every {a.every} steps, in-memory every "
              f"{a.local_every}; faults (an exception before the backward, rank 1 then rank 0, ...) "
-             f"{min(INTERVALS):g} to {max(INTERVALS):g} s apart from the first step on, the same for both variants; "
-             f"no-fault step ratio from {len(ratios)} alternating pairs of {a.quiet_steps}-step runs; "
+             f"{min(INTERVALS):g} to {max(INTERVALS):g} s apart from the first step on, the same for both variants"
+             + (f"; then the same schedule of {' and '.join(kinds)} faults ({a.heal_seconds:g} s each; "
+                f"health.hang_timeout {a.hang_timeout:g} s with hang_action abort in both variants)" if kinds else "")
+             + f"; no-fault step ratio from {len(ratios)} alternating pairs of {a.quiet_steps}-step runs; "
              f"{seconds:.0f} s in all")
     notes = [f"machine load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
              f"{os.cpu_count()} CPUs"]
-    notes += [f"{v}, per fault (rank, steps lost, fault to first new step = to the loop again + replay s, peer's "
-              "detection s, sources): " + "; ".join(
+    notes += [f"{v.replace('_', ', ')}, per fault (rank, steps lost, fault to first new step = to the loop again + "
+              "replay s, peer's detection s, sources): " + "; ".join(
                   f"{f['rank']} {f['lost']} {f['recovery']:.2f} = {f['to_loop']:.2f} + {f['replay']:.2f} "
                   f"{f['detect']:.2f} {'/'.join(f['sources'])}{' (overlapped)' if f['overlapped'] else ''}"
                   for f in faults) for v, faults in runs.items()]
