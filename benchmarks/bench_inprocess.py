@@ -27,7 +27,7 @@ variant) / wall time from the first step to the last. Then, without faults, the 
 times, and the ratio of their mean step times is taken per pair (median reported).
 
 Run: .venv/bin/python benchmarks/bench_inprocess.py [--ideal-seconds 62] [--host] [--keep];
-``make bench BENCH=bench_inprocess`` (about 6 minutes here).
+``make bench BENCH=bench_inprocess`` (about 15 minutes here with the three kinds).
 """
 
 from __future__ import annotations
@@ -115,32 +115,40 @@ def inject(nodes: p9.Nodes, kind: str, rank: int, pid: int, heal_s: float) -> li
 def per_fault(events: list[dict[str, Any]], injected: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Per fault: steps lost, fault -> first new step = to the loop running again + replay, and the peer's detection
     (fault -> its error reaching the script). ``injected``: the faults' times and ranks, where the job did not log
-    them (SIGSTOP, partitions)."""
+    them (SIGSTOP, partitions). Only what happened before the next fault counts for a fault. The first new step
+    is a step beyond the last one any rank had done before the fault, on every rank, taken after the loop ran
+    again (a step that completed as a stop or a cut began is not its recovery); a fault after which no loop ran
+    again (a cut that began inside a save and was waited out) is "ridden out": its recovery is the stall, with no
+    loop and replay parts."""
     procs = p9.processes(events)
     faults = injected if injected is not None else [e for e in events if e["event"] == "fault"]
     failed = [e for e in events if e["event"] == "failed"]
     resumed = [e for e in events if e["event"] == "resumed"]
     out = []
     for i, f in enumerate(faults):
+        nxt = faults[i + 1]["t"] if i + 1 < len(faults) else float("inf")
         before = max((s for p in procs.values() for t, s in p.steps if t <= f["t"]), default=0)
+        again: dict[int, dict[str, Any]] = {}
+        for e in resumed:
+            if f["t"] < e["t1"] < nxt and e["rank"] not in again:
+                again[e["rank"]] = e
+        recovered = set(again) == {0, 1}
+        back = max(e["t1"] for e in again.values()) if recovered else f["t"]
         new: dict[int, float] = {}
         for p in procs.values():
             for t, s in p.steps:
-                if t > f["t"] and s > before and (p.rank not in new or t < new[p.rank]):
+                if t > back and s > before and (p.rank not in new or t < new[p.rank]):
                     new[p.rank] = t
-        again = {}
-        for e in resumed:
-            if e["t1"] > f["t"] and e["rank"] not in again:
-                again[e["rank"]] = e
-        if set(new) != {0, 1} or set(again) != {0, 1}:
+        if set(new) != {0, 1}:
             continue  # the job ended before any new step
-        first, back = max(new.values()), max(e["t1"] for e in again.values())
-        peer = [e["t"] - f["t"] for e in failed if e["rank"] != f["rank"] and e["t"] >= f["t"]]
-        out.append({"rank": f["rank"], "lost": before - min(e["step"] for e in again.values()),
-                    "recovery": first - f["t"], "to_loop": back - f["t"], "replay": first - back,
-                    "detect": min(peer) if peer else float("nan"),
-                    "overlapped": i + 1 < len(faults) and faults[i + 1]["t"] < first,
-                    "sources": sorted(str(e["source"]) for e in again.values())})
+        first = max(new.values())
+        peer = [e["t"] - f["t"] for e in failed if e["rank"] != f["rank"] and f["t"] <= e["t"] <= first]
+        nan = float("nan")
+        out.append({"rank": f["rank"], "lost": before - min(e["step"] for e in again.values()) if recovered else 0,
+                    "recovery": first - f["t"], "to_loop": back - f["t"] if recovered else nan,
+                    "replay": first - back if recovered else nan, "detect": min(peer) if peer else nan,
+                    "overlapped": nxt < first, "ridden_out": not recovered,
+                    "sources": sorted(str(e["source"]) for e in again.values()) if recovered else ["ridden out"]})
     return out
 
 
@@ -237,7 +245,7 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
     metrics["step_time_ratio_no_faults"] = statistics.median(ratios)
     if "restart" in runs and "inprocess" in runs:
         metrics["recovery_speedup"] = metrics["recovery_seconds_restart"] / metrics["recovery_seconds_inprocess"]
-    kinds = sorted({v.partition("_")[2] for v in runs} - {""})
+    kinds = [k for k in KINDS if k != "exception" and any(v.endswith(f"_{k}") for v in runs)]
     where = "2 lab nodes (network namespaces, one torchrun agent and one rank each, a private tmpfs local disk)" \
         if use_lab else f"2 torchrun agents on one host, 1 rank each (NOT the lab: {why or '--host'}; no partitions)"
     setup = (f"{where}; P9's job: DDP/gloo MLP {a.layers}x{a.width} + Adam, {a.steps} steps "

@@ -61,6 +61,13 @@ TARGETS: list[tuple[str, str, str, float | None, str]] = [
      "step time without faults: in-process recovery on / off (median of alternating pairs)"),
     ("P10", "recovery_seconds_restart", "report", None, "the same fault recovered by torchrun's restart, median"),
     ("P10", "goodput_restart", "report", None, "the same schedule recovered by torchrun's restarts"),
+    ("P10", "recovery_seconds_inprocess_stop", "report", None,
+     "in-process recovery: a SIGSTOP of 5 s (hang_timeout 3 s) to the first new step, median"),
+    ("P10", "recovery_seconds_restart_stop", "report", None, "the same SIGSTOP recovered by torchrun's restart, median"),
+    ("P10", "recovery_seconds_inprocess_partition", "report", None,
+     "in-process recovery: a node cut off for 5 s (hang_timeout 3 s) to the first new step, median"),
+    ("P10", "recovery_seconds_restart_partition", "report", None,
+     "the same partition recovered by torchrun's restart, median"),
 ]
 
 
