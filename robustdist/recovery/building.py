@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 from robustdist.health.watchdog_store import connector
+from robustdist.init.rendezvous import bounded
 from robustdist.recovery.faults import FaultWatch, declare_fault, read_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger
 
-__all__ = ["Generation", "building", "failed", "group_made"]
+__all__ = ["Generation", "building", "failed", "group_made", "tell"]
 
 log = get_logger(__name__)
 
@@ -44,6 +46,8 @@ class Generation:
         self.watch: FaultWatch | None = None
         self.cause: str | None = None  # another rank's fault, read when this rank's build failed because of it
         self.own = False  # this rank's build failed, and it declared the fault
+        self.told = False  # tell() ran (once per generation)
+        self.rank: int | None = None  # this rank in the generation's group, once the group exists
 
     def on_fault(self, generation: int) -> None:
         """The watch's callback (any thread): get this rank out of the collective or store wait it is in."""
@@ -86,35 +90,94 @@ def group_made(timeout: float) -> None:
     """``harden``, right after it made the group: the generation being built starts its watch (no-op otherwise)."""
     if not _current or (store := _dist.default_store()) is None or _dist.world_size() < 2:
         return
+    g = _current[0]
+    g.rank = _dist.rank()  # the group is destroyed before a failed build's error is named: keep the rank now
     try:
-        _current[0].watch_on(store, timeout)
+        g.watch_on(store, timeout)
     except Exception as e:  # no watch: a failure of this build is then learnt from the connections' end only
-        log.warning("rank %d: could not start the fault watch of recovery generation %d: %s: %s", _dist.rank(),
-                    _current[0].generation, type(e).__name__, str(e)[:300])
+        log.warning("rank %d: could not start the fault watch of in-process recovery generation %d (%s: %s); "
+                    "expected one for every generation. A failed build on another rank now reaches this rank only "
+                    "when its connections end. Fix: check that the job's c10d store is reachable from this node.",
+                    g.rank, g.generation, type(e).__name__, str(e)[:300])
 
 
 def failed(error: BaseException, sockets: GroupSockets | None) -> None:
     """``harden``, when its build raised, before it destroys the group: tell the other ranks (no-op when no
-    generation is being built, or no group was made). Never raises."""
-    if not _current or (store := _dist.default_store()) is None or _dist.world_size() < 2:
+    generation is being built, or no group was made). Never raises; bounded."""
+    if _current:
+        tell(_current[0], error, sockets)
+
+
+_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "was interrupted while this "
+              "rank waited", "stopped answering", "Socket Timeout", "timed out")
+
+
+def _looks_like_transport(error: BaseException) -> bool:
+    """A lost connection or an interrupted wait: more likely another rank's failure seen from here than a cause."""
+    text = str(error)
+    return any(marker in text for marker in _TRANSPORT)
+
+
+def tell(g: Generation, error: BaseException, sockets: GroupSockets | None, *, bound: float = 10.0) -> None:
+    """Generation ``g``'s build failed on this rank (the group still up): unless another rank's fault explains it,
+    declare it; say this rank escalates; shut the group's connections, so the others' collectives with this rank end
+    now. The store calls run on connections of their own, abandoned ``bound`` seconds after the start (a store host
+    that stopped answering must not keep a failing rank from exiting). Rank 0, whose process usually serves the
+    store, then waits (within the same bound) for every rank's decision before going on to exit. Never raises."""
+    if (store := _dist.default_store()) is None or _dist.world_size() < 2 or g.told:
         return
-    g, rank, world = _current[0], _dist.rank(), _dist.world_size()
-    try:
-        fault = read_fault(store, generation=g.generation, world_size=world, scope=g.scope)
+    g.told = True
+    rank, world = _dist.rank(), _dist.world_size()
+    g.rank = rank
+    connect = connector(store, bound)
+    what = f"building in-process recovery generation {g.generation} failed: {type(error).__name__}: " \
+           f"{str(error).strip()[:1500]}"
+    transport = _looks_like_transport(error)
+
+    def declare() -> None:
+        client = connect()
+        fault = read_fault(client, generation=g.generation, world_size=world, scope=g.scope)
+        deadline = time.monotonic() + (1.0 if transport else 0.0)  # a lost connection: give the cause a moment
+        while (fault is None or not set(fault.why) - {rank}) and not g.fired.is_set() \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+            fault = read_fault(client, generation=g.generation, world_size=world, scope=g.scope)
         if g.fired.is_set() or (fault is not None and set(fault.why) - {rank}):
-            g.cause = fault.describe() if fault is not None else f"generation {g.generation}: no reason recorded"
+            g.cause = fault.describe() if fault is not None and fault.why else (
+                "the job's store was lost" if g.watch is not None and g.watch.lost
+                else f"generation {g.generation}: no reason recorded")
         else:
-            declare_fault(store, generation=g.generation, rank=rank, world_size=world, scope=g.scope,
-                          what=f"building in-process recovery generation {g.generation} failed: "
-                               f"{type(error).__name__}: {str(error).strip()[:1500]}")
+            declare_fault(client, generation=g.generation, rank=rank, world_size=world, scope=g.scope,
+                          what=what + (" (a lost connection or an interrupted wait: perhaps not the cause, but no "
+                                       "other rank declared one)" if transport else ""))
             g.own = True
-        # the others need not wait for its decision (the loop's keys are the job store's, under every prefix)
-        _torch_compat.innermost_store(store).set(f"{g.scope}/{g.generation}/decision/{rank}", "escalate")
-    except Exception as e:  # the store is gone: the others learn of it from the connections' end
-        log.debug("rank %d: could not declare generation %d's failed build: %s", rank, g.generation, e)
+        client.set(f"{base}/{rank}", "escalate")  # the others need not wait for this rank's decision
+
+    def others_decided() -> None:
+        client = connect()
+        keys = [f"{base}/{r}" for r in range(world)]
+        while not client.check(keys) and time.monotonic() < end:
+            time.sleep(0.05)
+
+    base = f"{g.scope}/{g.generation}/decision"
+    end = time.monotonic() + bound
+    _, problem, finished = bounded(declare, end, "recovery-tell", ends_by=end + 15)
+    if problem is not None or not finished:
+        log.warning("rank %d: could not tell the other ranks that building in-process recovery generation %d "
+                    "failed (%s); expected the job's store to answer within %g s. They learn of it when this rank's "
+                    "connections end. Fix: check the store's host (rank 0's node) and this node's link to it.",
+                    rank, g.generation, f"{type(problem).__name__}: {str(problem)[:200]}" if problem else
+                    "no answer", bound)
     g.fired.set()
     if sockets is not None:  # the others' collectives with this rank end now, not at the group's timeout
-        port = getattr(_torch_compat.innermost_store(store), "port", None)
-        sockets.exclude(*[int(p) for p in (port, os.environ.get("MASTER_PORT")) if p and str(p).isdigit()])
+        sockets.exclude(*_store_ports(store))
         sockets.unblock()  # the group's connections only: the store's stay, the others read the fault in it
+    if rank == 0 and finished and problem is None:  # its exit may take the store down: the others decide first
+        bounded(others_decided, end, "recovery-decided", ends_by=end + 15)
     g.close()
+
+
+def _store_ports(store: Any) -> list[int]:
+    """The job store's port and the launcher's master port: connections to them are the store's, never cut."""
+    port = getattr(_torch_compat.innermost_store(store), "port", None)
+    return [int(p) for p in (port, os.environ.get("MASTER_PORT")) if p and str(p).isdigit()]

@@ -63,7 +63,7 @@ from typing import Any, NoReturn, TypeVar
 from robustdist.health import restart_guard as _restart_guard
 from robustdist.health.watchdog_store import connector
 from robustdist.recovery import handover
-from robustdist.recovery.building import Generation, building
+from robustdist.recovery.building import Generation, building, tell
 from robustdist.recovery.faults import SCOPE, FaultWatch, clear_generation, declare_fault, read_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
@@ -206,9 +206,12 @@ def _record_error(h: Any, rank: int, error: BaseException) -> None:
 
 def _built_badly(g: Generation, error: BaseException, record_to: tuple[str, int] | None) -> NoReturn:
     """Generation ``g``'s build raised on this rank: its own failure (declared to the others by
-    :func:`.building.failed`, or before any group existed) is re-raised; a failure caused by another rank's becomes a
+    :func:`.building.tell`, or before any group existed) is re-raised; a failure caused by another rank's becomes a
     :class:`~robustdist.RecoveryError` naming that one. Either is recorded for the restart-loop guard."""
-    rank = _dist.rank() if _dist.is_up() else int(os.environ.get("RANK", "0") or 0)
+    if not g.told and _dist.is_up():  # raised after harden returned (run_in_process's make): tell the others now
+        tell(g, error, None)
+    g.close()
+    rank = g.rank if g.rank is not None else _dist.rank() if _dist.is_up() else _launcher_rank()
     what = f"{type(error).__name__}: {str(error).strip()[:300]}"
     named: BaseException = error
     if g.cause is None and g.fired.is_set() and g.watch is not None:  # seen by the watch, not read at the failure
@@ -222,12 +225,23 @@ def _built_badly(g: Generation, error: BaseException, record_to: tuple[str, int]
     else:
         log.error("rank %d: building in-process recovery generation %d failed (%s)%s; the process exits for a "
                   "restart", rank, g.generation, what,
-                  ": the other ranks were told" if g.own else " before its group existed")
+                  ": the other ranks were told" if g.own else
+                  " before its group existed: the other ranks learn of it in the rendezvous" if not g.told else
+                  ": the other ranks could not be told (see the warning before)")
     if record_to is not None and isinstance(named, Exception):
         _restart_guard.record_error(record_to[0], record_to[1], rank, named)
     if named is error:
         raise error
     raise named from error
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the launcher gave it (the group is gone): torchrun's, Slurm's or Open MPI's."""
+    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def _cause(watch: FaultWatch, store: Any, scope: str, gen: int, world: int) -> str:
@@ -278,11 +292,10 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             with building(g if gen > 0 else None):  # generation 0 is the script's own harden call
                 h, sockets = build()
         except BaseException as e:
-            g.close()
             if gen == 0:
+                g.close()
                 raise
             _built_badly(g, e, record_to)
-        g.sockets = sockets
         store = _dist.default_store()
         if store is None or _dist.world_size() == 1:
             try:
@@ -295,7 +308,10 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         keep = _torch_compat.innermost_store(store)
         ports = [p for p in (getattr(keep, "port", None), h.topology.master_port) if p]
         if sockets is not None:
-            sockets.exclude(*ports)
+            sockets.exclude(*ports)  # before the watch may use them: the store's connections are never cut
+        g.sockets = sockets
+        if g.fired.is_set():  # a fault came while this generation was built: out of its first collective at once
+            g.on_fault(gen)
         rank, world = _dist.rank(), _dist.world_size()
         served_by_rank0 = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
                            and not h.config.distributed.init_method.startswith("file://"))

@@ -5,7 +5,8 @@ error is recorded for the restart-loop guard.
 
 The failure is injected into harden's own steps in the rank's process (a fault that needs no GPU and no broken disk
 to happen): the run directory's claim (a collective every rank is in while the failing rank raises), or the
-watchdog's start (after the last collective of the build: the other ranks are resuming by then)."""
+watchdog's start (after the last collective of the build: the other ranks are resuming by then), or the script's own
+make() after harden returned."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ TOTAL = 10
 
 def _job(rank: int, root: str, failing: int, where: str) -> dict:
     """Rank 1 raises ValueError after step 4 in generation 0; generation 1's build then fails on rank ``failing``
-    at ``where`` ("claim" or "watchdog") with OSError."""
+    at ``where`` ("claim", "watchdog", or "make": the script's make() after harden returned) with OSError."""
     def fail_in_generation_1(real):
         def call(*args, **kwargs):
             if generation() == 1 and rank == failing:
@@ -42,7 +43,7 @@ def _job(rank: int, root: str, failing: int, where: str) -> dict:
     harden_module = sys.modules[harden.__module__]  # harden's own module, where its steps are looked up
     if where == "claim":
         harden_module.claim = fail_in_generation_1(harden_module.claim)
-    else:
+    elif where == "watchdog":
         harden_module.Watchdog = fail_in_generation_1(harden_module.Watchdog)
     torch.manual_seed(0)
     model = ToyModel()
@@ -70,8 +71,13 @@ def _job(rank: int, root: str, failing: int, where: str) -> dict:
     out: dict = {}
     start = time.monotonic()
     try:
-        out["end"] = run_in_process(lambda: harden(model, loader, cfg, optimizer=optimizer), train,
-                                    optimizer=optimizer)
+        def make():
+            h = harden(model, loader, cfg, optimizer=optimizer)
+            if where == "make":  # the script's own part of make(), after harden returned, fails
+                fail_in_generation_1(lambda: None)()
+            return h
+
+        out["end"] = run_in_process(make, train, optimizer=optimizer)
     except BaseException as e:
         out.update(raised=f"{type(e).__name__}: {e}", named=isinstance(e, RecoveryError))
     out["seconds"] = time.monotonic() - start
@@ -85,8 +91,9 @@ def _recorded(root: Path) -> dict[int, str]:
     return found
 
 
-@pytest.mark.parametrize("failing,where", [(1, "claim"), (0, "claim"), (1, "watchdog")],
-                         ids=["rank1-in-a-collective", "rank0-serving-the-store", "rank1-after-the-collectives"])
+@pytest.mark.parametrize("failing,where", [(1, "claim"), (0, "claim"), (1, "watchdog"), (1, "make")],
+                         ids=["rank1-in-a-collective", "rank0-serving-the-store", "rank1-after-the-collectives",
+                              "rank1-in-make-after-harden"])
 def test_a_failed_build_of_the_next_generation_ends_every_rank_promptly_naming_it(tmp_path, failing, where):
     out = run_ranks(_job, 2, args=(str(tmp_path), failing, where), init=False, timeout=200)
     other = 1 - failing
