@@ -110,3 +110,43 @@ def test_a_failed_build_of_the_next_generation_ends_every_rank_promptly_naming_i
     assert f"injected: {where} failed on rank {failing}" in recorded.get(failing, ""), recorded
     assert "RecoveryError" in recorded.get(other, ""), recorded
     assert os.listdir(tmp_path / "ckpt")  # the run directory is there (the guard's record with it)
+
+
+class _DeadStore:
+    """A store that stopped answering: every call raises."""
+
+    def check(self, keys):
+        raise RuntimeError("store gone")
+
+    get = set = check
+
+
+def test_a_failing_rank_that_cannot_reach_the_store_says_so_and_still_gets_out(monkeypatch, caplog):
+    import logging
+
+    from robustdist.recovery import building
+
+    monkeypatch.setattr(building._dist, "default_store", lambda: _DeadStore())
+    monkeypatch.setattr(building._dist, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(building._dist, "rank", lambda group=None: 1)
+    caplog.set_level(logging.WARNING, logger="robustdist")
+    g = building.Generation("robustdist/recovery/test", 1)
+    start = time.monotonic()
+    building.tell(g, OSError("disk gone"), None, bound=2.0)
+    assert time.monotonic() - start < 2.0 + 1.0  # bounded
+    assert g.told and g.fired.is_set() and not g.own and g.cause is None
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert ("rank 1: could not tell the other ranks that building in-process recovery generation 1 failed "
+            "(RuntimeError: store gone); expected the job's store to answer within 2 s." in text), text
+    assert "Fix: check the store's host (rank 0's node) and this node's link to it." in text
+    building.tell(g, OSError("again"), None)  # once per generation
+    assert len([r for r in caplog.records if "could not tell" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("error,transport", [
+    (RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"), True),
+    (OSError("injected: claim failed on rank 1"), False)])
+def test_a_lost_connection_is_told_apart_from_a_cause(error, transport):
+    from robustdist.recovery.building import _looks_like_transport
+
+    assert _looks_like_transport(error) is transport
