@@ -9,11 +9,13 @@ failed (:func:`failed`, before it destroys the group): the rank declares the fau
 it escalates, and shuts its group's connections down, so every other rank gets out of what it is in (a gloo
 collective with this rank ends with the connections; robustdist's own store waits through the watch), and names
 the failure (:class:`~robustdist.RecoveryError`). A rank whose build failed because another rank's did reads that
-fault instead of declaring its own.
+fault instead of declaring its own (:func:`tell` does the telling, bounded; the loop calls it too when the
+script's own ``make()`` raises after ``harden`` returned).
 
-Not covered: a rank that fails before the generation's store exists (the others learn of it in the rendezvous,
-after ``distributed.init_timeout``, or when its process exits), and a rank inside torch's own store waits (a new
-group's creation), which end with the group's timeout.
+Not covered (docs/status.md): the generation being built is process-global (a ``harden`` on another thread during
+a build would act on it); a rank that fails before the generation's store exists (the others learn of it in the
+rendezvous, after ``distributed.init_timeout``, or when its process exits); and a rank inside torch's own store
+waits (a new group's creation), which end with the group's timeout.
 """
 
 from __future__ import annotations
