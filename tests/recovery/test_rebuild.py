@@ -150,3 +150,28 @@ def test_a_lost_connection_is_told_apart_from_a_cause(error, transport):
     from robustdist.recovery.building import _looks_like_transport
 
     assert _looks_like_transport(error) is transport
+
+
+def test_a_watch_that_cannot_start_says_what_it_costs_and_the_fix(monkeypatch, caplog):
+    import logging
+
+    from robustdist.recovery import building
+
+    def no_watch(*args, **kwargs):
+        raise RuntimeError("connect refused")
+
+    monkeypatch.setattr(building._dist, "default_store", lambda: _DeadStore())
+    monkeypatch.setattr(building._dist, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(building._dist, "rank", lambda group=None: 1)
+    monkeypatch.setattr(building, "FaultWatch", no_watch)
+    caplog.set_level(logging.WARNING, logger="robustdist")
+    g = building.Generation("robustdist/recovery/test", 2)
+    with building.building(g):
+        building.group_made(5.0)
+    assert g.rank == 1 and g.watch is None
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert ("rank 1: could not start the fault watch of in-process recovery generation 2 (RuntimeError: connect "
+            "refused); expected one for every generation." in text), text
+    assert "Fix: check that the job's c10d store is reachable from this node." in text
+    building.group_made(5.0)  # outside a build: nothing
+    assert len([r for r in caplog.records if "could not start" in r.getMessage()]) == 1
