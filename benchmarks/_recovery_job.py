@@ -132,8 +132,13 @@ def train(args: argparse.Namespace, events: Events) -> None:
         events("ready", attempt=hardened.attempt)
 
         def again(h: Any, start: int) -> None:
+            from robustdist.recovery import generation, history
+
+            done = history()  # this recovery's phases on this rank (the last record, once one was recovered)
+            phases = {k: getattr(done[-1], k) for k in ("detect_s", "decide_s", "teardown_s", "rebuild_s",
+                                                         "restore_s", "from_process")} if generation() else {}
             events("resumed", step=start, source=h.last_loaded.source if h.last_loaded is not None else None,
-                   t0=time.time(), t1=time.time())
+                   t0=time.time(), t1=time.time(), phases=phases)
             try:
                 loop(args, events, h.model, optimizer, h, fault, start=start)
             except BaseException as e:

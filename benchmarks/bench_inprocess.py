@@ -46,6 +46,7 @@ from robustdist.testing import nodelab
 
 VARIANTS = ("restart", "inprocess")
 KINDS = ("exception", "stop", "partition")
+PHASES = ("detect", "decide", "teardown", "rebuild", "restore")  # of an in-process recovery (robustdist.recovery)
 JOB_VARIANT = {"restart": "memory", "inprocess": "inprocess"}
 INTERVALS = p9.INTERVALS
 """Seconds from one fault to the next (the first counted from the first step): P9's schedule, for both variants."""
@@ -144,9 +145,15 @@ def per_fault(events: list[dict[str, Any]], injected: list[dict[str, Any]] | Non
         first = max(new.values())
         peer = [e["t"] - f["t"] for e in failed if e["rank"] != f["rank"] and f["t"] <= e["t"] <= first]
         nan = float("nan")
-        out.append({"rank": f["rank"], "lost": before - min(e["step"] for e in again.values()) if recovered else 0,
+        phases = {k: max(e.get("phases", {}).get(f"{k}_s", nan) for e in again.values()) if recovered else nan
+                  for k in PHASES}  # the slowest rank's (the job waits for it); the rank's own detection is 0
+        seen = [e.get("phases", {}).get("detect_s") for e in again.values() if e["rank"] != f["rank"]]
+        phases["detect"] = max((d for d in seen if d is not None), default=nan) if recovered else nan
+        out.append({**phases, "from_process": recovered and all(e.get("phases", {}).get("from_process")
+                                                                for e in again.values()),
+                    "rank": f["rank"], "lost": before - min(e["step"] for e in again.values()) if recovered else 0,
                     "recovery": first - f["t"], "to_loop": back - f["t"] if recovered else nan,
-                    "replay": first - back if recovered else nan, "detect": min(peer) if peer else nan,
+                    "replay": first - back if recovered else nan, "error_seen": min(peer) if peer else nan,
                     "overlapped": nxt < first, "ridden_out": not recovered,
                     "sources": sorted(str(e["source"]) for e in again.values()) if recovered else ["ridden out"]})
     return out
@@ -238,7 +245,7 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
         suffix = f"{variant}_{kind}" if kind else variant
         metrics[f"goodput_{suffix}"] = a.steps * step / walls[v]
         metrics[f"faults_{suffix}"] = float(len(faults))
-        for part in ("recovery", "to_loop", "replay", "detect"):
+        for part in ("recovery", "to_loop", "replay", "error_seen", *PHASES):
             metrics[f"{part}_seconds_{suffix}"] = p9._med([f[part] for f in lone])
         metrics[f"steps_lost_max_{suffix}"] = float(max((f["lost"] for f in faults), default=float("nan")))
     times["no faults: inprocess step / restart step (per pair)"] = ratios
@@ -259,9 +266,14 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
     notes = [f"machine load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
              f"{os.cpu_count()} CPUs"]
     notes += [f"{v.replace('_', ', ')}, per fault (rank, steps lost, fault to first new step = to the loop again + "
-              "replay s, peer's detection s, sources): " + "; ".join(
+              "replay s, the peer's error reaching the script s, sources" + (
+                  "; phases, the slowest rank's: detection (the peer's watch), decisions, teardown, rebuild, restore "
+                  "s, own state from process memory" if v.startswith("inprocess") else "") + "): " + "; ".join(
                   f"{f['rank']} {f['lost']} {f['recovery']:.2f} = {f['to_loop']:.2f} + {f['replay']:.2f} "
-                  f"{f['detect']:.2f} {'/'.join(f['sources'])}{' (overlapped)' if f['overlapped'] else ''}"
+                  f"{f['error_seen']:.2f} {'/'.join(f['sources'])}{' (overlapped)' if f['overlapped'] else ''}"
+                  + (f"; {f['detect']:.3f} {f['decide']:.3f} {f['teardown']:.3f} {f['rebuild']:.3f} "
+                     f"{f['restore']:.3f} {'yes' if f['from_process'] else 'no'}"
+                     if v.startswith("inprocess") and not f["ridden_out"] else "")
                   for f in faults) for v, faults in runs.items()]
     metrics = {k: v for k, v in metrics.items() if v == v}  # NaN: not measured
     h.emit(a, "P10", "faults that kill no process: in-process recovery vs torchrun's restart", times, metrics,

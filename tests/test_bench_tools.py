@@ -77,3 +77,32 @@ def test_paired_ratio_and_its_interval():
     noisy = {"a": [v * (1.03 + (0.05 if i % 2 else -0.05)) for i, v in enumerate(plain)], "b": plain}
     low, high = h.paired_ratio_ci(noisy, "a", "b")
     assert 0.98 <= low < h.paired_ratio(noisy, "a", "b") <= high <= 1.08
+
+
+def test_p10_takes_each_fault_s_phases_from_the_slowest_rank_and_detection_from_the_peer():
+    import bench_inprocess
+
+    events: list[dict] = []
+    for rank, pid in ((0, 100), (1, 101)):
+        events += [{"event": "step", "rank": rank, "pid": pid, "t": 1.0 + 0.1 * s, "step": s} for s in range(1, 51)]
+        events.append({"event": "resumed", "rank": rank, "pid": pid, "t": 0.5, "t0": 0.5, "t1": 0.5, "step": 0,
+                       "source": None, "phases": {}})
+    events.append({"event": "fault", "rank": 1, "pid": 101, "t": 6.05})
+    events.append({"event": "failed", "rank": 0, "pid": 100, "t": 6.06, "error": "RuntimeError: cut"})
+    phases = [{"detect_s": 0.004, "decide_s": 0.02, "teardown_s": 0.3, "rebuild_s": 0.25, "restore_s": 0.05,
+               "from_process": True},
+              {"detect_s": 0.0, "decide_s": 0.01, "teardown_s": 0.2, "rebuild_s": 0.35, "restore_s": 0.04,
+               "from_process": True}]
+    for rank, pid in ((0, 100), (1, 101)):
+        events.append({"event": "resumed", "rank": rank, "pid": pid, "t": 6.8, "t0": 6.8, "t1": 6.8, "step": 40,
+                       "source": "memory", "phases": phases[rank]})
+        events += [{"event": "step", "rank": rank, "pid": pid, "t": 7.0 + 0.1 * s, "step": 40 + s}
+                   for s in range(1, 20)]
+    [fault] = bench_inprocess.per_fault(events)
+    assert (fault["rank"], fault["lost"], fault["sources"]) == (1, 10, ["memory", "memory"])
+    assert fault["detect"] == 0.004  # the peer's watch (the faulting rank's own is 0)
+    assert (fault["decide"], fault["teardown"], fault["rebuild"], fault["restore"]) == (0.02, 0.3, 0.35, 0.05)
+    assert fault["from_process"] is True and abs(fault["error_seen"] - 0.01) < 1e-9
+    assert abs(fault["to_loop"] - 0.75) < 1e-9 and abs(fault["recovery"] - (7.0 + 1.1 - 6.05)) < 1e-9
+    phases[0]["from_process"] = False
+    assert bench_inprocess.per_fault(events)[0]["from_process"] is False

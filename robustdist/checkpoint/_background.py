@@ -39,9 +39,12 @@ class Leaving:
         self.left = False
 
     def enter(self) -> bool:
-        """The part goes (back) into a collective; False when it was left behind (it must start nothing more)."""
+        """The part goes (back) into a collective; False when it was left behind (it must start nothing more).
+        While waits are interrupted the collective will not start (it raises "not started"), so the part is not
+        marked as in one: a wait then sees it end instead of leaving it behind as stuck."""
         with self._lock:
-            self.in_collective = True
+            if _dist.interrupted() is None:
+                self.in_collective = True
             return not self.left
 
     def leave_collective(self) -> bool:

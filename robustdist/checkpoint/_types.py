@@ -51,6 +51,9 @@ class LoadedCheckpoint:
     in-memory copy on another node)."""
     source_detail: str = ""
     """The copy used, in words (in-memory tier only)."""
+    from_process: bool = False
+    """In-memory tier: this rank's own state came from this process's memory (the snapshot it took, kept for an
+    in-process recovery), without reading or deserialising its file."""
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from robustdist.runtime import _torch_compat
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 
-__all__ = ["Fault", "FaultWatch", "clear_generation", "declare_fault", "read_fault"]
+__all__ = ["Fault", "FaultWatch", "agree", "clear_generation", "declare_fault", "read_fault"]
 
 log = get_logger(__name__)
 
@@ -235,3 +235,23 @@ class FaultWatch:
                 log.debug("rank %d: could not read the fault's reasons (%s)", self.rank, e)
                 self.fault = Fault(self.generation, 0)
             return
+
+
+def agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str,
+          timeout: float) -> tuple[list[str], str]:
+    """Every rank's decision for generation ``gen`` ("recover", "escalate" or "done"; a rank that says nothing
+    within ``timeout`` counts as "escalate"), and the generation's verdict: the first rank to have read every
+    decision stores its outcome, and every rank acts on that stored one (a rank that comes back after the others
+    gave up on it reads their "escalate", never its own view of the decisions)."""
+    base = f"{scope}/{gen}/decision"
+    store.set(f"{base}/{rank}", mine)
+    deadline = time.monotonic() + timeout
+    out = []
+    for r in range(world):
+        key = f"{base}/{r}"
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out.append(store.get(key).decode("ascii", "replace") if store.check([key]) else "escalate")
+    outcome = "recover" if all(d == "recover" for d in out) else "escalate"
+    verdict = store.compare_set(f"{scope}/{gen}/verdict", "", outcome)
+    return out, verdict.decode("ascii", "replace") if isinstance(verdict, bytes) else str(verdict)

@@ -47,8 +47,9 @@ recovers; a later generation that finds nothing to resume from raises :class:`~r
 fault like any other: a restore that raised may succeed in the next generation).
 
 A failure while the next generation is hardened is declared by its rank once the group exists
-(:mod:`.building`); the others end at once, naming it. Not yet (docs/status.md): restoring from memory without
-reading the in-memory tier's files, and the Ray Train path.
+(:mod:`.building`); the others end at once, naming it. The closing tier hands the snapshot of its last committed
+copy to the next generation's (:mod:`robustdist.checkpoint.local.held`): this rank's own state is restored from
+memory, no file read. Each recovery's phases: :mod:`.timings`. Not yet (docs/status.md): the Ray Train path.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ from robustdist.health import restart_guard as _restart_guard
 from robustdist.health.watchdog_store import connector
 from robustdist.recovery import handover
 from robustdist.recovery.building import Generation, building, tell
-from robustdist.recovery.faults import SCOPE, FaultWatch, clear_generation, declare_fault, read_fault
+from robustdist.recovery.faults import SCOPE, FaultWatch, agree, clear_generation, declare_fault, read_fault
+from robustdist.recovery.timings import Clock, Recovery, detection
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
@@ -259,29 +261,10 @@ def _cause(watch: FaultWatch, store: Any, scope: str, gen: int, world: int) -> s
     return "a declared fault (no reason recorded)"
 
 
-def _agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str,
-           timeout: float) -> tuple[list[str], str]:
-    """Every rank's decision for generation ``gen`` ("recover", "escalate" or "done"; a rank that says nothing
-    within ``timeout`` counts as "escalate"), and the generation's verdict: the first rank to have read every
-    decision stores its outcome, and every rank acts on that stored one (a rank that comes back after the others
-    gave up on it reads their "escalate", never its own view of the decisions)."""
-    base = f"{scope}/{gen}/decision"
-    store.set(f"{base}/{rank}", mine)
-    deadline = time.monotonic() + timeout
-    out = []
-    for r in range(world):
-        key = f"{base}/{r}"
-        while not store.check([key]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        out.append(store.get(key).decode("ascii", "replace") if store.check([key]) else "escalate")
-    outcome = "recover" if all(d == "recover" for d in out) else "escalate"
-    verdict = store.compare_set(f"{scope}/{gen}/verdict", "", outcome)
-    return out, verdict.decode("ascii", "replace") if isinstance(verdict, bytes) else str(verdict)
-
-
 def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callable[[Any, int], T], *,
           optimizer: Any, scheduler: Any, extra: dict[str, Any], scope: str) -> T:
     keep: Any = None  # this generation's job store: its server, and the fault keys, outlive the group
+    clock: Clock | None = None  # the recovery in progress, phase by phase (.timings)
     last_resumed: tuple[object, int] = (None, 0)  # (the step resumed from, or "resume", faults after it in a row)
     record_to: tuple[str, int] | None = None  # where the restart-loop guard's record is (the last generation's)
     while True:
@@ -291,6 +274,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         try:
             with building(g if gen > 0 else None):  # generation 0 is the script's own harden call
                 h, sockets = build()
+            rebuilt = clock.lap() if clock is not None else 0.0
         except BaseException as e:
             if gen == 0:
                 g.close()
@@ -338,6 +322,10 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             if found is None:
                 _start_state(h, gen, rank, extra)
             resumed = found or 0
+            if clock is not None:
+                clock.record.rebuild_s = rebuilt
+                clock.restored(h, int(resumed))  # type: ignore[call-overload]
+                clock = None
             if gen > 0:  # a fault mid-backward left partial gradients: the recovered step starts from none
                 h.model.zero_grad(set_to_none=True)
                 if optimizer is not None:
@@ -346,6 +334,10 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         except BaseException as e:
             own = not fired.is_set()
             what = f"{type(e).__name__}: {str(e).strip()[:1500]}"
+            if clock is not None:  # the last recovery's restore failed: its record ends here
+                clock.record.rebuild_s = rebuilt
+                clock.restored(h, None)
+            clock = Clock(Recovery(gen + 1, rank, own, what[:300]))
             if own:
                 try:
                     declare_fault(store, generation=gen, rank=rank, world_size=world, what=what, scope=scope)
@@ -354,8 +346,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 # This rank's own collectives end too (the in-memory tier's commit on its background thread: the
                 # peer's shutdown alone leaves a send here waiting for the group's timeout)
                 on_fault(gen)
-            started = time.monotonic()
             watch.close()
+            clock.record.detect_s = detection(watch, own)
             repeats = last_resumed[1] + 1 if resumed == last_resumed[0] else 1
             last_resumed = (resumed, repeats)
             limit = h.config.health.max_restarts_without_progress
@@ -368,8 +360,10 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             if h.checkpointer is not None:  # the next generation's build may fail: its error is recorded there
                 record_to = (h.checkpointer.directory, h.attempt)
             try:  # every rank decides alike: if one escalates, or is gone, all do
-                decisions, verdict = _agree(keep, scope, gen, rank, world, "escalate" if why else "recover",
-                                            min(60.0, h.config.distributed.init_timeout))
+                t = time.monotonic()
+                decisions, verdict = agree(keep, scope, gen, rank, world, "escalate" if why else "recover",
+                                           min(60.0, h.config.distributed.init_timeout))
+                clock.record.decide_s = time.monotonic() - t
             except Exception as d:  # the store is gone: nobody can agree on a recovery
                 decisions, verdict, store_ok = ["escalate"], "escalate", False
                 why = why or f"the store is gone ({type(d).__name__})"
@@ -377,6 +371,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 others = [r for r, d in enumerate(decisions) if d != "recover"]
                 why = (f"rank(s) {others} did not recover ({', '.join(decisions[r] for r in others)})" if others
                        else "another rank gave up waiting for this generation's decisions, and escalated")
+            if h.local is not None and why is None:  # the next generation restores this process's copy from memory
+                h.local.carry = True
             try:
                 h.close(keep_local=True)
             except Exception as c:  # a group that the fault broke: what matters is that it is gone
@@ -439,5 +435,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             handover.mark_kept(connect, address, scope, gen)
         elif connect is not None:
             handover.await_new_server(connect, address, scope, gen, rank)
+        assert clock is not None
+        clock.record.teardown_s = clock.lap()
         log.info("rank %d: generation %d torn down in %.2f s (%d DDP module(s) retired)", rank, gen,
-                 time.monotonic() - started, retired)
+                 clock.record.teardown_s, retired)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from robustdist import harden
-from robustdist.recovery import generation
+from robustdist.recovery import generation, history
 from robustdist.runtime.errors import ConfigError
 from robustdist.testing.ranks import run_ranks
 
@@ -115,6 +115,8 @@ def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, in
     except Exception as e:
         out["raised"] = f"{type(e).__name__}: {e}"
     out["seconds"] = time.monotonic() - start
+    out["history"] = [(r.generation, r.own, r.step, r.source, r.from_process, r.detect_s,
+                       [r.decide_s, r.teardown_s, r.rebuild_s, r.restore_s]) for r in history()]
     out.update(seen=seen, generation=generation(), closed=h.closed,
                params=[p.detach().clone() for p in model.parameters()],
                current_is_kept=bool(kept) and h.model is kept[0])
@@ -137,7 +139,12 @@ def test_h_run_recovers_a_nanogpt_shaped_loop_in_process_bitwise(tmp_path, keep_
         # generation 1 resumed iteration 5 (the fault came in iteration 6) in the same process, from memory
         assert [(g, s) for g, s, _ in got["seen"]] == [(0, 0), (1, 5)], got["seen"]
         assert got["seen"][1][2] != "durable", got["seen"]
-        assert ref["seen"] == [(0, 0, "none")]
+        assert ref["seen"] == [(0, 0, "none")] and ref["history"] == []
+        # where the recovery's time went: one record per rank; each rank's own state restored from its memory
+        [(gen, own, step, source, from_process, detect, parts)] = got["history"]
+        assert (gen, own, step, source, from_process) == (1, rank == 1, 5, "memory", True), got["history"]
+        assert detect == 0.0 if rank == 1 else detect is not None and 0.0 <= detect < got["seconds"]
+        assert all(p >= 0 for p in parts) and parts[0] <= parts[1] and sum(parts[1:]) < got["seconds"], parts
         assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
         if keep_old:  # the module kept from generation 0 is not h.model any more, and fails loudly when used
             assert not got["current_is_kept"]

@@ -22,6 +22,9 @@ Every rank calls it; the collectives run on the tier's own group.
    rank's local shards for FSDP entries, then the checked entries; **collective: all_gather** after each
    stage), then the RNG. The result is bit-identical to loading the same step from the durable tier.
 
+A rank's own copy of the step as this process took it (:mod:`.held`: kept across an in-process recovery) is used
+in place of reading and deserialising that copy's files (3 and 5); the checks of 5 and the restore of 6 still run.
+
 Nothing is deleted or written during recovery, so a crash in it leaves every copy for the next attempt.
 """
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -41,6 +44,7 @@ from robustdist.checkpoint._schema import weights_only_reason
 from robustdist.checkpoint._sharded import _optimizer_pair, _state_dicts
 from robustdist.checkpoint._types import LoadedCheckpoint
 from robustdist.checkpoint.local import layout
+from robustdist.checkpoint.local.held import Held
 from robustdist.checkpoint.local.wire import as_tensor, exchange
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger, user_stacklevel, warn
@@ -236,9 +240,10 @@ def _describe(source: Source, step: int) -> str:
 
 
 # ---------------------------------------------------------------------- the protocol
-def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any],
-            at_least: int | None) -> LoadedCheckpoint | None:
-    """Steps 1 to 6 of the module docstring on this rank."""
+def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any], at_least: int | None,
+            held: Held | None = None) -> LoadedCheckpoint | None:
+    """Steps 1 to 6 of the module docstring on this rank; ``held``: this rank's own copy of a step as this process
+    took it (:mod:`.held`), used in place of reading and deserialising that copy's files."""
     c = tier.collectives
     everyone = c.all_gather((_inventory(tier), at_least if tier.rank == 0 else None), "local inventory")
     floor = everyone[0][1]
@@ -247,7 +252,7 @@ def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any],
     excluded: set[tuple[Any, ...]] = set()
     for cand in candidates:
         while (assigned := _assign(cand, everyone, tier.nodes, excluded)) is not None:
-            outcome = _attempt(tier, cand, assigned, everyone, state, per_rank, excluded)
+            outcome = _attempt(tier, cand, assigned, everyone, state, per_rank, excluded, held)
             if outcome == "unfit":
                 return None
             if isinstance(outcome, LoadedCheckpoint):
@@ -256,8 +261,8 @@ def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any],
 
 
 def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], everyone: list[Any],
-             state: dict[str, Any], per_rank: dict[str, Any], excluded: set[tuple[Any, ...]]
-             ) -> LoadedCheckpoint | str | None:
+             state: dict[str, Any], per_rank: dict[str, Any], excluded: set[tuple[Any, ...]],
+             held: Held | None) -> LoadedCheckpoint | str | None:
     """One assignment of sources for ``cand``: the loaded checkpoint, "unfit" (the in-memory attempt ends: the
     durable tier decides), or None (a source was excluded: assign again)."""
     c, rank = tier.collectives, tier.rank
@@ -266,9 +271,21 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     # the replicated entries: from a copy on this rank's node if there is one (no transfer), else sent by source0
     near = {n: _replicated_on(n, cand, everyone, tier.nodes, excluded) for n in set(tier.nodes)}
     here = near[tier.nodes[rank]]
+    far = [r for r in range(tier.world_size) if near[tier.nodes[r]] is None]
+    # this rank's own copy, as this process holds it: its payload, and rank 0's replicated entries unless sent
+    own_src = (rank, rank, "own")
+    held = held if held is not None and (held.step, held.save) == cand else None
+    mem_payload = held is not None and mine_src == own_src
+    mem_replicated = held is not None and rank == 0 and here == own_src
+    unread = {layout.PAYLOAD} if mem_payload else set()
+    if mem_replicated and not (source0 == own_src and far):  # else read: it is sent to the ranks of far nodes
+        unread.add(layout.REPLICATED)
     data: dict[Source, dict[str, Any]] = {}
     problems: list[tuple[Source, str]] = []
     for source, names in _reads(rank, assigned, here):
+        names = [n for n in names if source != own_src or n not in unread]
+        if not names:
+            continue
         try:
             holding = _find(tier, source, cand)
             data.setdefault(source, {}).update({n: layout.read_verified(holding, n) for n in names})
@@ -281,7 +298,6 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
         return None
     # step 4: move the bytes (point to point: each payload to its owner, the replicated entries to the ranks of
     # nodes that hold no copy of them)
-    far = [r for r in range(tier.world_size) if near[tier.nodes[r]] is None]
     sends: dict[int, list[torch.Tensor]] = {}
     for owner, src in assigned.items():
         if src[0] == rank and owner != rank:
@@ -292,25 +308,29 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     receive = sorted(({mine_src[0]} if mine_src[0] != rank else set()) | ({source0[0]} if rank in far else set()))
     got = exchange(tier.group, rank, sends, receive, timeout=tier.timeout, what=f"recovery of step {step}") \
         if sends or receive else {}
-    payload_bytes = got[mine_src[0]][0] if mine_src[0] != rank else as_tensor(data[mine_src][layout.PAYLOAD])
+    payload_bytes = got[mine_src[0]][0] if mine_src[0] != rank else None if mem_payload else \
+        as_tensor(data[mine_src][layout.PAYLOAD])
     replicated_src = here if here is not None else source0
-    replicated_bytes = got[source0[0]][-1] if rank in far else as_tensor(data[replicated_src][layout.REPLICATED])
+    replicated_bytes = got[source0[0]][-1] if rank in far else None if mem_replicated else \
+        as_tensor(data[replicated_src][layout.REPLICATED])
     # step 5: deserialise and check
     kinds = _row(everyone, source0, cand)[4]
     source0 = replicated_src if rank not in far else source0  # the copy whose bytes this rank checks
-    checked, replicated, own, payload = None, None, None, None
+    checked, replicated, mine, payload = None, None, None, None
+    read: list[str] = []  # the held copies that failed their checks (their files were read instead)
     problem: tuple[Any, ...] | None = None
     corrupt_of: Source = source0
     try:
         where0 = f"{_describe(source0, step)} ({layout.REPLICATED})"
         corrupt_of = source0
-        replicated = _schema.check_replicated(where0, _torch_loads(replicated_bytes.numpy(), where0), kinds)
+        check = lambda value: _schema.check_replicated(where0, value, kinds)  # noqa: E731
+        replicated = _held_or_file(tier, held.replicated, check, own_src, cand, layout.REPLICATED, where0, read) \
+            if held is not None and mem_replicated else check(_torch_loads(replicated_bytes.numpy(), where0))
         where = f"{_describe(mine_src, step)} ({layout.PAYLOAD})"
         corrupt_of = mine_src
-        payload = _torch_loads(payload_bytes.numpy(), where)
-        if not isinstance(payload, dict) or not isinstance(payload.get("shards"), dict):
-            raise CheckpointCorruptError(f"{where}: expected a dict with 'mine' and 'shards'")
-        own = _schema.check_rank_payload(where, payload.get("mine"))
+        check_own = _payload_check(where)
+        payload, mine = _held_or_file(tier, held.payload, check_own, own_src, cand, layout.PAYLOAD, where, read) \
+            if held is not None and mem_payload else check_own(_torch_loads(payload_bytes.numpy(), where))
     except CheckpointCorruptError as e:  # the bytes of one copy are wrong: exclude it, try the next source
         problem = ("corrupt", corrupt_of, str(e)[:500])
     except Exception as e:  # a check that itself failed on a crafted value: still that copy's problem
@@ -319,9 +339,9 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
         if problem is not None:
             raise _Skip
         state = _restore.present(state, kinds, f"in-memory step {step}")
-        saved_per_rank = own.get("per_rank", {})
+        saved_per_rank = mine.get("per_rank", {})
         check_entries(where, kinds, replicated, state, saved_per_rank, per_rank)
-        checked = (replicated, own, payload["shards"], _restore.plan(kinds, replicated, state, saved_per_rank,
+        checked = (replicated, mine, payload["shards"], _restore.plan(kinds, replicated, state, saved_per_rank,
                                                                       per_rank))
     except _Skip:
         pass
@@ -339,7 +359,29 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
              "durable tier is used instead.", stacklevel=user_stacklevel())
         return "unfit"
     assert checked is not None
-    return _restore_all(tier, step, checked, state, mine_src) or "unfit"
+    return _restore_all(tier, step, checked, state, mine_src, mem_payload and layout.PAYLOAD not in read) or "unfit"
+
+
+def _payload_check(where: str) -> Callable[[Any], tuple[dict[str, Any], dict[str, Any]]]:
+    """A rank's payload, checked: ``(payload, its "mine" entry)``."""
+    def check(payload: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        if not isinstance(payload, dict) or not isinstance(payload.get("shards"), dict):
+            raise CheckpointCorruptError(f"{where}: expected a dict with 'mine' and 'shards'")
+        return payload, _schema.check_rank_payload(where, payload.get("mine"))
+    return check
+
+
+def _held_or_file(tier: LocalTier, value: Any, check: Callable[[Any], Any], source: Source, cand: Candidate,
+                  name: str, where: str, read: list[str]) -> Any:
+    """``check(value)``, this rank's own copy as this process holds it; if that fails, the same copy's file (the
+    file's own problem is then the copy's)."""
+    try:
+        return check(value)
+    except Exception as e:
+        log.warning("rank %d: %s as this process holds it failed its check (%s: %s); reading the file instead",
+                    tier.rank, where, type(e).__name__, str(e)[:300])
+        read.append(name)
+    return check(_torch_loads(layout.read_verified(_find(tier, source, cand), name), where))
 
 
 def _exclude(tier: LocalTier, step: int, rows: list[Any], excluded: set[tuple[Any, ...]]) -> bool:
@@ -355,7 +397,7 @@ def _exclude(tier: LocalTier, step: int, rows: list[Any], excluded: set[tuple[An
 
 
 def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: dict[str, Any],
-                 source: Source) -> LoadedCheckpoint | None:
+                 source: Source, from_process: bool) -> LoadedCheckpoint | None:
     """Step 6; None when the restore failed somewhere (the live objects are put back)."""
     c = tier.collectives
     replicated, own, shards, plan = checked
@@ -380,7 +422,8 @@ def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: di
     holder, owner, role = source
     kind = "memory" if role == "own" and tier.nodes[holder] == tier.nodes[tier.rank] else "replica" \
         if role == "replica" else "peer"
-    log.info("rank %d restored step %d from %s", tier.rank, step, _describe(source, step))
+    detail = _describe(source, step) + (", as this process holds it (no file read)" if from_process else "")
+    log.info("rank %d restored step %d from %s", tier.rank, step, detail)
     return LoadedCheckpoint(step=step, path=layout.step_path(tier.directory, owner, role, step), state=replicated,
                             per_rank=own.get("per_rank", {}), metadata={}, manifest={}, source=kind,
-                            source_detail=_describe(source, step))
+                            source_detail=detail, from_process=from_process)

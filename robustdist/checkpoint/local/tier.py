@@ -48,6 +48,7 @@ import torch.distributed as dist
 from robustdist.checkpoint import _background, _faults
 from robustdist.checkpoint._schema import MAX_STEP, is_int
 from robustdist.checkpoint._snapshot import collect
+from robustdist.checkpoint.local import held as _held
 from robustdist.checkpoint.local import layout, memory
 from robustdist.checkpoint.local import restore as _local_restore
 from robustdist.checkpoint.local.lineage import LINEAGE, lineage_of
@@ -156,6 +157,9 @@ class LocalTier:
         """Called on the background thread with the step each time a save completes (harden's progress mark)."""
         self._checked_sizes: list[int] | None = None
         self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._held: _held.Held | None = None  # the last committed own copy as this process took it (.held)
+        self.carry = False  # a close keeping the files hands _held to this process's next tier here (.held)
+        self._carried = _held.take(self.directory, rank=self.rank, world_size=self.world_size, lineage=self.lineage)
         self._thread: threading.Thread | None = None
         self._leaving = _background.Leaving()  # the last save's background part: in its collectives? left behind?
         self._error: BaseException | None = None
@@ -190,6 +194,7 @@ class LocalTier:
             raise CheckpointError(f"step={step!r:.60}; expected a non-negative integer. Fix: pass the training step.",
                                   rank=self.err_rank)
         self.collectives.arrive("local save")
+        self._held = self._carried = None  # the snapshot below overwrites the buffers; a newer step is coming
         snap, shards, error = None, {}, None
         try:
             snap = collect(state, per_rank, rank=self.rank, clone=True, staging=self._staging, err_rank=self.err_rank)
@@ -274,6 +279,8 @@ class LocalTier:
         try:
             layout.remove_stale(self.directory, self.rank, "own")
             written += layout.commit_copy(self.directory, self.rank, "own", step, token, files, meta)
+            # what the own copy holds, until the next snapshot: a load that agrees on this save uses it (.held)
+            self._held = _held.Held(step, save_id, self.rank, self.world_size, self.lineage, payload, replicated)
         except Exception as e:  # still take part in the exchange (the peers wait for it), then report
             problem = f"writing its own copy into {self.directory}: {type(e).__name__}: {e}"
         _faults.phase("local_own_committed")
@@ -356,7 +363,10 @@ class LocalTier:
                 raise
             log.warning("the last in-memory save failed before this load: %s", e)
         self.collectives.arrive("local load")
-        loaded = _local_restore.recover(self, dict(state or {}), dict(per_rank or {}), at_least)
+        held, self._carried = self._carried, None  # its own _held is not used: a load here reads the files
+        if held is not None:  # used once: the restored objects may keep its tensors, so new buffers next save
+            self._held, self._staging = None, {}
+        loaded = _local_restore.recover(self, dict(state or {}), dict(per_rank or {}), at_least, held=held)
         if loaded is not None:
             self.last_complete = loaded.step
         return loaded
@@ -380,14 +390,19 @@ class LocalTier:
             except BaseException as e:  # raised after the vote
                 error, clean = e, False
             if self._thread is None and self._votes_clean(clean):
+                _held.discard(self.directory)
                 try:
                     layout.remove_root(self.directory)
                 except CheckpointError as e:
                     log.warning("in-memory tier: could not remove %s: %s", self.directory, e)
-            elif self.leader:
-                log.info("in-memory checkpoints kept in %s for a restart", self.directory)
+            else:  # a later tier of this process on the directory (an in-process recovery) restores from it
+                # (a save left behind set _held, if at all, before its collectives: its copy is committed)
+                _held.carry(self.directory, self._held if self.carry and self._thread is None else None)
+                if self.leader:
+                    log.info("in-memory checkpoints kept in %s for a restart", self.directory)
         finally:
             self._staging.clear()
+            self._held = self._carried = None
             self._destroy_group()
         if error is not None:
             raise error
