@@ -79,6 +79,7 @@ from robustdist.init.process_group import (
 )
 from robustdist.parallel import fsdp, fsdp_wrap
 from robustdist.parallel.ddp import HF_TRAINER_FIX, wrap_ddp
+from robustdist.ray import group as _ray_group
 from robustdist.ray import train as _ray_train
 from robustdist.recovery import building as _building
 from robustdist.recovery import loop as _recovery
@@ -134,6 +135,7 @@ def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: to
         _refuse_fsdp_under_accelerate(config, topo)
     elif framework == "fabric":
         _fabric.verdict(model, config.distributed.strategy, topo.rank if topo.is_distributed else None)
+    topo = _ray_group.prepare(config, topo, framework=framework)  # Ray Train's group given up for in-process recovery
     # In-process recovery unblocks a collective by shutting the group's connections: record them as they open
     # (the default group, the checkpointer's and the tier's groups).
     recording = contextlib.ExitStack()
@@ -143,6 +145,8 @@ def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: to
     except BaseException:
         recording.close()
         raise
+    finally:
+        _ray_group.release()  # the group's store holds the server taken for its port now (or the init failed)
     _building.group_made(config.distributed.timeout)  # a recovery's next generation watches from here on
     checkpointer: AtomicCheckpointer | None = None
     identity: RunIdentity | None = None

@@ -21,7 +21,8 @@ every rank:
    across restarts and re-init fails on stale keys), and rank 0 counts the attempt in the agent's store
    (:attr:`InitReport.attempt`).
 4. **Init** with the connected store and an explicit collective timeout (``distributed.timeout``, default
-   1800 s). If a group already exists (Ray Train creates one), it is not re-initialised: it is validated by
+   1800 s). If a group already exists (Ray Train creates one; ``harden`` with ``recovery.in_process`` gives a
+   gloo one of Ray's up first: :mod:`robustdist.ray.group`), it is not re-initialised: it is validated by
    the steps below, and a warning says that this call's settings did not take effect. :func:`adopt_group` is
    the explicit form for a group the script created itself: it validates it the same way and says loudly what
    robustdist cannot protect in it (restart safety under torchrun ``--max-restarts``, see

@@ -49,7 +49,8 @@ fault like any other: a restore that raised may succeed in the next generation).
 A failure while the next generation is hardened is declared by its rank once the group exists
 (:mod:`.building`); the others end at once, naming it. The closing tier hands the snapshot of its last committed
 copy to the next generation's (:mod:`robustdist.checkpoint.local.held`): this rank's own state is restored from
-memory, no file read. Each recovery's phases: :mod:`.timings`. Not yet (docs/status.md): the Ray Train path.
+memory, no file read. Each recovery's phases: :mod:`.timings`. In a Ray Train worker the first harden gives up
+Ray's group for robustdist's own (:mod:`robustdist.ray.group`), so the same loop runs there.
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ def _calling(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Cal
 def _supported(h: Any, sockets: GroupSockets | None) -> str | None:
     """Why this generation cannot recover in place, or None."""
     if not h.init_report.created:
-        return ("the process group is not robustdist's (Ray Train's, a framework's or the script's own): "
-                "robustdist cannot make the next one")
+        return ("the process group is not robustdist's (a framework's, the script's own, or Ray Train's where it "
+                "is not gloo with DDP): robustdist cannot make the next one")
     if _dist.backend_kind() != "gloo":
         return (f"the backend is {_dist.backend_kind()}: only a gloo collective can be unblocked in place (an NCCL "
                 "kernel cannot be stopped by closing sockets)")

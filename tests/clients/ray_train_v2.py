@@ -81,6 +81,61 @@ def train_fn(config: dict[str, Any]) -> None:
                        os.path.join(out, "final.pt"))
 
 
+def train_fn_inprocess(config: dict[str, Any]) -> None:
+    """The same job with ``recovery.in_process: true`` and ``h.run``: with ``config["raise_at"]`` rank 1 raises
+    once, before the backward of that step (rank 0 is then in DDP's all-reduce); with ``config["fatal_at"]`` it
+    raises ``MemoryError`` there once (never recovered in place: Ray's restart takes over). Each generation appends
+    ``{"rank", "pid", "generation", "created", "port", "ray_port", "resumed", "source", "from_process"}`` to
+    ``out/generations.jsonl``; rank 0 writes ``out/final.pt``; each rank writes its recoveries' count to
+    ``out/recoveries-<rank>``."""
+    from robustdist import harden
+    from robustdist.recovery import generation, history
+
+    out = config["out"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 4, generator=g)
+    loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8, shuffle=True, drop_last=True)
+    cfg = {"data": {"seed": 3},
+           "checkpoint": {"dir": config["ckpt"], "every_n_steps": config.get("every", 3), "keep_last": 2,
+                          "local_every_n_steps": 1, "local_dir": config["local_dir"]},
+           "recovery": {"in_process": True}}
+    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"])
+    h = harden(model, loader, cfg, optimizer=optimizer)
+    rank = h.topology.rank
+
+    def train(h: Any, step: int) -> int:
+        loaded = h.last_loaded
+        with open(os.path.join(out, "generations.jsonl"), "a") as fh:
+            fh.write(json.dumps({"rank": rank, "pid": os.getpid(), "generation": generation(),
+                                 "created": h.init_report.created, "port": h.topology.master_port,
+                                 "ray_port": os.environ.get("MASTER_PORT"), "resumed": step,
+                                 "source": loaded.source if loaded else None,
+                                 "from_process": loaded.from_process if loaded else None}) + "\n")
+        while step < config["total"]:
+            for xb, yb in h.loader:
+                loss = nn.functional.mse_loss(h.model(xb), yb)
+                if rank == 1 and step + 1 == config.get("raise_at") and _first_time(out, "raise"):
+                    raise RuntimeError(f"boom before the backward of step {step + 1} (simulated)")
+                if rank == 1 and step + 1 == config.get("fatal_at") and _first_time(out, "fatal"):
+                    raise MemoryError(f"out of memory before the backward of step {step + 1} (simulated)")
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                step += 1
+                h.save(step, optimizer=optimizer, metrics={"loss": loss.item()})
+                if step == config["total"]:
+                    break
+        return step
+
+    h.run(train, optimizer=optimizer)
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "final.pt"))
+    with open(os.path.join(out, f"recoveries-{rank}"), "w") as fh:
+        fh.write(str(len(history())))
+
+
 def _record_reports(out: str) -> None:
     """Instrumentation for the 2-node test: every ``ray.train.report`` this worker makes (robustdist's, on each
     commit) also appends ``{"rank", "host", "name", "files"}`` to ``out/reports.jsonl``: which rank sent which
@@ -122,7 +177,7 @@ def _fault(config: dict[str, Any], h: Any, rank: int, step: int) -> None:
 
 
 def trainer(config: dict[str, Any], *, storage: str, name: str, max_failures: int = 1, callbacks: Any = None,
-            cpus_per_worker: float = 1.0, placement_strategy: str = "PACK") -> Any:
+            cpus_per_worker: float = 1.0, placement_strategy: str = "PACK", train_fn: Any = train_fn) -> Any:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 

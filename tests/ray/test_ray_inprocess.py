@@ -1,0 +1,143 @@
+"""In-process recovery inside Ray Train V2 workers (issue #34), for real on the session's local Ray cluster (2 CPUs):
+with ``recovery.in_process: true`` the first ``harden`` gives up Ray's process group for robustdist's own
+(``robustdist.ray.group``), so a worker's exception is recovered in the same worker processes: Ray's controller
+never sees it (``FailureConfig(max_failures=0)``: any exception reaching it fails the run), and the result is
+bitwise equal to a run without the fault. The training code is ``tests/clients/ray_train_v2.py``'s
+``train_fn_inprocess``, in the shape of Ray's regression example."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.clients import ray_train_v2 as client
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200, method="thread")]
+
+
+@pytest.fixture(scope="module")
+def ray_v2(ray_cluster):
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(client)
+    return ray_cluster
+
+
+def _config(tmp_path, name, **extra):
+    out = tmp_path / name
+    out.mkdir()
+    return {"out": str(out), "ckpt": str(tmp_path / name / "ckpt"), "local_dir": str(tmp_path / name / "shm"),
+            "lr": 0.05, "total": 9, "every": 3, **extra}
+
+
+def _fit(tmp_path, config, name, **kwargs):
+    return client.trainer(config, storage=str(tmp_path / "ray"), name=name, max_failures=0,
+                          train_fn=client.train_fn_inprocess, **kwargs).fit()
+
+
+@pytest.fixture(scope="module")
+def reference(ray_v2, tmp_path_factory):
+    """The same job without a fault: its rows and final parameters."""
+    tmp = tmp_path_factory.mktemp("reference")
+    config = _config(tmp, "straight")
+    assert _fit(tmp, config, "straight").error is None
+    assert [(r["generation"], r["created"]) for r in _generations(config)] == [(0, True), (0, True)]
+    return torch.load(os.path.join(config["out"], "final.pt"), weights_only=True)
+
+
+def _assert_bitwise(config, reference):
+    final = torch.load(os.path.join(config["out"], "final.pt"), weights_only=True)
+    assert final.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(final[key], reference[key]), f"{key} differs from the run without a fault"
+
+
+def _generations(config):
+    with open(os.path.join(config["out"], "generations.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_a_worker_exception_recovers_in_the_same_ray_workers_bitwise(reference, tmp_path):
+    faulted = _config(tmp_path, "faulted", raise_at=5)
+    errors = tmp_path / "controller-errors.jsonl"
+    result = _fit(tmp_path, faulted, "faulted", callbacks=[client.ErrorLog(str(errors))])
+    assert result.error is None, result.error
+    assert not errors.exists(), errors.read_text()  # Ray's controller never saw the exception
+    assert result.metrics["step"] == 9
+    rows = _generations(faulted)
+    for rank in range(2):
+        mine = [r for r in rows if r["rank"] == rank]
+        assert [(r["generation"], r["resumed"]) for r in mine] == [(0, 0), (1, 4)], mine
+        assert len({r["pid"] for r in mine}) == 1, mine  # the same worker process: Ray restarted nothing
+        assert all(r["created"] and str(r["port"]) != r["ray_port"] for r in mine), mine  # robustdist's own group
+        assert (mine[1]["source"], mine[1]["from_process"]) == ("memory", True), mine
+        assert open(os.path.join(faulted["out"], f"recoveries-{rank}")).read() == "1"
+    _assert_bitwise(faulted, reference)
+
+
+def test_a_fault_that_must_not_be_recovered_in_place_goes_to_ray_s_restart_which_takes_over_again(reference,
+                                                                                                   tmp_path):
+    faulted = _config(tmp_path, "fatal", fatal_at=5)
+    errors = tmp_path / "controller-errors.jsonl"
+    result = client.trainer(faulted, storage=str(tmp_path / "ray"), name="fatal", max_failures=1,
+                            train_fn=client.train_fn_inprocess, callbacks=[client.ErrorLog(str(errors))]).fit()
+    assert result.error is None, result.error
+    seen = [json.loads(line) for line in errors.read_text().splitlines()]
+    assert len(seen) == 1 and "MemoryError" in seen[0]["1"], seen  # it reached Ray's controller, once
+    rows = _generations(faulted)
+    for rank in range(2):
+        mine = [r for r in rows if r["rank"] == rank]
+        # generation 0 in Ray's first worker group, then generation 0 again in the group Ray restarted (new
+        # processes), which gave up Ray's new group too and resumed from the in-memory tier's copy on this node
+        assert [(r["generation"], r["resumed"]) for r in mine] == [(0, 0), (0, 4)], mine
+        assert mine[0]["pid"] != mine[1]["pid"] and all(r["created"] for r in mine), mine
+        assert mine[1]["source"] == "memory", mine
+    _assert_bitwise(faulted, reference)
+
+
+def test_prepare_leaves_the_topology_alone_outside_ray_or_without_in_process():
+    from robustdist.config.schema import resolve_config
+    from robustdist.ray import group
+    from robustdist.runtime.topology import detect_topology
+
+    topo = detect_topology(environ={})
+    assert group.prepare(resolve_config({"recovery": {"in_process": True}, "checkpoint": {"dir": "/x"}}), topo) is topo
+    ray_topo = __import__("dataclasses").replace(topo, launcher="ray_train")
+    assert group.prepare(resolve_config({}), ray_topo) is ray_topo  # in-process recovery off: Ray's group stays
+    on = resolve_config({"recovery": {"in_process": True}, "checkpoint": {"dir": "/x"}})
+    assert group.prepare(on, ray_topo) is ray_topo  # no group of Ray's to give up (none is up in this process)
+    assert group.taken() is None
+
+
+def _reasons(rank):
+    """What keeps a gloo group of Ray's: each case's reason (a one-rank gloo group stands in for Ray's)."""
+    from torch import nn
+
+    from robustdist.config.schema import resolve_config
+    from robustdist.ray import group
+    from robustdist.runtime.topology import detect_topology
+
+    topo = detect_topology()
+    on = {"recovery": {"in_process": True}, "checkpoint": {"dir": "/x"}}
+    out = {"plain": group._why_not(resolve_config(on), topo, None),
+           "fsdp": group._why_not(resolve_config({**on, "distributed": {"strategy": "fsdp"}}), topo, None),
+           "nccl": group._why_not(resolve_config({**on, "distributed": {"backend": "nccl"}}), topo, None),
+           "accelerate": group._why_not(resolve_config(on), topo, "accelerate")}
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+    out["ddp"] = group._why_not(resolve_config(on), topo, None)
+    del ddp
+    return out
+
+
+def test_only_a_gloo_group_with_ddp_harden_makes_is_given_up():
+    from robustdist.testing.ranks import run_ranks
+
+    [reasons] = run_ranks(_reasons, 1, timeout=60)
+    assert reasons["plain"] is None
+    assert "distributed.strategy is fsdp" in reasons["fsdp"]
+    assert "distributed.backend 'nccl' is not gloo" in reasons["nccl"]
+    assert "accelerate made the model's DDP" in reasons["accelerate"]
+    assert "a DistributedDataParallel module made on it exists" in reasons["ddp"]
