@@ -85,6 +85,17 @@ def _generations(rank: int, root: str, carry: bool) -> dict[str, Any]:
     return out
 
 
+def _saved_once(rank: int, root: str) -> tuple[Any, ...]:
+    """The objects, trained 2 steps alike on every rank, and a tier holding them as step 1."""
+    model, opt = _objects()
+    state = {"model": model, "optimizer": opt}
+    tier = _tier(root, rank)
+    _train(model, opt, 2, 0)
+    tier.save(1, state)
+    tier.wait()
+    return model, opt, state, tier
+
+
 def _opt_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
@@ -112,12 +123,7 @@ def _after_restore(rank: int, root: str) -> tuple[Any, ...]:
     """A restore from memory, then training and the next save: the checkpoint returned to the script and the live
     optimizer state keep their values (no buffer of theirs is one a snapshot writes into). A load on the tier that
     took the step (a rollback, no recovery) reads the files, as before."""
-    model, opt = _objects()
-    state = {"model": model, "optimizer": opt}
-    tier = _tier(root, rank)
-    _train(model, opt, 2, 0)
-    tier.save(1, state)
-    tier.wait()
+    model, opt, state, tier = _saved_once(rank, root)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         same_tier = tier.load(state=state)
@@ -149,12 +155,7 @@ def test_a_restore_from_memory_shares_no_buffer_with_a_later_save(tmp_path):
 def _stale(rank: int, root: str) -> tuple[int | None, bool | None, bool]:
     """Step 2's save fails after its snapshot overwrote the buffers of step 1: step 1 is restored from the files,
     never from the overwritten buffers."""
-    model, opt = _objects()
-    state = {"model": model, "optimizer": opt}
-    tier = _tier(root, rank)
-    _train(model, opt, 2, 0)
-    tier.save(1, state)
-    tier.wait()
+    model, opt, state, tier = _saved_once(rank, root)
     expected = _fingerprint(model, opt, Counter())[:-1]
     _train(model, opt, 2, 0)
 

@@ -37,11 +37,7 @@ def train_fn(config: dict[str, Any]) -> None:
     from robustdist import harden
 
     out = config["out"]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(96, 4, generator=g)
-    loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8, shuffle=True, drop_last=True)
+    model, loader = _model_and_loader()
     cfg = {"data": {"seed": 3},
            "checkpoint": {"dir": config["ckpt"], "every_n_steps": config.get("every", 3), "keep_last": 2},
            "health": {"hang_timeout": config.get("hang_timeout", 120), "hang_action": "abort"}}
@@ -92,11 +88,7 @@ def train_fn_inprocess(config: dict[str, Any]) -> None:
     from robustdist.recovery import generation, history
 
     out = config["out"]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(96, 4, generator=g)
-    loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8, shuffle=True, drop_last=True)
+    model, loader = _model_and_loader()
     cfg = {"data": {"seed": 3},
            "checkpoint": {"dir": config["ckpt"], "every_n_steps": config.get("every", 3), "keep_last": 2,
                           "local_every_n_steps": 1, "local_dir": config["local_dir"]},
@@ -134,6 +126,15 @@ def train_fn_inprocess(config: dict[str, Any]) -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "final.pt"))
     with open(os.path.join(out, f"recoveries-{rank}"), "w") as fh:
         fh.write(str(len(history())))
+
+
+def _model_and_loader() -> tuple[nn.Module, DataLoader[Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 4, generator=g)
+    return model, DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8, shuffle=True,
+                             drop_last=True)
 
 
 def _record_reports(out: str) -> None:
