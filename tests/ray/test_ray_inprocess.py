@@ -141,3 +141,38 @@ def test_only_a_gloo_group_with_ddp_harden_makes_is_given_up():
     assert "distributed.backend 'nccl' is not gloo" in reasons["nccl"]
     assert "accelerate made the model's DDP" in reasons["accelerate"]
     assert "a DistributedDataParallel module made on it exists" in reasons["ddp"]
+
+
+def _alone(rank, who):
+    """Only rank ``who`` tries to give up the group (the other never calls harden): its bounded error."""
+    import time
+
+    from robustdist.config.schema import resolve_config
+    from robustdist.ray import group
+    from robustdist.runtime.errors import InitError
+    from robustdist.runtime.topology import detect_topology
+
+    if rank != who:
+        time.sleep(6)
+        return ""
+    config = resolve_config({"recovery": {"in_process": True}, "checkpoint": {"dir": "/x"},
+                             "distributed": {"init_timeout": 2}})
+    start = time.monotonic()
+    try:
+        group._take_over(config, detect_topology())
+    except InitError as e:
+        return str(e), time.monotonic() - start, group.taken()
+    return "no error"
+
+
+@pytest.mark.parametrize("who", [0, 1])
+def test_a_rank_that_never_takes_part_is_named_within_the_init_timeout(who):
+    from robustdist.testing.ranks import run_ranks
+
+    message, seconds, taken = run_ranks(_alone, 2, args=(who,), timeout=60)[who]
+    assert seconds < 10 and taken is None, (seconds, taken)
+    assert message.startswith(f"[rank {who}]") and "within 2 s (distributed.init_timeout)" in message, message
+    assert ("rank 1 did not read robustdist's group address" if who == 0 else
+            "rank 0 did not publish robustdist's group address") in message, message
+    assert "expected" in message and "Fix: call harden() in every worker's training function with the same " \
+        "configuration" in message, message
