@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 import zipfile
 import zlib
 from pathlib import Path
@@ -380,3 +381,38 @@ def test_a_directory_swapped_for_a_link_after_the_scan_is_not_read_through(tiers
     assert loaded is not None and (loaded.step, loaded.source) == (4, "durable")
     text = " ".join(str(w.message) for w in seen)
     assert "is a symbolic link; refused" in text, text
+
+
+@pytest.mark.parametrize("kind", ["code", "flipped", "symlink_step"])
+def test_a_copy_held_in_process_memory_never_lets_a_damaged_directory_through(tiers, kind):
+    """An in-process recovery's next tier restores this rank's own copy from memory: a crafted payload file is then
+    never read (no code runs), but the copy must still be listed as a valid one (a step swapped for a link is not,
+    and the durable tier decides); the memory copy is used once, so the next tier meets the damaged file itself."""
+    durable, local, copy, reference, tmp = tiers
+    local.carry = True
+    local.close()
+    _damage(kind, copy, tmp)
+    again = LocalTier(tmp / "shm", lineage="hostile")
+    try:
+        state = _state(2)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loaded = state.load(durable, local=again)
+        assert not (tmp / MARKER).exists(), "a crafted copy ran code"
+        if kind == "symlink_step":  # not listed as a copy: the memory copy is not used either
+            assert loaded is not None and (loaded.step, loaded.source, loaded.from_process) == (4, "durable", False)
+            assert "in-memory checkpoint" in " ".join(str(w.message) for w in seen)
+            return
+        assert loaded is not None and (loaded.step, loaded.source, loaded.from_process) == (8, "memory", True)
+        assert not [w for w in seen if "unusable" in str(w.message)], [str(w.message) for w in seen]
+    finally:
+        again.carry = True
+        again.close()
+    third = LocalTier(tmp / "shm", lineage="hostile")
+    try:
+        with pytest.warns(Warning):
+            later = _state(3).load(durable, local=third)
+        assert later is not None and (later.step, later.source) == (4, "durable")
+        assert not (tmp / MARKER).exists(), "a crafted copy ran code"
+    finally:
+        third.close()
