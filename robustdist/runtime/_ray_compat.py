@@ -18,11 +18,11 @@ import importlib
 import inspect
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.private_api import PrivateAPI, installed
+from robustdist.runtime.ray_rows import ActorRow, GroupRow
 
 __all__ = ["PG_CLEANER_CLASS", "PRIVATE_APIS", "TRAIN_CONTROLLER_CLASS", "ActorRow", "GroupRow", "actor_id",
            "can_wait_reported_checkpoints", "cluster_tables", "controller_abort_supported", "exception_queue",
@@ -64,33 +64,6 @@ def actor_id(handle: Any) -> bytes | None:
 
 
 # --- the GCS actor and placement-group tables ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ActorRow:
-    """One actor of Ray's GCS actor table, as robustdist reads it: ``state`` is Ray's state name (``"ALIVE"``,
-    ``"DEAD"``, ...); ``worker_id`` is the actor's own worker ('' bytes before it is placed) and
-    ``owner_worker_id`` its owner's."""
-
-    actor_id: bytes
-    class_name: str
-    state: str
-    worker_id: bytes
-    owner_worker_id: bytes
-    pid: int
-    is_detached: bool
-
-
-@dataclass(frozen=True)
-class GroupRow:
-    """One placement group of Ray's GCS table: ``state`` is Ray's state name (``"PENDING"``, ``"CREATED"``,
-    ``"REMOVED"``, ``"RESCHEDULING"``); ``creator_actor_id`` the actor that created it (b'' for a driver)."""
-
-    group_id: bytes
-    creator_actor_id: bytes
-    state: str
-    is_detached: bool
-    bundles: tuple[dict[str, float], ...]
 
 
 def _gcs_accessor() -> Any:
