@@ -4,7 +4,6 @@ lifecycle calls). Exported as ``robustdist.harden.Hardened``."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -182,7 +181,8 @@ class Hardened(RayReporting):
     def _let_go(self, optimizer: Optimizer | None = None) -> None:
         """recovery.in_process, after :meth:`close`: drop the closed generation's parts (its checkpointer's group,
         its watchdog, its report, the copy last loaded), so nothing of them keeps the old group, its store or its
-        memory alive while the next generation is made. The model, loader, optimizer, scheduler and extras stay."""
+        memory alive while the next generation is made. They go with their last reference (the loop collects only
+        where a cycle still holds one). The model, loader, optimizer, scheduler and extras stay."""
         scheduler, extras = self.scheduler, dict(self.extras)
         optimizer = optimizer if optimizer is not None else self.optimizer
         if self.local is not None:  # a save of this generation left behind reports nothing to the next
@@ -191,8 +191,8 @@ class Hardened(RayReporting):
                                 scaler=self.state.scaler)  # the bare model, until renewed
         self.state.remember(scheduler=scheduler, extra=extras)
         self.checkpointer = self.watchdog = self.local = self.last_loaded = None
+        self.guard._restore_fn = None  # a bound method of this object: a cycle (the rebuild makes a new guard)
         self._pending, self._unreported = [], []
-        gc.collect()
 
     def _next_generation(self, optimizer: Optimizer | None) -> GroupSockets | None:
         """recovery.in_process: harden the next generation into this object (after :meth:`close`)."""
@@ -421,7 +421,10 @@ class Hardened(RayReporting):
                 group_teardown.pin_ddp_modules()
             destroy_process_group_if_owned(self.init_report)
         if reporting is not None:
-            raise reporting
+            try:
+                raise reporting
+            finally:  # its traceback holds this frame: no cycle keeping this object alive
+                reporting = None
 
     @property
     def closed(self) -> bool:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from robustdist.runtime import dist as _dist
+from robustdist.runtime.errors import CheckpointError, drop_locals
 
-__all__ = ["ABANDON_S", "Leaving", "join"]
+__all__ = ["ABANDON_S", "Leaving", "join", "taken_error"]
 
 ABANDON_S = 2.0
 """How long a background part stuck in a collective is waited for once a recovery has interrupted the waits,
@@ -72,3 +73,20 @@ def join(thread: threading.Thread, bound: float, leaving: Leaving) -> Literal["d
             return "left"
         thread.join(_SLICE_S)
     return "timeout" if thread.is_alive() else "done"
+
+
+def taken_error(owner: Any, what: str, rank: int | None) -> CheckpointError:
+    """``owner._error`` (a background part's), cleared and returned as the :class:`CheckpointError` to raise
+    (``what: <error>`` wrapping any other, its cause). Returned, not raised here, so no frame holds it: an error
+    that a frame on its own traceback holds forms a cycle, which keeps the owner (its group, its store, its
+    buffers) alive until the next garbage collection. While an in-process recovery has interrupted the waits,
+    the background part's finished frames' locals are dropped too (:func:`~robustdist.runtime.errors.drop_locals`:
+    the generation goes as the recovery lets go of it); otherwise they stay, for a debugger."""
+    error, owner._error = owner._error, None
+    if _dist.interrupted() is not None:
+        drop_locals(error)
+    if isinstance(error, CheckpointError):
+        return error
+    wrapped = CheckpointError(f"{what}: {error}", rank=rank)
+    wrapped.__cause__ = error
+    return wrapped

@@ -252,10 +252,7 @@ class AtomicCheckpointer:
                                       "commit or fail. Fix: check the storage's health.", rank=self.err_rank)
             self._thread = self._job = None
         if self._error is not None:
-            error, self._error = self._error, None
-            if isinstance(error, CheckpointError):
-                raise error
-            raise CheckpointError(f"the background checkpoint save failed: {error}", rank=self.err_rank) from error
+            raise _background.taken_error(self, "the background checkpoint save failed", self.err_rank)
 
     def check_ready(self, op: str = "load") -> None:
         """Every rank reaches ``op`` (a rank that does not is named, as in ``save``/``load``), and, the first time,
@@ -369,11 +366,12 @@ class AtomicCheckpointer:
         try:
             self._committer.run(job)
         except BaseException as e:  # surfaces at the next save(), wait() or close()
-            self._error = e
-            if job.leaving.left:  # an in-process recovery left it behind: it failed as expected
+            if job.leaving.left:  # an in-process recovery left it behind: it failed as expected, and nothing waits
+                # for its error (kept, the error's frames would keep the snapshot and the old group in a cycle)
                 log.info("background checkpoint save of step %d, left behind by an in-process recovery, ended: %s",
-                         job.info.step, e)
+                         job.info.step, str(e))
             else:
-                log.error("background checkpoint save of step %d failed: %s", job.info.step, e)
+                self._error = e
+                log.error("background checkpoint save of step %d failed: %s", job.info.step, str(e))  # no live error
         finally:
             job.info.done.set()

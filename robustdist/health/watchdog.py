@@ -185,7 +185,9 @@ class Watchdog:
             self._thread.join(timeout=self._tick + self.grace + 10)
         if self._heartbeat is not None:
             self._heartbeat.stop(wait=1.0)
-        self.store = None  # do not keep a destroyed group's store alive
+        # do not keep a destroyed group's store alive; and no watchdog <-> heartbeat cycle (its record is this
+        # object's): a closed watchdog goes with its last reference, not at the next garbage collection
+        self.store = self._heartbeat = None
 
     def __enter__(self) -> Watchdog:
         return self

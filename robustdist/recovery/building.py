@@ -33,7 +33,7 @@ from robustdist.runtime import dist as _dist
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger
 
-__all__ = ["Generation", "building", "failed", "group_made", "tell"]
+__all__ = ["Generation", "building", "failed", "group_made", "looks_like_transport", "tell"]
 
 log = get_logger(__name__)
 
@@ -114,7 +114,7 @@ _TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "rank waited", "stopped answering", "Socket Timeout", "timed out")
 
 
-def _looks_like_transport(error: BaseException) -> bool:
+def looks_like_transport(error: BaseException) -> bool:
     """A lost connection or an interrupted wait: more likely another rank's failure seen from here than a cause."""
     text = str(error)
     return any(marker in text for marker in _TRANSPORT)
@@ -134,7 +134,7 @@ def tell(g: Generation, error: BaseException, sockets: GroupSockets | None, *, b
     connect = connector(store, bound)
     what = f"building in-process recovery generation {g.generation} failed: {type(error).__name__}: " \
            f"{str(error).strip()[:1500]}"
-    transport = _looks_like_transport(error)
+    transport = looks_like_transport(error)
 
     def declare() -> None:
         client = connect()

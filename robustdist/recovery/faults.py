@@ -46,7 +46,7 @@ from robustdist.runtime import _torch_compat
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 
-__all__ = ["Fault", "FaultWatch", "agree", "clear_generation", "declare_fault", "read_fault"]
+__all__ = ["Fault", "FaultWatch", "agree", "clear_generation", "declare_fault", "read_fault", "wake_all"]
 
 log = get_logger(__name__)
 
@@ -90,10 +90,16 @@ def declare_fault(store: Any, *, generation: int, rank: int, world_size: int, wh
     record = {"rank": rank, "node": node_label(), "what": what[:_WHY_MAX], "wall": time.time()}
     store.set(_key(scope, generation, "why", rank), json.dumps(record))
     count = int(store.add(_key(scope, generation, "fault"), 1))
-    for r in range(world_size):
-        store.set(_key(scope, generation, "wake", r), "fault")
+    wake_all(store, generation=generation, world_size=world_size, scope=scope)
     log.info("rank %d declared a fault in generation %d (%d so far): %s", rank, generation, count, what[:300])
     return count
+
+
+def wake_all(store: Any, *, generation: int, world_size: int, scope: str = SCOPE) -> None:
+    """Wake every rank's watch of ``generation`` to read its fault."""
+    store = _job_store(store)
+    for r in range(world_size):
+        store.set(_key(scope, generation, "wake", r), "fault")
 
 
 def _reason(raw: bytes) -> dict[str, Any]:
@@ -136,6 +142,10 @@ def clear_generation(store: Any, *, generation: int, world_size: int, scope: str
         store.delete_key(k)
 
 
+def _never(generation: int) -> None:
+    """A closed watch's callback."""
+
+
 class FaultWatch:
     """A thread that waits for a fault in one generation and calls ``on_fault(generation)`` once when it comes.
 
@@ -172,6 +182,9 @@ class FaultWatch:
         return: it is a daemon, and is abandoned then; its callback is fenced off either way)."""
         with self._fence:
             self._stop.set()
+            # No callback after this: dropping it breaks the generation -> watch -> callback -> generation cycle,
+            # so the generation, and the store this watch holds, go when the loop lets go of them (no collection)
+            self._on_fault = _never
         try:
             self._store.set(_key(self.scope, self.generation, "wake", self.rank), "closed")
         except Exception as e:  # the store is gone: the thread ends when its own connection fails

@@ -50,7 +50,8 @@ A failure while the next generation is hardened is declared by its rank once the
 (:mod:`.building`); the others end at once, naming it. The closing tier hands the snapshot of its last committed
 copy to the next generation's (:mod:`robustdist.checkpoint.local.held`): this rank's own state is restored from
 memory, no file read. Each recovery's phases: :mod:`.timings`. In a Ray Train worker the first harden gives up
-Ray's group for robustdist's own (:mod:`robustdist.ray.group`), so the same loop runs there.
+Ray's group for robustdist's own (:mod:`robustdist.ray.group`), so the same loop runs there. The error that ends
+an escalating rank, and its record for the restart-loop guard: :mod:`.ending`.
 """
 
 from __future__ import annotations
@@ -59,26 +60,33 @@ import gc
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from types import SimpleNamespace
+from typing import Any, TypeVar
 
-from robustdist.health import restart_guard as _restart_guard
+import torch.distributed as dist
+
 from robustdist.health.watchdog_store import connector
-from robustdist.recovery import handover
-from robustdist.recovery.building import Generation, building, tell
-from robustdist.recovery.faults import SCOPE, FaultWatch, agree, clear_generation, declare_fault, read_fault
+from robustdist.init.rendezvous import bounded
+from robustdist.recovery import ending, handover
+from robustdist.recovery.building import Generation, building, looks_like_transport
+from robustdist.recovery.faults import (SCOPE, Fault, agree, clear_generation, declare_fault, read_fault,
+                                       wake_all)
 from robustdist.recovery.timings import Clock, Recovery, detection
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
-from robustdist.runtime.errors import ConfigError, RecoveryError, RestartLoopError, UnsupportedVersionError
-from robustdist.runtime.group_sockets import GroupSockets
+from robustdist.runtime.errors import (ConfigError, RecoveryError, RestartLoopError, UnsupportedVersionError,
+                                       drop_locals)
+from robustdist.runtime.group_sockets import GroupSockets, sockets_on_port
 from robustdist.runtime.log import get_logger
 
 __all__ = ["generation", "run_hardened", "run_in_process"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
+_READ_FAULT_S = 2.0  # a rank whose collective was cut reads the store for another rank's fault within this
 
 _state = {"generation": 0, "calls": 0}  # the recovery generation (0: the first group), and run_in_process calls
 # made in this process: both the same on every rank (the calls are collective)
@@ -163,6 +171,32 @@ def _supported(h: Any, sockets: GroupSockets | None) -> str | None:
     return None
 
 
+def _cut_collective(error: BaseException) -> bool:
+    """A collective or store connection of the group that ended with the connection (not the script's own I/O)."""
+    text = str(error)
+    return looks_like_transport(error) and (isinstance(error, dist.DistError) or "gloo" in text.lower())
+
+
+def _declared_fault(store: Any, gen: int, rank: int, world: int, scope: str) -> Fault | None:
+    """Generation ``gen``'s fault if another rank has declared one, read (bounded, 2 s) on a store connection of
+    its own; every rank's watch is woken again (the declaring rank may have died before it woke them all). None
+    where none is declared, or the store does not answer in time."""
+    def read() -> Fault | None:
+        client = connect()
+        fault = read_fault(client, generation=gen, world_size=world, scope=scope)
+        if fault is not None and set(fault.why) - {rank}:
+            wake_all(client, generation=gen, world_size=world, scope=scope)
+            return fault
+        return None
+
+    connect = connector(store, _READ_FAULT_S)
+    fault, error, _ = bounded(read, time.monotonic() + _READ_FAULT_S, "fault-read",
+                              ends_by=time.monotonic() + 2 * _READ_FAULT_S)
+    if error is not None:
+        log.debug("rank %d could not look for generation %d's fault: %s", rank, gen, error)
+    return fault
+
+
 def _hang_declarer(store: Any, scope: str, gen: int, rank: int, world: int, timeout: float,
                    fired: threading.Event) -> Callable[[Any], None]:
     """The watchdog's hang callback: declare a fault (on a store connection of its own: the training thread may
@@ -201,65 +235,20 @@ def _start_state(h: Any, gen: int, rank: int, extra: dict[str, Any]) -> None:
            "start state for in-process recovery") + ".", rank=rank)
 
 
-def _record_error(h: Any, rank: int, error: BaseException) -> None:
-    """The error that ends this process goes to the restart-loop guard's record, as ``with harden(...)`` does."""
-    if h.checkpointer is not None and isinstance(error, Exception):
-        _restart_guard.record_error(h.checkpointer.directory, h.attempt, rank, error)
-
-
-def _built_badly(g: Generation, error: BaseException, record_to: tuple[str, int] | None) -> NoReturn:
-    """Generation ``g``'s build raised on this rank: its own failure (declared to the others by
-    :func:`.building.tell`, or before any group existed) is re-raised; a failure caused by another rank's becomes a
-    :class:`~robustdist.RecoveryError` naming that one. Either is recorded for the restart-loop guard."""
-    if not g.told and _dist.is_up():  # raised after harden returned (run_in_process's make): tell the others now
-        tell(g, error, None)
-    g.close()
-    rank = g.rank if g.rank is not None else _dist.rank() if _dist.is_up() else _launcher_rank()
-    what = f"{type(error).__name__}: {str(error).strip()[:300]}"
-    named: BaseException = error
-    if g.cause is None and g.fired.is_set() and g.watch is not None:  # seen by the watch, not read at the failure
-        g.cause = g.watch.fault.describe() if g.watch.fault is not None and g.watch.fault.why else None
-    if g.cause is not None and not g.own:
-        named = RecoveryError(
-            f"in-process recovery generation {g.generation} could not be built: another rank's build failed "
-            f"({g.cause}). Expected every rank to build the next generation; the process exits for a restart (the "
-            f"launcher's, whose restart-loop guard counts it). This rank's own error was a consequence ({what}). "
-            "Fix: see the error and log of the rank the fault names.", rank=rank)
-    else:
-        log.error("rank %d: building in-process recovery generation %d failed (%s)%s; the process exits for a "
-                  "restart", rank, g.generation, what,
-                  ": the other ranks were told" if g.own else
-                  " before its group existed: the other ranks learn of it in the rendezvous" if not g.told else
-                  ": the other ranks could not be told (see the warning before)")
-    if record_to is not None and isinstance(named, Exception):
-        _restart_guard.record_error(record_to[0], record_to[1], rank, named)
-    if named is error:
-        raise error
-    raise named from error
-
-
-def _launcher_rank() -> int:
-    """This process's rank as the launcher gave it (the group is gone): torchrun's, Slurm's or Open MPI's."""
-    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 0
-
-
-def _cause(watch: FaultWatch, store: Any, scope: str, gen: int, world: int) -> str:
-    """What ended a generation on a rank that did not fault itself."""
-    fault = watch.fault
-    if store is not None and (fault is None or not fault.why):  # the watch may have closed before reading them
-        try:
-            fault = read_fault(store, generation=gen, world_size=world, scope=scope) or fault
-        except Exception as e:  # the store is gone
-            log.debug("could not read generation %d's fault: %s", gen, e)
-    if fault is not None and fault.why:
-        return f"a declared fault ({fault.describe()})"
-    if watch.lost:
-        return "the job's store was lost"
-    return "a declared fault (no reason recorded)"
+def _still_held(port: Any, **parts: Any) -> Callable[[], list[str]]:
+    """Which of a closed generation's ``parts`` are still alive (those that cannot be told count as alive), and
+    whether a socket of this process is still on its store's ``port`` (the server under every wrapper, or a
+    connection to it: a Python wrapper gone says nothing of them)."""
+    refs: dict[str, Callable[[], Any]] = {}
+    for name, part in parts.items():
+        if part is not None:
+            try:
+                refs[name] = weakref.ref(part)
+            except TypeError:
+                refs[name] = lambda: True
+    on_port = (lambda: sockets_on_port(port) > 0) if isinstance(port, int) and port > 0 else (lambda: False)
+    return lambda: [name for name, ref in refs.items() if ref() is not None] + (
+        [f"store's connections (port {port})"] if on_port() else [])
 
 
 def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callable[[Any, int], T], *,
@@ -280,7 +269,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             if gen == 0:
                 g.close()
                 raise
-            _built_badly(g, e, record_to)
+            ending.built_badly(g, e, record_to)
         store = _dist.default_store()
         if store is None or _dist.world_size() == 1:
             try:
@@ -333,7 +322,11 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                     optimizer.zero_grad(set_to_none=True)
             result = train_fn(h, int(resumed))  # type: ignore[call-overload]
         except BaseException as e:
-            own = not fired.is_set()
+            seen, caught = fired.is_set(), time.time()  # seen: another rank's fault, by this rank's watch
+            # a lost connection where another rank has declared a fault that the watch has not yet woken up to: a
+            # consequence of that fault, not one of this rank's own
+            earlier = None if seen or not _cut_collective(e) else _declared_fault(store, gen, rank, world, scope)
+            own = not seen and earlier is None
             what = f"{type(e).__name__}: {str(e).strip()[:1500]}"
             if clock is not None:  # the last recovery's restore failed: its record ends here
                 clock.record.rebuild_s = rebuilt
@@ -344,11 +337,12 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                     declare_fault(store, generation=gen, rank=rank, world_size=world, what=what, scope=scope)
                 except Exception as d:  # the others then see this rank's group go (its sockets close)
                     log.warning("rank %d could not declare its fault in the store (%s)", rank, d)
-                # This rank's own collectives end too (the in-memory tier's commit on its background thread: the
-                # peer's shutdown alone leaves a send here waiting for the group's timeout)
+            if not seen:  # This rank's own collectives end too (the in-memory tier's commit on its background
+                # thread: the peer's shutdown alone leaves a send here waiting for the group's timeout)
                 on_fault(gen)
             watch.close()
-            clock.record.detect_s = detection(watch, own)
+            clock.record.detect_s = detection(watch if earlier is None else SimpleNamespace(fault=earlier,
+                                                                                            seen_at=caught), own)
             repeats = last_resumed[1] + 1 if resumed == last_resumed[0] else 1
             last_resumed = (resumed, repeats)
             limit = h.config.health.max_restarts_without_progress
@@ -383,22 +377,24 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 log.error("rank %d: %s: not recovering in process (%s); the process exits for a restart", rank,
                           what[:300], why)
                 if own or _fatal(e) or isinstance(e, RecoveryError) or not isinstance(e, Exception):
-                    _record_error(h, rank, e)
+                    ending.record_error(h, rank, e)
                     raise
                 # what this rank saw was the teardown's doing (a collective cut short): name the fault itself
-                cause = _cause(watch, keep if store_ok else None, scope, gen, world)
+                cause = ending.cause(watch, keep if store_ok else None, scope, gen, world)
                 named = RecoveryError(
                     f"in-process recovery generation {gen} ended: {cause}; not recovering in process ({why}). "
                     "Expected every rank to recover; the process exits for a restart (the launcher's, whose "
                     f"restart-loop guard counts it). This rank's own error was a consequence ({what[:300]}). Fix: "
                     "see the error and log of the rank the fault names (for a hang verdict, the rank the watchdog "
                     "names as stuck).", rank=rank)
-                _record_error(h, rank, named)
+                ending.record_error(h, rank, named)
                 raise named from e
+            drop_locals(e)  # what the failed attempt's finished frames held goes with the generation, uncollected
             handover.leave(keep, scope, gen, rank, world)
             _state["generation"] = gen + 1
             log.warning("rank %d: %s in generation %d (%s); recovering in process as generation %d", rank,
-                        "a fault" if own else "another rank's fault", gen, what[:300], gen + 1)
+                        "a fault" if own else "another rank's fault", gen, what[:300] if earlier is None else
+                        f"{what[:300]}, after the fault of {earlier.describe()[:300]}, read from the store", gen + 1)
         else:
             try:  # before the watch closes: a rank faulting now reads "done" at once, not after the bound
                 keep.set(f"{scope}/{gen}/decision/{rank}", "done")
@@ -424,6 +420,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         inner = _torch_compat.innermost_store(keep)
         address = (getattr(inner, "host", None), getattr(inner, "port", None))
         connect = connector(keep, handover.PROBE_S) if served_by_rank0 and address[0] and address[1] else None
+        held = _still_held(store=inner, tier=h.local, checkpointer=h.checkpointer, watchdog=h.watchdog,
+                           port=address[1])
         h._let_go()
         del h, store, watch, inner, g, fired, on_fault  # g and its watch hold the store too
         keep = None
@@ -431,7 +429,15 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             f"rank {rank}: this DistributedDataParallel module belongs to in-process recovery generation {gen}, "
             f"torn down after a fault; expected the current generation's. Fix: use h.model inside the training "
             f"function (the Hardened object holds generation {gen + 1}'s), not a module kept from before")
-        gc.collect()
+        # Gone as the last reference went, unless a reference cycle holds one: then a full collection (0.15 to
+        # 0.2 s with torch imported; only then, as it is a third of a recovery otherwise)
+        if held():
+            gc.collect()
+            if alive := held():
+                log.info("rank %d: generation %d's %s outlive(s) it (held by a save left behind, or a module or group "
+                         "the script keeps); its store may serve the next generation. Expected: nothing of it left "
+                         "once torn down. Fix: nothing, unless this repeats (then see what keeps it: gc.get_referrers)",
+                         rank, gen, ", ".join(alive))
         if connect is not None and rank == 0:
             handover.mark_kept(connect, address, scope, gen)
         elif connect is not None:

@@ -34,6 +34,7 @@ Errors raised in a distributed context carry ``.rank`` (the rank that raised) an
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 __all__ = [
@@ -179,3 +180,34 @@ class RobustDistDeprecationWarning(RobustDistWarning, FutureWarning):
 
     A ``FutureWarning`` (shown by default), not a ``DeprecationWarning``: the code that triggers it is often
     not the user's ``__main__`` (a Ray worker runs the setup hook), where a ``DeprecationWarning`` is hidden."""
+
+
+# Letting go of what a caught exception's frames hold. An exception keeps its traceback, and the traceback every
+# frame it passed through, with their locals (a model, a checkpointer, a tier and its buffers, a store); an
+# exception that one of those frames holds itself (``except E as e: error = e``, an error passed on to a function
+# that then raises) forms a reference cycle, which keeps all of it alive until the next full garbage collection
+# (0.15 to 0.2 s with torch imported). drop_locals clears the finished frames' locals; the traceback still names
+# every file, line and function. Used where a recovery lets go of a generation (never on a path that ends the
+# process: a debugger's post-mortem wants the locals).
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def drop_locals(error: BaseException | None) -> None:
+    """Clear the local variables of the finished frames in ``error``'s traceback, and in those of its causes and
+    contexts (transitively; not an exception group's members). A frame still running (the caller's, a thread's)
+    and a generator's or coroutine's frame (clearing would close it) are left as they are."""
+    todo, seen = [error], set()
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            if not tb.tb_frame.f_code.co_flags & _SUSPENDABLE:
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:  # still executing
+                    pass
+            tb = tb.tb_next
+        todo += [error.__cause__, error.__context__]

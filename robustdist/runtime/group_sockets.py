@@ -39,7 +39,7 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator
 
-__all__ = ["GroupSockets", "open_sockets"]
+__all__ = ["GroupSockets", "open_sockets", "sockets_on_port"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,27 @@ def open_sockets() -> dict[int, str]:
         if link.startswith("socket:"):
             out[int(name)] = link
     return out
+
+
+def sockets_on_port(port: int) -> int:
+    """How many of this process's TCP sockets have ``port`` at either end: a server listening on it, the
+    connections it accepted, and connections to it (0 where ``/proc`` is missing)."""
+    count = 0
+    for fd, link in open_sockets().items():
+        sock = _same_socket(fd, link)
+        if sock is None:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                ends = [sock.getsockname()]
+                with contextlib.suppress(OSError):  # not connected: a listener
+                    ends.append(sock.getpeername())
+                count += any(end[1] == port for end in ends)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return count
 
 
 class GroupSockets:

@@ -147,9 +147,9 @@ def test_a_failing_rank_that_cannot_reach_the_store_says_so_and_still_gets_out(m
     (RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"), True),
     (OSError("injected: claim failed on rank 1"), False)])
 def test_a_lost_connection_is_told_apart_from_a_cause(error, transport):
-    from robustdist.recovery.building import _looks_like_transport
+    from robustdist.recovery.building import looks_like_transport
 
-    assert _looks_like_transport(error) is transport
+    assert looks_like_transport(error) is transport
 
 
 def test_a_watch_that_cannot_start_says_what_it_costs_and_the_fix(monkeypatch, caplog):

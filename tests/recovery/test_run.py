@@ -18,6 +18,7 @@ from torch import nn
 
 from robustdist import harden
 from robustdist.recovery import generation, history
+from robustdist.recovery.faults import FaultWatch
 from robustdist.runtime.errors import ConfigError
 from robustdist.testing.ranks import run_ranks
 
@@ -49,13 +50,17 @@ def get_lr(it: int) -> float:
 
 
 def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, int]], keep_old: bool,
-         stall: tuple[int, int, str, float] | None = None) -> dict:
+         stall: tuple[int, int, str, float] | None = None, slow_watch: float = 0.0) -> dict:
     """``faults``: (rank, iteration, generation): that rank (-1: every rank) raises ValueError before the last
     micro-step's backward of that iteration, in that generation (the other rank is then in DDP's gradient
     all-reduce). ``keep_old``: the training function keeps generation 0's ``h.model`` in a variable of its own.
     ``stall``: (rank, iteration, "sleep" or "stop", seconds): in generation 0, that rank sleeps there, or stops
     itself (SIGSTOP; a helper process continues it that many seconds later), while the other waits in DDP's
-    all-reduce; the watchdog (hang_timeout 3 s) gives the verdict."""
+    all-reduce; the watchdog (hang_timeout 3 s) gives the verdict. ``slow_watch``: this rank's fault watch acts
+    that many seconds after it is woken (a busy machine's thread scheduling, made certain)."""
+    if slow_watch:
+        call = FaultWatch._call
+        FaultWatch._call = lambda self: time.sleep(slow_watch) or call(self)  # type: ignore[method-assign]
     torch.manual_seed(1337)
     data = torch.randint(0, VOCAB, (512,), generator=torch.Generator().manual_seed(rank))
 
@@ -149,6 +154,18 @@ def test_h_run_recovers_a_nanogpt_shaped_loop_in_process_bitwise(tmp_path, keep_
         if keep_old:  # the module kept from generation 0 is not h.model any more, and fails loudly when used
             assert not got["current_is_kept"]
             assert "in-process recovery generation 0" in got["old"] and "h.model" in got["old"], got["old"]
+
+
+def test_a_lost_connection_seen_before_the_watch_wakes_is_the_other_rank_s_fault(tmp_path):
+    # rank 1 raises; rank 0's all-reduce ends with the connection rank 1 shut, before rank 0's (slowed) watch has
+    # acted on the declared fault: rank 0 reads it from the store, does not declare one of its own, and its record
+    # says another rank's fault, detected when its collective ended
+    out = run_ranks(_job, 2, args=(str(tmp_path), True, [(1, 6, 0)], False, None, 2.0), init=False, timeout=180)
+    for rank in range(2):
+        assert out[rank]["end"] == MAX_ITERS, out[rank]
+        [(gen, own, step, _, _, detect, _)] = out[rank]["history"]
+        assert (gen, own, step) == (1, rank == 1, 5), out[rank]["history"]
+        assert detect is not None and 0.0 <= detect < 2.0, out[rank]["history"]
 
 
 @pytest.mark.parametrize("faults, generations", [

@@ -261,11 +261,11 @@ class LocalTier:
             if self.on_complete is not None:
                 self.on_complete(step)
         except BaseException as e:  # surfaces at the next save(), wait(), load() or close()
-            self._error = e
-            if self._leaving.left:  # a recovery left it behind: it failed as expected
-                log.info("in-memory checkpoint step %d, left behind by an in-process recovery, ended: %s", step, e)
+            if self._leaving.left:  # a recovery left it behind: it failed as expected; nothing waits for its error
+                log.info("in-memory checkpoint step %d, left behind by an in-process recovery, ended: %s", step, str(e))
             else:
-                log.error("in-memory checkpoint step %d failed: %s", step, e)
+                self._error = e
+                log.error("in-memory checkpoint step %d failed: %s", step, str(e))  # a record keeps no live error
         finally:
             info.done.set()
 
@@ -343,11 +343,7 @@ class LocalTier:
                                       "logs.", rank=self.err_rank)
             self._thread = None
         if self._error is not None:
-            error, self._error = self._error, None
-            if isinstance(error, CheckpointError):
-                raise error
-            raise CheckpointError(f"the in-memory checkpoint's background part failed: {error}",
-                                  rank=self.err_rank) from error
+            raise _background.taken_error(self, "the in-memory checkpoint's background part failed", self.err_rank)
 
     # ------------------------------------------------------------------ load
     def load(self, *, state: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
@@ -405,7 +401,10 @@ class LocalTier:
             self._held = self._carried = None
             self._destroy_group()
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:  # the error's traceback holds this frame: no cycle keeping the tier (its buffers) alive
+                error = None
 
     def _votes_clean(self, clean: bool) -> bool:
         if not self.distributed:
