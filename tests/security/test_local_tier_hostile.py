@@ -416,3 +416,40 @@ def test_a_copy_held_in_process_memory_never_lets_a_damaged_directory_through(ti
         assert not (tmp / MARKER).exists(), "a crafted copy ran code"
     finally:
         third.close()
+
+
+def test_a_save_refused_by_a_planted_link_during_a_recovery_keeps_nothing_alive(tmp_path):
+    """A link planted at the tier's own directory fails the background part; while an in-process recovery has
+    interrupted the waits, the error that names it is raised and the tier, with its snapshot buffers, goes with
+    its last reference: no reference cycle (the error's frames) keeps it for a garbage collection, and nothing
+    was written through the link."""
+    import gc
+    import weakref
+
+    from robustdist.runtime import dist as _dist
+    from robustdist.runtime.errors import CheckpointError
+
+    local = LocalTier(tmp_path / "shm", lineage="x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    Path(local.directory, "owner_00000").parent.mkdir(parents=True, exist_ok=True)
+    Path(local.directory, "owner_00000").symlink_to(outside)
+    info = _state(0).save_local(local, 1)
+    assert info is not None and info.done.wait(30)
+    gc.collect()
+    gc.disable()
+    _dist.interrupt_waits("a fault in a test's recovery generation")
+    try:
+        try:
+            local.close()
+            raised = ""
+        except CheckpointError as e:
+            raised = str(e)
+        ref = weakref.ref(local)
+        del local
+        assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+    finally:
+        _dist.resume_waits()
+        gc.enable()
+    assert "owner_00000: is a symbolic link; expected a directory" in raised, raised
+    assert list(outside.iterdir()) == []
