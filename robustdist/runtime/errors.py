@@ -194,8 +194,15 @@ _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GE
 
 def drop_locals(error: BaseException | None) -> None:
     """Clear the local variables of the finished frames in ``error``'s traceback, and in those of its causes and
-    contexts (transitively; not an exception group's members). A frame still running (the caller's, a thread's)
-    and a generator's or coroutine's frame (clearing would close it) are left as they are."""
+    contexts (transitively; not an exception group's members) that were raised below the caller: a cause or
+    context caught by a frame still on the calling thread's stack (one the caller was handling) is left whole. A
+    frame still running (the caller's, a thread's) and a generator's or coroutine's frame (clearing would close
+    it) are left as they are."""
+    frame, running = inspect.currentframe(), set()
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    first = error
     todo, seen = [error], set()
     while todo:
         error = todo.pop()
@@ -203,6 +210,8 @@ def drop_locals(error: BaseException | None) -> None:
             continue
         seen.add(id(error))
         tb = error.__traceback__
+        if error is not first and tb is not None and id(tb.tb_frame) in running:
+            continue  # caught above the caller: not part of what failed below it
         while tb is not None:
             if not tb.tb_frame.f_code.co_flags & _SUSPENDABLE:
                 try:

@@ -169,3 +169,26 @@ def test_a_hardened_object_let_go_of_goes_with_its_last_reference(tmp_path, no_c
     ref = weakref.ref(h)
     del h
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+
+
+def _earlier(held: _Held) -> None:
+    raise KeyError("being handled when the attempt began")
+
+
+def test_drop_locals_leaves_an_exception_the_caller_was_handling_whole(no_collector):
+    held = _Held()
+    try:
+        _earlier(held)
+    except KeyError as before:  # the caller's own: the new failure chains it as its context
+        handled = before
+        error: BaseException | None = None
+        try:
+            _train_step(_Held())
+        except ValueError as e:
+            error = e
+    assert error is not None and error.__context__ is handled
+    drop_locals(error)  # clears the failed step's frames, not the frames of the caller's own exception
+    assert error.__traceback__ is not None and error.__traceback__.tb_next is not None
+    assert error.__traceback__.tb_next.tb_frame.f_locals == {}  # _train_step's, finished: cleared
+    earlier = handled.__traceback__.tb_next  # _earlier's frame, finished, but not part of the failed attempt
+    assert earlier is not None and earlier.tb_frame.f_locals.get("held") is held
