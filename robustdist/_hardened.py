@@ -180,9 +180,8 @@ class Hardened(RayReporting):
 
     def _let_go(self, optimizer: Optimizer | None = None) -> None:
         """recovery.in_process, after :meth:`close`: drop the closed generation's parts (its checkpointer's group,
-        its watchdog, its report, the copy last loaded), so nothing of them keeps the old group, its store or its
-        memory alive while the next generation is made. They go with their last reference (the loop collects only
-        where a cycle still holds one). The model, loader, optimizer, scheduler and extras stay."""
+        its watchdog, its report, the copy last loaded): they go with their last reference, not keeping the old
+        group, store or memory while the next generation is made. Model, loader, optimizer, scheduler, extras stay."""
         scheduler, extras = self.scheduler, dict(self.extras)
         optimizer = optimizer if optimizer is not None else self.optimizer
         if self.local is not None:  # a save of this generation left behind reports nothing to the next
@@ -201,11 +200,10 @@ class Hardened(RayReporting):
                               "Fix: set recovery.in_process: true in the config given to harden().",
                               rank=self._err_rank())
         optimizer = optimizer if optimizer is not None else self.optimizer
-        loader = self.loader
-        scheduler, extras = self.scheduler, dict(self.extras)
+        loader, scheduler, extras = self.loader, self.scheduler, dict(self.extras)
         self._let_go(optimizer)
-        self._rebuild(optimizer=optimizer, into=self,
-                      kept_loader=loader if isinstance(loader, SafeDataLoader) else None)
+        kept = loader if isinstance(loader, SafeDataLoader) else None
+        self._rebuild(optimizer=optimizer, into=self, kept_loader=kept)
         # what the script set on h (h.scheduler = ..., extras given to save) carries over, as a restart's would
         self.state.remember(scheduler=scheduler, extra=extras)
         return self._sockets
@@ -421,9 +419,9 @@ class Hardened(RayReporting):
                 group_teardown.pin_ddp_modules()
             destroy_process_group_if_owned(self.init_report)
         if reporting is not None:
-            try:
+            try:  # its traceback holds this frame: cleared, no cycle keeps this object alive
                 raise reporting
-            finally:  # its traceback holds this frame: no cycle keeping this object alive
+            finally:
                 reporting = None
 
     @property
