@@ -27,6 +27,7 @@ from robustdist.runtime.group_sockets import open_sockets
 from robustdist.testing.ranks import run_ranks
 
 RECOVERIES = int(os.environ.get("ROBUSTDIST_LEAK_RECOVERIES", "100"))
+SLACK_KEYS = 4  # keys one rank may write before the other counts (see the test)
 TIMEOUT = 20  # distributed.timeout: how long a collective left behind by a recovery can live
 pytestmark = pytest.mark.timeout(180 + 6 * RECOVERIES)
 
@@ -57,11 +58,7 @@ def _job(rank: int, root: str, recoveries: int) -> dict:
     usage: list[dict[str, int]] = []
 
     def train(h, step: int) -> int:
-        # counted between two barriers: every rank has done all it does before its first step, and none has begun
-        # it (a rank ahead would otherwise have written its first save's keys as the other counts)
-        torch.distributed.barrier()
         usage.append(_usage() | {"loader": id(h.loader)})
-        torch.distributed.barrier()
         while True:
             for x, y in h.loader:
                 nn.functional.mse_loss(h.model(x), y).backward()
@@ -97,10 +94,12 @@ def test_a_hundred_recoveries_in_one_process_leave_resources_flat(tmp_path):
         assert max(u["threads"] for u in usage) <= settled["threads"] + TIMEOUT, [u["threads"] for u in usage]
         # a fresh store each generation, except while a save left behind on rank 0 (where the server lives) holds
         # the old one: the next generation is then served by it, until that save's collective times out
-        # (generation by generation, on rank 0's clock: a save seen there in the last TIMEOUT + 5 s)
+        # (generation by generation, on rank 0's clock: a save seen there in the last TIMEOUT + 5 s). A few keys
+        # of slack: a rank counts as its generation starts, and the other may have begun its first step by then
+        # (a generation's store holds 33 keys here: one kept store is seen as that many more)
         zero = out[0]["usage"]
         for g, u in enumerate(usage):
-            assert u["keys"] <= settled["keys"] or any(
+            assert u["keys"] <= settled["keys"] + SLACK_KEYS or any(
                 zero[h]["saves"] and zero[g]["t"] - zero[h]["t"] <= TIMEOUT + 5 for h in range(g + 1)), (
                 rank, g, u["keys"], [(i, round(v["t"] - zero[0]["t"], 1), v["keys"], v["saves"])
                                      for i, v in enumerate(zero) if v["keys"] > settled["keys"] or v["saves"]])
