@@ -131,6 +131,10 @@ class Watchdog:
                 "step": self._step, "seq": self._seq, "beat_wall": now - (time.monotonic() - last),
                 "where": self._where, "closed": closed}
 
+    @property
+    def heartbeats(self) -> tuple[str, float, float] | None:  # (key prefix, interval s, stale after s), or None
+        return (self._prefix, self._interval, self._stale_after) if self._heartbeat is not None else None
+
     def on_hang(self, callback: Callable[[HangReport], None] | None) -> None:
         """Call ``callback(report)`` on the watchdog's thread at each hang verdict, after the dump and the report
         (in-process recovery declares a fault there). With ``action="abort"`` the process then exits only if this
@@ -180,6 +184,8 @@ class Watchdog:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._heartbeat is not None:  # first: a connection made during the join may reach a later store
+            self._heartbeat.request_stop()
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self._tick + self.grace + 10)

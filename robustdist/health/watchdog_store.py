@@ -93,6 +93,10 @@ class Heartbeat:
         self._thread.start()
         return self
 
+    def request_stop(self) -> None:
+        """Write nothing more on a new connection, from now on (the closed record still goes, at :meth:`stop`)."""
+        self._stop.set()
+
     def stop(self, wait: float) -> None:
         """Ask the thread to publish its closed record and end; wait at most ``wait`` s (it may be in a store
         call that does not return; it is a daemon thread)."""
@@ -106,11 +110,18 @@ class Heartbeat:
             client = self._publish(client, closed=False)
             if self._stop.wait(self.interval):
                 break
-        self._publish(client, closed=True)
+        if client is not None:  # the closed record only on a connection made before the stop (see _publish)
+            self._publish(client, closed=True)
 
     def _publish(self, client: Any, *, closed: bool) -> Any:
         try:
-            client = client if client is not None else self._connect()
+            if client is None:
+                client = self._connect()
+                # A connection that completed after stop() may be to another server: a store client retries its
+                # connect for its whole timeout, and an in-process recovery starts the next generation's server
+                # on the same port once this watchdog is closed. Nothing is written there.
+                if self._stop.is_set():
+                    return None
             client.set(self.key, json.dumps(self._record(closed)))
         except Exception as e:  # retried on a new connection: the old one may be mid-reply
             self._failed(e)
@@ -140,12 +151,15 @@ def parse_record(raw: Any) -> dict[str, Any] | None:
     record is checked field by field before any of it is used)."""
     try:
         rec = json.loads(raw)
-    except (ValueError, TypeError, UnicodeDecodeError):
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
         return None
     if not isinstance(rec, dict):
         return None
     numbers = ("alive", "beat_wall")
-    if not all(isinstance(rec.get(k), (int, float)) and math.isfinite(rec[k]) for k in numbers):
+    try:  # an int too large for a float raises OverflowError in isfinite
+        if not all(isinstance(rec.get(k), (int, float)) and math.isfinite(rec[k]) for k in numbers):
+            return None
+    except OverflowError:
         return None
     if not isinstance(rec.get("seq"), int) or not (rec.get("step") is None or isinstance(rec.get("step"), int)):
         return None
@@ -189,6 +203,8 @@ def collect(connect: Callable[[], Any], own_key: str, own_record: Callable[[], d
     said where it is, or ``deadline`` (a ``time.monotonic()``) passes. Results go to ``box``."""
     try:
         client = connect()
+        if box.abandoned:  # a connect that outlived the report may have reached a later server on the same port
+            return
         client.set(own_key, json.dumps(own_record()))
         while not box.abandoned:
             records = read_records(client, prefix, world_size)

@@ -140,11 +140,11 @@ def tell(g: Generation, error: BaseException, sockets: GroupSockets | None, *, b
         client = connect()
         fault = read_fault(client, generation=g.generation, world_size=world, scope=g.scope)
         deadline = time.monotonic() + (1.0 if transport else 0.0)  # a lost connection: give the cause a moment
-        while (fault is None or not set(fault.why) - {rank}) and not g.fired.is_set() \
+        while (fault is None or not fault.others(rank)) and not g.fired.is_set() \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
             fault = read_fault(client, generation=g.generation, world_size=world, scope=g.scope)
-        if g.fired.is_set() or (fault is not None and set(fault.why) - {rank}):
+        if g.fired.is_set() or (fault is not None and fault.others(rank)):
             g.cause = fault.describe() if fault is not None and fault.why else (
                 "the job's store was lost" if g.watch is not None and g.watch.lost
                 else f"generation {g.generation}: no reason recorded")

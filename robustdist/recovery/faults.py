@@ -8,7 +8,8 @@ carries a ``default_pg`` prefix; a watch's own connection has none).
 * **Generation.** Every rank starts at generation ``g`` (0, or what the caller resumes from) and counts alike:
   after a recovery, every rank moves to ``g + 1``. Nothing in a key is counted per node or per process.
 * **Fault.** A rank that faults in generation ``g`` (an exception escaping its step, the watchdog's hang verdict,
-  a collective that failed) writes why to ``<scope>/<g>/why/<rank>`` (JSON: rank, node, what, wall time),
+  a collective that failed; or rank 0 for a rank whose heartbeats stopped, :mod:`.liveness`: :func:`declare_found`,
+  adding ``by``) writes why to ``<scope>/<g>/why/<rank>`` (JSON: rank, node, what, wall time),
   adds 1 to ``<scope>/<g>/fault`` (two ranks faulting at once both count), then sets every rank's wake key
   ``<scope>/<g>/wake/<r>``.
 * **Watch.** Each rank's :class:`FaultWatch` thread, on a store connection of its own (the group's client
@@ -46,7 +47,8 @@ from robustdist.runtime import _torch_compat
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 
-__all__ = ["Fault", "FaultWatch", "agree", "clear_generation", "declare_fault", "read_fault", "wake_all"]
+__all__ = ["Fault", "FaultWatch", "agree", "clear_generation", "declare_fault", "declare_found", "read_fault",
+           "wake_all"]
 
 log = get_logger(__name__)
 
@@ -63,6 +65,12 @@ class Fault:
     generation: int
     count: int
     why: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def others(self, rank: int) -> set[int]:
+        """The ranks whose fault this is, other than ``rank``'s own: every faulty rank but ``rank``, and ``rank``
+        too where another rank declared it (its heartbeats stopped: it did not fault, it was found faulty)."""
+        return {r for r, w in self.why.items()
+                if r != rank or (isinstance(w.get("by"), int) and w["by"] != rank)}
 
     def describe(self) -> str:
         """``generation 3: rank 1 (node 0): ValueError: boom at step 41``."""
@@ -92,6 +100,24 @@ def declare_fault(store: Any, *, generation: int, rank: int, world_size: int, wh
     count = int(store.add(_key(scope, generation, "fault"), 1))
     wake_all(store, generation=generation, world_size=world_size, scope=scope)
     log.info("rank %d declared a fault in generation %d (%d so far): %s", rank, generation, count, what[:300])
+    return count
+
+
+def declare_found(store: Any, *, generation: int, found: dict[int, tuple[str, str]], by: int, world_size: int,
+                  scope: str = SCOPE) -> int:
+    """Rank ``by`` found the ranks in ``found`` (rank -> (node, what)) faulty (their heartbeats stopped): their
+    reasons, with ``by``, then one count per rank and one wake of every watch. A rank that declared a fault of its
+    own is left as it said. Returns the count, as :func:`declare_fault` does."""
+    store = _job_store(store)
+    found = {r: v for r, v in found.items() if not store.check([_key(scope, generation, "why", r)])}
+    for r, (node, what) in found.items():
+        record = {"rank": r, "node": node[:200], "what": what[:_WHY_MAX], "wall": time.time(), "by": by}
+        store.set(_key(scope, generation, "why", r), json.dumps(record))
+    count = int(store.add(_key(scope, generation, "fault"), len(found))) if found else 0
+    if found:
+        wake_all(store, generation=generation, world_size=world_size, scope=scope)
+        log.warning("rank %d found rank(s) %s faulty in generation %d: %s", by, sorted(found), generation,
+                    "; ".join(what[:300] for _, what in found.values()))
     return count
 
 
@@ -212,6 +238,8 @@ class FaultWatch:
             try:
                 if client is None:
                     client = self._connect()
+                    if self._stop.is_set():  # connected after close: perhaps to the next generation's server
+                        return
                 try:
                     client.wait([wake], timedelta(seconds=_WAIT_S))
                 except Exception:  # the long wait ended (torch's words for it vary): ask, never parse

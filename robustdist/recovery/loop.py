@@ -58,21 +58,16 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from robustdist.health.watchdog_store import connector
-from robustdist.init.rendezvous import bounded
-from robustdist.recovery import ending, handover
-from robustdist.recovery.building import Generation, building, looks_like_transport
-from robustdist.recovery.faults import (SCOPE, Fault, agree, clear_generation, declare_fault, read_fault,
-                                       wake_all)
+from robustdist.recovery import declaring, ending, handover, liveness
+from robustdist.recovery.building import Generation, building
+from robustdist.recovery.faults import SCOPE, agree, clear_generation, declare_fault
 from robustdist.recovery.timings import Clock, Recovery, detection
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
@@ -86,7 +81,6 @@ __all__ = ["generation", "run_hardened", "run_in_process"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
-_READ_FAULT_S = 2.0  # a rank whose collective was cut reads the store for another rank's fault within this
 
 _state = {"generation": 0, "calls": 0}  # the recovery generation (0: the first group), and run_in_process calls
 # made in this process: both the same on every rank (the calls are collective)
@@ -169,49 +163,6 @@ def _supported(h: Any, sockets: GroupSockets | None) -> str | None:
         return "the group's connections could not be recorded (TORCH_GLOO_LAZY_INIT?), so a collective in " \
                "progress could not be unblocked"
     return None
-
-
-def _cut_collective(error: BaseException) -> bool:
-    """A collective or store connection of the group that ended with the connection (not the script's own I/O)."""
-    text = str(error)
-    return looks_like_transport(error) and (isinstance(error, dist.DistError) or "gloo" in text.lower())
-
-
-def _declared_fault(store: Any, gen: int, rank: int, world: int, scope: str) -> Fault | None:
-    """Generation ``gen``'s fault if another rank has declared one, read (bounded, 2 s) on a store connection of
-    its own; every rank's watch is woken again (the declaring rank may have died before it woke them all). None
-    where none is declared, or the store does not answer in time."""
-    def read() -> Fault | None:
-        client = connect()
-        fault = read_fault(client, generation=gen, world_size=world, scope=scope)
-        if fault is not None and set(fault.why) - {rank}:
-            wake_all(client, generation=gen, world_size=world, scope=scope)
-            return fault
-        return None
-
-    connect = connector(store, _READ_FAULT_S)
-    fault, error, _ = bounded(read, time.monotonic() + _READ_FAULT_S, "fault-read",
-                              ends_by=time.monotonic() + 2 * _READ_FAULT_S)
-    if error is not None:
-        log.debug("rank %d could not look for generation %d's fault: %s", rank, gen, error)
-    return fault
-
-
-def _hang_declarer(store: Any, scope: str, gen: int, rank: int, world: int, timeout: float,
-                   fired: threading.Event) -> Callable[[Any], None]:
-    """The watchdog's hang callback: declare a fault (on a store connection of its own: the training thread may
-    hold the group's), unless one is being handled already. Every rank's watch then unblocks its collective; a
-    rank stuck elsewhere (in Python, in I/O) stays stuck, says nothing, and the others escalate."""
-    connect = connector(store, min(timeout, 30.0))  # bounded: the watchdog's thread must come back
-
-    def on_hang(report: Any) -> None:
-        if fired.is_set():
-            return
-        what = (f"HangError: rank {rank} had no step for {report.idle_seconds:.1f} s (health.hang_timeout); last "
-                f"step {report.step}" + (f"; {report.summary}" if report.summary else ""))
-        declare_fault(connect(), generation=gen, rank=rank, world_size=world, what=what, scope=scope)
-
-    return on_hang
 
 
 def _start_state(h: Any, gen: int, rank: int, extra: dict[str, Any]) -> None:
@@ -304,8 +255,11 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 log.debug("could not clear generation %d's keys: %s", gen - 1, e)
         fired, on_fault = g.fired, g.on_fault
         watch = g.watch_on(store, h.config.distributed.timeout)  # started while it was built, after a fault
-        if h.watchdog is not None and not unsupported:  # the hang verdict is a fault too: every rank gets out
-            h.watchdog.on_hang(_hang_declarer(store, scope, gen, rank, world, h.config.distributed.timeout, fired))
+        if h.watchdog is not None:  # the hang verdict is a fault too, and so are a rank's heartbeats stopping
+            h.watchdog.on_hang(declaring.hang_declarer(store, scope, gen, rank, world, h.config.distributed.timeout,
+                                                       fired))
+        live = liveness.start_for(h.watchdog, store, scope=scope, generation=gen, rank=rank, world_size=world,
+                                  fired=fired)
         resumed: object = "resume"
         try:
             found = h.resume(optimizer=optimizer, scheduler=scheduler, **extra)
@@ -325,7 +279,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             seen, caught = fired.is_set(), time.time()  # seen: another rank's fault, by this rank's watch
             # a lost connection where another rank has declared a fault that the watch has not yet woken up to: a
             # consequence of that fault, not one of this rank's own
-            earlier = None if seen or not _cut_collective(e) else _declared_fault(store, gen, rank, world, scope)
+            earlier = None if seen or not declaring.cut_collective(e) else declaring.declared_fault(store, gen, rank,
+                                                                                                    world, scope)
             own = not seen and earlier is None
             what = f"{type(e).__name__}: {str(e).strip()[:1500]}"
             if clock is not None:  # the last recovery's restore failed: its record ends here
@@ -341,6 +296,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 # thread: the peer's shutdown alone leaves a send here waiting for the group's timeout)
                 on_fault(gen)
             watch.close()
+            liveness.close(live)
             clock.record.detect_s = detection(watch if earlier is None else SimpleNamespace(fault=earlier,
                                                                                             seen_at=caught), own)
             repeats = last_resumed[1] + 1 if resumed == last_resumed[0] else 1
@@ -386,7 +342,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                     "Expected every rank to recover; the process exits for a restart (the launcher's, whose "
                     f"restart-loop guard counts it). This rank's own error was a consequence ({what[:300]}). Fix: "
                     "see the error and log of the rank the fault names (for a hang verdict, the rank the watchdog "
-                    "names as stuck).", rank=rank)
+                    "names as stuck; for stopped heartbeats, that rank's node and process).", rank=rank)
                 ending.record_error(h, rank, named)
                 raise named from e
             drop_locals(e)  # what the failed attempt's finished frames held goes with the generation, uncollected
@@ -401,6 +357,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             except Exception as d:
                 log.debug("could not record this rank's finish: %s", d)
             watch.close()
+            liveness.close(live)
             if fired.is_set():  # another rank faulted after this one's last collective: this one is done anyway
                 try:
                     h.close(keep_local=True)
@@ -423,7 +380,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         held = _still_held(store=inner, tier=h.local, checkpointer=h.checkpointer, watchdog=h.watchdog,
                            port=address[1])
         h._let_go()
-        del h, store, watch, inner, g, fired, on_fault  # g and its watch hold the store too
+        del h, store, watch, live, inner, g, fired, on_fault  # g and its watch hold the store too
         keep = None
         retired = group_teardown.retire_ddp_modules(
             f"rank {rank}: this DistributedDataParallel module belongs to in-process recovery generation {gen}, "

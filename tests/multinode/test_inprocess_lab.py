@@ -3,8 +3,9 @@ in-memory directory per node), with the DDP-tutorial-shaped client (``tests/clie
 
 * an exception on node 1's rank recovers in the same worker processes, bitwise equal to a straight run;
 * node 1's link goes down mid-training and comes back 8 s later (a partition that heals: packets vanish, nothing
-  is reset): the watchdog's hang verdict (4 s) becomes a fault, rank 0 gets out of its collective at once, rank 1
-  learns of it when its link is back, and both recover in process, bitwise, with torchrun restarting nothing.
+  is reset): rank 0 sees rank 1's heartbeats stop (stale after 3 s, before its own hang verdict at 4 s) and
+  declares the fault, rank 0 gets out of its collective at once, rank 1 learns of it when its link is back, and
+  both recover in process, bitwise, with torchrun restarting nothing.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def test_a_partition_that_heals_recovers_in_process_bitwise(node_lab, tmp_path):
              "step 13", lab=lab, procs=agents)
     lab.link_down(1)
     cut = time.time()
-    time.sleep(8)  # past the watchdog's verdict (4 s), well inside the decision bound (60 s)
+    time.sleep(8)  # past the stale heartbeats (3 s) and the verdict (4 s), well inside the decision bound (60 s)
     lab.link_up(1)
     assert finish(agents, 240, lab) == [0, 0], logs(lab)
     _same_as_straight(work, "cut", straight, lab)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import threading
 import time
 
@@ -27,7 +28,6 @@ from robustdist.runtime.group_sockets import open_sockets
 from robustdist.testing.ranks import run_ranks
 
 RECOVERIES = int(os.environ.get("ROBUSTDIST_LEAK_RECOVERIES", "100"))
-SLACK_KEYS = 4  # keys one rank may write before the other counts (see the test)
 TIMEOUT = 20  # distributed.timeout: how long a collective left behind by a recovery can live
 pytestmark = pytest.mark.timeout(180 + 6 * RECOVERIES)
 
@@ -94,14 +94,16 @@ def test_a_hundred_recoveries_in_one_process_leave_resources_flat(tmp_path):
         assert max(u["threads"] for u in usage) <= settled["threads"] + TIMEOUT, [u["threads"] for u in usage]
         # a fresh store each generation, except while a save left behind on rank 0 (where the server lives) holds
         # the old one: the next generation is then served by it, until that save's collective times out
-        # (generation by generation, on rank 0's clock: a save seen there in the last TIMEOUT + 5 s). A few keys
-        # of slack: a rank counts as its generation starts, and the other may have begun its first step by then
-        # (a generation's store holds 33 keys here: one kept store is seen as that many more)
-        zero = out[0]["usage"]
+        # (generation by generation, on rank 0's clock: a save seen there in the last TIMEOUT + 5 s). Otherwise no
+        # more keys than a generation's store holds (the most common count; one may hold fewer, a heartbeat not yet
+        # written as it is counted): a key of an earlier generation written late (a closed watchdog's heartbeat
+        # whose connect reached the next server on the same port) is one more
+        zero, per_generation = out[0]["usage"], statistics.mode(u["keys"] for u in usage)
         for g, u in enumerate(usage):
-            assert u["keys"] <= settled["keys"] + SLACK_KEYS or any(
+            assert u["keys"] <= per_generation or any(
                 zero[h]["saves"] and zero[g]["t"] - zero[h]["t"] <= TIMEOUT + 5 for h in range(g + 1)), (
-                rank, g, u["keys"], [(i, round(v["t"] - zero[0]["t"], 1), v["keys"], v["saves"])
-                                     for i, v in enumerate(zero) if v["keys"] > settled["keys"] or v["saves"]])
+                rank, g, u["keys"], per_generation,
+                [(i, round(v["t"] - zero[0]["t"], 1), v["keys"], v["saves"])
+                 for i, v in enumerate(zero) if v["keys"] != per_generation or v["saves"]])
         grown = after["rss"] - settled["rss"]
         assert grown < 64 * 2**20, (rank, after["rss"] // 2**20, [u["rss"] // 2**20 for u in usage])

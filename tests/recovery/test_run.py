@@ -182,10 +182,13 @@ def test_quick_and_simultaneous_faults_recover_bitwise(tmp_path, faults, generat
         assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
 
 
-def test_a_stall_shorter_than_the_decision_bound_recovers_in_process_bitwise(tmp_path):
-    """Rank 1 sleeps 6 s before its backward while rank 0 waits in the all-reduce: the hang verdict (3 s) is a
-    fault, rank 0 gets out of the collective, rank 1 fails its backward when it wakes, and both recover."""
-    faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [], False, (1, 6, "sleep", 6.0)), init=False,
+@pytest.mark.parametrize("how", ["sleep", "stop"])
+def test_a_stall_shorter_than_the_decision_bound_recovers_in_process_bitwise(tmp_path, how):
+    """Rank 1 sleeps 6 s before its backward while rank 0 waits in the all-reduce (its heartbeats go on: the hang
+    verdict, 3 s, is the fault), or is stopped for 6 s (SIGSTOP: its heartbeats stop, and rank 0 declares it
+    faulty once they are stale, 2.25 s); rank 0 gets out of the collective, rank 1 fails its backward when it runs
+    again, within the decision bound (15 s), and both recover."""
+    faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [], False, (1, 6, how, 6.0)), init=False,
                         timeout=240)
     straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), True, [], False), init=False, timeout=180)
     for rank in range(2):
@@ -196,17 +199,18 @@ def test_a_stall_shorter_than_the_decision_bound_recovers_in_process_bitwise(tmp
 
 
 def test_a_stopped_rank_makes_every_rank_escalate_long_before_the_collective_timeout(tmp_path):
-    """Rank 1 is stopped (SIGSTOP) for 40 s: rank 0's hang verdict (3 s) gets it out of the all-reduce, rank 1 says
-    nothing within the decision bound (init_timeout, 15 s), so rank 0 escalates (the launcher would restart the
-    job), not after the collective timeout (300 s). Rank 1, continued, sees rank 0's decision and escalates."""
+    """Rank 1 is stopped (SIGSTOP) for 40 s: its heartbeats stop, and rank 0 declares it faulty once they are stale
+    (3 intervals: 2.25 s, before rank 0's own hang verdict at 3 s), which gets rank 0 out of the all-reduce; rank 1
+    says nothing within the decision bound (init_timeout, 15 s), so rank 0 escalates (the launcher would restart
+    the job), not after the collective timeout (300 s). Rank 1, continued, sees rank 0's decision and escalates."""
     out = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [], False, (1, 6, "stop", 40.0)), init=False,
                     timeout=240)
     assert "raised" in out[0] and "raised" in out[1], out
-    # rank 0's own error is the all-reduce its hang verdict cut short: it raises the named error, naming the verdict
+    # rank 0's own error is the all-reduce the declaration cut short: it raises the named error, naming rank 1
     assert out[0]["raised"].startswith("RecoveryError: [rank 0] in-process recovery generation 0 ended: a declared "
-                                       "fault (generation 0: rank 0 (") and "HangError: rank 0 had no step" in \
-        out[0]["raised"], out[0]["raised"]
-    assert out[0]["seconds"] < 120, out[0]  # 3 s + 15 s and the steps before; not 300 s
+                                       "fault (generation 0: rank 1 (") and "HeartbeatsStopped: no new heartbeat " \
+        "from rank 1 for " in out[0]["raised"] and "found by rank 0" in out[0]["raised"], out[0]["raised"]
+    assert out[0]["seconds"] < 120, out[0]  # 2.25 s + 15 s and the steps before; not 300 s
     for rank in range(2):
         assert [g for g, _, _ in out[rank]["seen"]] == [0], out[rank]["seen"]
 
