@@ -49,6 +49,17 @@ def _gone_port() -> int:
     return port
 
 
+def _announced(port: int) -> tuple[threading.Event, Any]:
+    """A connect to ``port`` that sets the event as it begins."""
+    connecting, connect = threading.Event(), _connect(port)
+
+    def announced() -> Any:
+        connecting.set()
+        return connect()
+
+    return connecting, announced
+
+
 def _replaced(port: int, connecting: threading.Event, end_generation: Any, done: Any) -> dist.TCPStore:
     """Once the writer is retrying its connect to the closed port: the generation ends (its close, its stop),
     then the next generation's server starts on the same port; returns it after the writer is done."""
@@ -69,12 +80,7 @@ def _keys(store: dist.TCPStore) -> list[str]:
 
 def test_a_heartbeat_connected_after_its_stop_writes_nothing():
     port = _gone_port()
-    connecting = threading.Event()
-    connect = _connect(port)
-
-    def slow_connect() -> Any:
-        connecting.set()
-        return connect()
+    connecting, slow_connect = _announced(port)
 
     beat = ws.Heartbeat(slow_connect, "robustdist/watchdog/4/1", 0.05, lambda closed: {"closed": closed},
                         rank=1, stale_after=1.0).start()
@@ -96,12 +102,7 @@ def test_a_heartbeat_connected_before_its_stop_writes_its_closed_record_there():
 
 def test_a_fault_watch_closed_while_connecting_holds_nothing_on_the_next_server():
     port = _gone_port()
-    connecting = threading.Event()
-    connect = _connect(port)
-
-    def slow_connect() -> Any:
-        connecting.set()
-        return connect()
+    connecting, slow_connect = _announced(port)
 
     watch = FaultWatch(slow_connect, _Closed(), generation=4, world_size=2, rank=1,
                        on_fault=lambda g: None).start()
@@ -113,12 +114,7 @@ def test_a_fault_watch_closed_while_connecting_holds_nothing_on_the_next_server(
 def test_a_hang_report_abandoned_while_connecting_writes_nothing():
     port = _gone_port()
     box = ws.Collected()
-    connecting = threading.Event()
-    connect = _connect(port)
-
-    def slow_connect() -> Any:
-        connecting.set()
-        return connect()
+    connecting, slow_connect = _announced(port)
 
     thread = threading.Thread(target=ws.collect, args=(slow_connect, "robustdist/watchdog/4/1",
                                                        lambda: {"where": "x"}, "robustdist/watchdog/4", 2, 15.0,
