@@ -142,8 +142,10 @@ class LivenessWatch:
                           world_size=self.world_size, scope=self.scope)
             self.declared.extend(found)
         except Exception as e:  # the fault watch judges a store that stopped answering
-            log.warning("rank %d: could not declare rank(s) %s faulty (their heartbeats stopped): %s: %s", self.rank,
-                        sorted(found), type(e).__name__, str(e)[:200])
+            log.warning("rank %d: could not declare rank(s) %s faulty (their heartbeats stopped): %s: %s; expected "
+                        "the job's store to take the declaration. The hang verdict or the fault watch's lost store "
+                        "ends the wait instead. Fix: check the job's store", self.rank, sorted(found),
+                        type(e).__name__, str(e)[:200])
 
 
 def start_for(watchdog: Any, store: Any, *, scope: str, generation: int, rank: int, world_size: int,

@@ -294,3 +294,19 @@ def test_the_bound_is_three_intervals_and_at_least_half_the_hang_timeout_up_to_3
     assert liveness.bound(0.75, 2.25, 3.0) == 2.25  # hang_timeout 3 s: the stale age
     assert liveness.bound(5.0, 15.0, 40.0) == 20.0
     assert liveness.bound(5.0, 15.0, 600.0) == 30.0  # the default hang_timeout
+
+
+def test_a_store_that_cannot_be_read_is_said_once_with_the_fix_and_nothing_is_declared(caplog):
+    def refused() -> Any:
+        raise ConnectionError("connection refused")
+
+    watch = liveness.LivenessWatch(refused, prefix=PREFIX, world_size=2, interval=INTERVAL, limit=LIMIT, generation=2,
+                                   scope=SCOPE, fired=threading.Event())
+    with caplog.at_level("WARNING", logger="robustdist"):
+        watch.start()
+        assert _wait(lambda: "could not read the heartbeats of generation 2" in caplog.text, 20)
+        time.sleep(4 * LIMIT)
+    watch.close()
+    assert caplog.text.count("could not read the heartbeats") == 1 and watch.declared == []
+    assert "rank 0: could not read" in caplog.text and "ConnectionError: connection refused" in caplog.text
+    assert "expected a read every 0.25 s" in caplog.text and "Fix: check the job's store" in caplog.text
