@@ -106,7 +106,7 @@ class LivenessWatch:
                 if seen.get(r, (None, 0.0))[0] != rec["alive"]:
                     seen[r] = (rec["alive"], now)
             lost = [r for r, (_, changed) in seen.items() if r != self.rank and now - changed > self.limit
-                    and records[r].get("closed") is not True]
+                    and r in records and records[r].get("closed") is not True]  # unreadable now: not judged
             self._unwritten(records, now, warned)
             if lost and not self._done():
                 lost = self._still_in(client, lost)

@@ -310,3 +310,21 @@ def test_a_store_that_cannot_be_read_is_said_once_with_the_fix_and_nothing_is_de
     assert caplog.text.count("could not read the heartbeats") == 1 and watch.declared == []
     assert "rank 0: could not read" in caplog.text and "ConnectionError: connection refused" in caplog.text
     assert "expected a read every 0.25 s" in caplog.text and "Fix: check the job's store" in caplog.text
+
+
+def test_a_record_that_turns_unreadable_is_not_judged_and_the_watch_goes_on(store):
+    """The store's content is input: a record seen once, then overwritten with something that is not a record, is
+    neither a lost rank nor an error in the watch's thread."""
+    beat = _beat(store.port, 0)
+    try:
+        watch = _watch(store.port, 2).start()
+        end = time.monotonic() + 4 * watch.poll
+        while time.monotonic() < end:  # rank 1 alive, seen by the watch
+            store.set(f"{PREFIX}/1", json.dumps(_record(False)))
+            time.sleep(0.05)
+        store.set(f"{PREFIX}/1", b"\x00not json")
+        time.sleep(6 * LIMIT)
+        assert watch.alive and read_fault(store, generation=2, world_size=2, scope=SCOPE) is None
+        watch.close()
+    finally:
+        beat.stop(wait=5)
