@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from robustdist.checkpoint import CheckpointInfo, LoadedCheckpoint, _layout
 from robustdist.ray import train as _ray_train
-from robustdist.runtime.errors import CheckpointError
+from robustdist.runtime.errors import CheckpointError, ranks_phrase
 from robustdist.runtime.log import get_logger
 
 if TYPE_CHECKING:
@@ -57,9 +57,24 @@ class RayReporting:
             with self._bounded("report to Ray Train"):
                 name = _ray_train.report(_ray_train.ray_metrics(metrics), info.path, _layout.read_manifest(info.path),
                                          rank=self.checkpointer.rank, world_size=self.checkpointer.collectives.world_size,
-                                         timeout=min(self.checkpointer.timeout, _ray_train.REGISTER_TIMEOUT_S))
+                                         timeout=min(self.checkpointer.timeout, _ray_train.REGISTER_TIMEOUT_S),
+                                         agree=lambda problem, step=info.step: self._staged_everywhere(step, problem))
             self._reported = True
             log.info("reported checkpoint step %d to Ray Train as %s", info.step, name)
+
+    def _staged_everywhere(self, step: int, problem: str | None) -> None:
+        """Before Ray's report barrier: every rank's staging outcome; raises the same error on every rank when one
+        failed (so none waits in Ray's barrier for a rank that will not come)."""
+        assert self.checkpointer is not None
+        everyone = self.checkpointer.collectives.all_gather(problem, "report staging")
+        failed = {r: p for r, p in enumerate(everyone) if p}
+        if failed:
+            detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
+            raise CheckpointError(f"reporting checkpoint step {step} to Ray Train failed: {ranks_phrase(failed)} "
+                                  f"could not stage their files ({detail[:1500]}); expected every rank's files "
+                                  "staged. Nothing was reported to Ray; robustdist's own checkpoint stays committed. "
+                                  "Fix: see the named ranks' errors (a full disk under the checkpoint directory?).",
+                                  rank=self.checkpointer.rank, ranks=sorted(failed))
 
     def _ray_candidate(self, level: int) -> tuple[Any, str, int | None, bool]:
         """Inside Ray Train: Ray's newest reported checkpoint as a resume candidate, ``(checkpoint, why, its step,

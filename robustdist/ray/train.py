@@ -33,7 +33,7 @@ import os
 import re
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,14 +210,20 @@ def _stage(step_dir: str, rel: str, stage: Any, size: int | None) -> None:
 
 
 def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any], *, rank: int,
-           world_size: int, timeout: float = REGISTER_TIMEOUT_S) -> str:
+           world_size: int, timeout: float = REGISTER_TIMEOUT_S,
+           agree: Callable[[str | None], None] | None = None) -> str:
     """Report a committed checkpoint to Ray Train: this rank's part of ``step_dir`` (the files the manifest lists
     that this rank wrote; rank 0 adds the manifest and the replicated state). Collective (a Ray barrier). Then
     wait (at most ``timeout``) until Ray's controller has registered it. Returns the checkpoint's directory name
-    in Ray's storage."""
+    in Ray's storage.
+
+    ``agree``: called on every rank with this rank's staging problem (None: staged), before Ray's barrier; it
+    must raise on every rank if any rank's staging failed (robustdist's own collective, which a fault can cut:
+    Ray's barrier cannot be, so no rank enters it while another will not)."""
     import ray.train
 
     from robustdist.checkpoint._confined import Confined
+    from robustdist.runtime.dist import uncuttable
     from robustdist.runtime.errors import CheckpointError
 
     files = [n for n in manifest.get("files", {}) if _owner(n, world_size) == rank]
@@ -235,12 +241,26 @@ def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any
         staged = folder.sub(stage_name, fresh=True, mode=0o700)
     stage = os.path.join(parent, stage_name)
     try:
-        with staged:
-            for rel in files + (["manifest.json"] if rank == 0 else []):
-                entry = manifest.get("files", {}).get(rel)
-                _stage(step_dir, rel, staged, entry.get("size") if isinstance(entry, dict) else None)
-            checkpoint = ray.train.Checkpoint.from_directory(stage) if staged.names() else None
-        ray.train.report(dict(metrics), checkpoint=checkpoint, checkpoint_dir_name=name)
+        problem: Exception | None = None
+        try:
+            with staged:
+                for rel in files + (["manifest.json"] if rank == 0 else []):
+                    entry = manifest.get("files", {}).get(rel)
+                    _stage(step_dir, rel, staged, entry.get("size") if isinstance(entry, dict) else None)
+                checkpoint = ray.train.Checkpoint.from_directory(stage) if staged.names() else None
+        except Exception as e:  # told to every rank first (agree), then raised
+            problem = e
+        if agree is not None:
+            try:
+                agree(None if problem is None else f"{type(problem).__name__}: {str(problem)[:500]}")
+            except BaseException as e:
+                if problem is not None:
+                    raise e from problem
+                raise
+        if problem is not None:
+            raise problem
+        with uncuttable("ray.train.report", lambda m: CheckpointError(m, rank=rank)):
+            ray.train.report(dict(metrics), checkpoint=checkpoint, checkpoint_dir_name=name)
     finally:
         try:
             with Confined(parent) as folder:
@@ -268,7 +288,11 @@ def report_metrics(metrics: Mapping[str, Any]) -> None:
     """Report metrics without a checkpoint (collective, like every ``ray.train.report``)."""
     import ray.train
 
-    ray.train.report(dict(metrics))
+    from robustdist.runtime.dist import error_rank, uncuttable
+    from robustdist.runtime.errors import CheckpointError
+
+    with uncuttable("ray.train.report", lambda m: CheckpointError(m, rank=error_rank())):
+        ray.train.report(dict(metrics))
 
 
 def latest_checkpoint() -> Any | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from robustdist.health.watchdog_store import connector
 from robustdist.init.rendezvous import bounded
-from robustdist.recovery.faults import FaultWatch, declare_fault, read_fault
+from robustdist.recovery.faults import FaultWatch, declare_fault, decide, read_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.group_sockets import GroupSockets
@@ -50,19 +50,35 @@ class Generation:
         self.own = False  # this rank's build failed, and it declared the fault
         self.told = False  # tell() ran (once per generation)
         self.rank: int | None = None  # this rank in the generation's group, once the group exists
+        self._store: Any = None  # the generation's store, once the watch runs
 
     def on_fault(self, generation: int) -> None:
-        """The watch's callback (any thread): get this rank out of the collective or store wait it is in."""
+        """The watch's callback (any thread): get this rank out of the collective or store wait it is in. A wait
+        nothing here can end (Ray Train's report barrier) cannot join the recovery: this rank's decision is then
+        "escalate", written for it, so the other ranks escalate at once instead of waiting for its decision."""
         self.fired.set()
         if self.sockets is not None:
             self.sockets.unblock()
-        _dist.interrupt_waits(f"a rank faulted in recovery generation {generation}")
+        stuck = _dist.interrupt_waits(f"a rank faulted in recovery generation {generation}")
+        if stuck is not None and self._store is not None and self.rank is not None:
+            log.error("rank %d: a rank faulted in in-process recovery generation %d while this rank waits in %s, "
+                      "which robustdist cannot interrupt; expected every rank in a wait it can end. This rank "
+                      "cannot join the recovery, so it escalates for itself, and the launcher's restart takes over "
+                      "(under Ray Train, Ray's: FailureConfig.max_failures counts it). Fix: none needed; the "
+                      "restart resumes from the newest checkpoint.", self.rank, generation, stuck)
+            try:
+                decide(self._store, scope=self.scope, generation=generation, rank=self.rank,
+                       decision=f"escalate (waiting in {stuck})")
+            except Exception as e:  # the others then give up on this rank's decision after their bound
+                log.warning("rank %d could not record its escalation in the store: %s", self.rank, e)
 
     def watch_on(self, store: Any, timeout: float) -> FaultWatch:
         """Start the watch on ``store`` (once; a later call returns the running one)."""
         if self.watch is None:
+            self._store = store
+            self.rank = _dist.rank() if self.rank is None else self.rank
             self.watch = FaultWatch(connector(store, timeout), store, generation=self.generation,
-                                    world_size=_dist.world_size(), rank=_dist.rank(), on_fault=self.on_fault,
+                                    world_size=_dist.world_size(), rank=self.rank, on_fault=self.on_fault,
                                     scope=self.scope).start()
         return self.watch
 

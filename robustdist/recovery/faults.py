@@ -47,8 +47,8 @@ from robustdist.runtime import _torch_compat
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 
-__all__ = ["Fault", "FaultWatch", "agree", "clear_generation", "declare_fault", "declare_found", "read_fault",
-           "wake_all"]
+__all__ = ["Fault", "FaultWatch", "agree", "clear_generation", "decide", "declare_fault", "declare_found",
+           "read_fault", "wake_all"]
 
 log = get_logger(__name__)
 
@@ -276,6 +276,12 @@ class FaultWatch:
                 log.debug("rank %d: could not read the fault's reasons (%s)", self.rank, e)
                 self.fault = Fault(self.generation, 0)
             return
+
+
+def decide(store: Any, *, scope: str, generation: int, rank: int, decision: str) -> None:
+    """Record ``rank``'s decision for ``generation`` (ASCII: "recover", "done", or anything else: escalate, which
+    may say why) where :func:`agree` reads it."""
+    _job_store(store).set(_key(scope, generation, "decision", rank), decision.encode("ascii", "replace"))
 
 
 def agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str,

@@ -277,26 +277,28 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             result = train_fn(h, int(resumed))  # type: ignore[call-overload]
         except BaseException as e:
             seen, caught = fired.is_set(), time.time()  # seen: another rank's fault, by this rank's watch
-            # a lost connection where another rank has declared a fault that the watch has not yet woken up to: a
-            # consequence of that fault, not one of this rank's own
-            earlier = None if seen or not declaring.cut_collective(e) else declaring.declared_fault(store, gen, rank,
-                                                                                                    world, scope)
-            own = not seen and earlier is None
-            what = f"{type(e).__name__}: {str(e).strip()[:1500]}"
-            if clock is not None:  # the last recovery's restore failed: its record ends here
-                clock.record.rebuild_s = rebuilt
-                clock.restored(h, None)
-            clock = Clock(Recovery(gen + 1, rank, own, what[:300]))
-            if own:
-                try:
-                    declare_fault(store, generation=gen, rank=rank, world_size=world, what=what, scope=scope)
-                except Exception as d:  # the others then see this rank's group go (its sockets close)
-                    log.warning("rank %d could not declare its fault in the store (%s)", rank, d)
-            if not seen:  # This rank's own collectives end too (the in-memory tier's commit on its background
-                # thread: the peer's shutdown alone leaves a send here waiting for the group's timeout)
-                on_fault(gen)
-            watch.close()
-            liveness.close(live)
+            try:  # the watch and the liveness thread close even if what comes first raised
+                # a lost connection where another rank has declared a fault that the watch has not yet woken up
+                # to: a consequence of that fault, not one of this rank's own
+                earlier = None if seen or not declaring.cut_collective(e) else \
+                    declaring.declared_fault(store, gen, rank, world, scope)
+                own = not seen and earlier is None
+                what = f"{type(e).__name__}: {str(e).strip()[:1500]}"
+                if clock is not None:  # the last recovery's restore failed: its record ends here
+                    clock.record.rebuild_s = rebuilt
+                    clock.restored(h, None)
+                clock = Clock(Recovery(gen + 1, rank, own, what[:300]))
+                if own:
+                    try:
+                        declare_fault(store, generation=gen, rank=rank, world_size=world, what=what, scope=scope)
+                    except Exception as d:  # the others then see this rank's group go (its sockets close)
+                        log.warning("rank %d could not declare its fault in the store (%s)", rank, d)
+                if not seen:  # This rank's own collectives end too (the in-memory tier's commit on its background
+                    # thread: the peer's shutdown alone leaves a send here waiting for the group's timeout)
+                    on_fault(gen)
+            finally:
+                watch.close()
+                liveness.close(live)
             clock.record.detect_s = detection(watch if earlier is None else SimpleNamespace(fault=earlier,
                                                                                             seen_at=caught), own)
             repeats = last_resumed[1] + 1 if resumed == last_resumed[0] else 1

@@ -25,10 +25,11 @@ and only the collectives' own timeout bounds the wait.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from robustdist.runtime.errors import RobustDistError, ranks_phrase
 
 __all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "error_rank", "interrupt_waits",
-           "interrupted", "interrupted_at", "is_multi", "is_up", "rank", "resume_waits", "world_size"]
+           "interrupted", "interrupted_at", "is_multi", "is_up", "rank", "resume_waits", "uncuttable", "world_size"]
 
 T = TypeVar("T")
 
@@ -94,17 +95,37 @@ def default_store() -> Any:
 
 
 _interrupt: list[Any] = []  # (why, when) the waits below were interrupted (in-process recovery), or empty
+_uncuttable: list[str] = []  # what this process waits in that no interrupt ends (ray.train.report's barrier)
 _interrupt_lock = threading.Lock()
 
 
-def interrupt_waits(reason: str) -> None:
+def interrupt_waits(reason: str) -> str | None:
     """Make every :meth:`Collectives.arrive` wait in this process (now, or until :func:`resume_waits`) fail at
     once with ``reason``: how a fault on another rank gets this rank out of robustdist's own store waits
     (in-process recovery; a gloo collective needs :mod:`robustdist.runtime.group_sockets` instead). Safe from
-    any thread."""
+    any thread. Returns what the process is waiting in that this cannot end (:func:`uncuttable`), or None: read
+    with the interrupt, so a wait is either refused at its start or named here, never neither."""
     with _interrupt_lock:
         when = _interrupt[1] if _interrupt else time.monotonic()  # the first interrupt of this generation
         _interrupt[:] = [reason, when]
+        return _uncuttable[-1] if _uncuttable else None
+
+
+@contextlib.contextmanager
+def uncuttable(what: str, error: Callable[[str], BaseException]) -> Iterator[None]:
+    """Around a wait that neither :func:`interrupt_waits` nor a group's connections shutting down can end (Ray
+    Train's report, a barrier of Ray's actors): not started once waits are interrupted (raises ``error(message)``:
+    a recovery is under way), and while it runs, :func:`interrupt_waits` names ``what`` to the caller, who must
+    then not wait for this rank (in-process recovery lets this rank escalate)."""
+    with _interrupt_lock:
+        if _interrupt:
+            raise error(f"{what} was not started: {_interrupt[0]}. Expected when the job recovers in place.")
+        _uncuttable.append(what)
+    try:
+        yield
+    finally:
+        with _interrupt_lock:
+            _uncuttable.remove(what)
 
 
 def resume_waits() -> None:

@@ -19,6 +19,7 @@ the final parameters to ``out/final.pt``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -96,6 +97,11 @@ def train_fn_inprocess(config: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"])
     h = harden(model, loader, cfg, optimizer=optimizer)
     rank = h.topology.rank
+    if config.get("report_raise_at") or config.get("stage_raise_at"):
+        _fail_report(out, rank, config.get("report_raise_at"), config.get("stage_raise_at"))
+        handler = logging.FileHandler(os.path.join(out, f"log-{rank}-{os.getpid()}.txt"))
+        handler.setLevel(logging.INFO)
+        logging.getLogger("robustdist").addHandler(handler)  # what each rank said of the fault (the test reads it)
 
     def train(h: Any, step: int) -> int:
         loaded = h.last_loaded
@@ -126,6 +132,30 @@ def train_fn_inprocess(config: dict[str, Any]) -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "final.pt"))
     with open(os.path.join(out, f"recoveries-{rank}"), "w") as fh:
         fh.write(str(len(history())))
+
+
+def _fail_report(out: str, rank: int, report_at: int | None, stage_at: int | None) -> None:
+    """Once, on rank 1: Ray's ``ray.train.report`` of step ``report_at``'s checkpoint raises (rank 0 then waits in
+    Ray's report barrier), or the staging of step ``stage_at``'s files for Ray fails (before any rank enters
+    Ray's barrier)."""
+    import ray.train
+
+    from robustdist.ray import train as ray_train
+
+    original_report, original_stage = ray.train.report, ray_train._stage
+
+    def report(metrics: Any, *args: Any, **kwargs: Any) -> Any:
+        if rank == 1 and metrics.get("step") == report_at and _first_time(out, "report"):
+            raise OSError(f"Ray's report of step {report_at} failed (simulated)")
+        return original_report(metrics, *args, **kwargs)
+
+    def stage(step_dir: str, *args: Any, **kwargs: Any) -> Any:
+        if rank == 1 and stage_at is not None and step_dir.endswith(f"{stage_at:010d}") and _first_time(out, "stage"):
+            raise OSError(f"[Errno 28] No space left on device: staging step {stage_at} (simulated)")
+        return original_stage(step_dir, *args, **kwargs)
+
+    ray.train.report = report
+    ray_train._stage = stage
 
 
 def _model_and_loader() -> tuple[nn.Module, DataLoader[Any]]:

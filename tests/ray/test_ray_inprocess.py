@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +177,53 @@ def test_a_rank_that_never_takes_part_is_named_within_the_init_timeout(who):
             "rank 0 did not publish robustdist's group address") in message, message
     assert "expected" in message and "Fix: call harden() in every worker's training function with the same " \
         "configuration" in message, message
+
+
+
+def test_a_fault_while_another_rank_waits_in_ray_train_report_escalates_at_once_and_resumes_bitwise(reference,
+                                                                                                     tmp_path):
+    """Ray's ``ray.train.report`` of step 6 raises on rank 1 (an upload that failed, say) while rank 0 waits in
+    Ray's report barrier, which nothing of robustdist can interrupt: rank 0 cannot join an in-process recovery. Its
+    fault watch
+    says so for it ("escalate (waiting in ray.train.report)"), so rank 1 escalates at once (not after the decision
+    bound, where it would read a plain "escalate"), Ray restarts the worker group once, and the run resumes
+    bitwise."""
+    faulted = _config(tmp_path, "report", report_raise_at=6)
+    errors = tmp_path / "controller-errors.jsonl"
+    result = client.trainer(faulted, storage=str(tmp_path / "ray"), name="report", max_failures=1,
+                            train_fn=client.train_fn_inprocess, callbacks=[client.ErrorLog(str(errors))]).fit()
+    assert result.error is None, result.error
+    seen = [json.loads(line) for line in errors.read_text().splitlines()]
+    assert seen == [{"1": "OSError: Ray's report of step 6 failed (simulated)"}], seen
+    rows = _generations(faulted)
+    first = {}  # each rank's log from the worker group the fault was in
+    for rank in range(2):
+        mine = [r for r in rows if r["rank"] == rank]
+        assert [r["generation"] for r in mine] == [0, 0] and mine[0]["pid"] != mine[1]["pid"], mine  # Ray's restart
+        assert mine[1]["resumed"] == 6 and mine[1]["source"] == "memory", mine
+        first[rank] = (Path(faulted["out"]) / f"log-{rank}-{mine[0]['pid']}.txt").read_text()
+    assert "waits in ray.train.report, which robustdist cannot interrupt" in first[0], first[0]
+    assert "did not recover (escalate (waiting in ray.train.report))" in first[1], first[1]
+    _assert_bitwise(faulted, reference)
+
+
+def test_a_rank_whose_files_for_ray_cannot_be_staged_is_a_fault_recovered_in_the_same_workers_bitwise(reference,
+                                                                                                        tmp_path):
+    """Rank 1 cannot stage its files for the report of step 6 (a full disk, say). Every rank learns it in
+    robustdist's own collective before Ray's barrier, so none waits there: every rank raises the same error naming
+    rank 1, which is a fault like any other, recovered in the same workers (Ray's controller sees nothing) from
+    the in-memory tier, bitwise."""
+    faulted = _config(tmp_path, "stage", stage_raise_at=6)
+    errors = tmp_path / "controller-errors.jsonl"
+    result = _fit(tmp_path, faulted, "stage", callbacks=[client.ErrorLog(str(errors))])
+    assert result.error is None, result.error
+    assert not errors.exists(), errors.read_text()
+    rows = _generations(faulted)
+    for rank in range(2):
+        mine = [r for r in rows if r["rank"] == rank]
+        assert [(r["generation"], r["resumed"]) for r in mine] == [(0, 0), (1, 6)], mine
+        assert len({r["pid"] for r in mine}) == 1 and mine[1]["source"] == "memory", mine
+        log = (Path(faulted["out"]) / f"log-{rank}-{mine[0]['pid']}.txt").read_text()
+        assert ("reporting checkpoint step 6 to Ray Train failed: rank 1 could not stage their files (rank 1: "
+                "OSError: [Errno 28] No space left on device: staging step 6 (simulated)); expected every") in log, log
+    _assert_bitwise(faulted, reference)

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from robustdist.health.watchdog_store import connector
 from robustdist.recovery.faults import FaultWatch, clear_generation, declare_fault, read_fault
+from robustdist.runtime import dist as rdist
+from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.testing.ranks import run_ranks
 
@@ -242,3 +244,45 @@ def test_a_wake_key_left_by_an_earlier_watch_is_dropped_not_spun_on():
         time.sleep(0.01)
     watch.close()
     assert called == [0] and watch.fault is not None and watch.fault.count == 1
+
+
+def test_a_wait_nothing_can_cut_is_refused_once_interrupted_and_named_to_the_interrupt_while_it_runs():
+    rdist.resume_waits()
+    try:
+        with rdist.uncuttable("ray.train.report", CheckpointError):
+            assert rdist.interrupt_waits("rank 1 faulted") == "ray.train.report"  # named, with the interrupt
+        assert rdist.interrupt_waits("again") is None  # left: nothing named
+        with pytest.raises(CheckpointError, match=r"ray.train.report was not started: again\. Expected when the job "
+                                                  r"recovers in place"):
+            with rdist.uncuttable("ray.train.report", CheckpointError):
+                pytest.fail("entered a wait nothing can cut after the interrupt")
+    finally:
+        rdist.resume_waits()
+
+
+def test_a_rank_in_a_wait_nothing_can_cut_escalates_for_itself_when_a_fault_comes(caplog):
+    """The fault watch's callback writes this rank's decision ("escalate", saying why) where the other ranks'
+    ``agree`` reads it, so they do not wait out their bound for a rank that cannot join; outside such a wait it
+    decides nothing."""
+    from robustdist.recovery.building import Generation
+    from robustdist.recovery.faults import agree
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    rdist.resume_waits()
+    try:
+        quiet = Generation("t", 3)
+        quiet._store, quiet.rank = store, 1
+        quiet.on_fault(3)
+        assert not store.check(["t/3/decision/1"]) and quiet.fired.is_set()
+        rdist.resume_waits()
+        g = Generation("t", 4)
+        g._store, g.rank = store, 1
+        with rdist.uncuttable("ray.train.report", CheckpointError), caplog.at_level("ERROR"):
+            g.on_fault(4)
+        assert store.get("t/4/decision/1") == b"escalate (waiting in ray.train.report)"
+        assert "rank 1: a rank faulted in in-process recovery generation 4 while this rank waits in " \
+               "ray.train.report, which robustdist cannot interrupt; expected" in caplog.text
+        decisions, verdict = agree(store, "t", 4, 0, 2, "recover", timeout=30)  # rank 0 reads it at once
+        assert decisions == ["recover", "escalate (waiting in ray.train.report)"] and verdict == "escalate"
+    finally:
+        rdist.resume_waits()

@@ -194,9 +194,11 @@ def _remove(folder: Confined, name: str, pattern: re.Pattern[str]) -> None:
 
 
 def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: dict[str, Any],
-                meta: dict[str, Any]) -> int:
+                meta: dict[str, Any], crcs: dict[str, int] | None = None) -> int:
     """Write ``files`` (name -> bytes-like) and ``meta.json`` into a staging directory, then rename it into place
-    (an existing copy of the same step is set aside first and deleted after). Returns the bytes written. Every
+    (an existing copy of the same step is set aside first and deleted after). ``crcs``: the files' CRC-32s where
+    the caller already has them (computed over these bytes, or checked against them on arrival); the others are
+    computed here. Returns the bytes written. Every
     file is created fresh in a directory made fresh, all of it reached from the tier's directory without
     following a link (:class:`.._confined.Confined`).
 
@@ -213,7 +215,8 @@ def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: 
                 for name, data in files.items():
                     view = memoryview(data).cast("B")
                     written += copy.put(name, view)
-                    entries[name] = {"size": len(view), "crc32": f"{zlib.crc32(view):08x}"}
+                    crc = crcs[name] if crcs is not None and name in crcs else zlib.crc32(view)
+                    entries[name] = {"size": len(view), "crc32": f"{crc:08x}"}
                 _faults.phase("local_writing")
                 copy.put(META, json.dumps({**meta, "format": FORMAT, "owner": owner, "step": step,
                                            "files": entries}).encode())

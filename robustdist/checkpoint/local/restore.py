@@ -45,7 +45,7 @@ from robustdist.checkpoint._sharded import _optimizer_pair, _state_dicts
 from robustdist.checkpoint._types import LoadedCheckpoint
 from robustdist.checkpoint.local import layout
 from robustdist.checkpoint.local.held import Held
-from robustdist.checkpoint.local.wire import as_tensor, exchange
+from robustdist.checkpoint.local.wire import Blob, as_tensor, exchange
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger, user_stacklevel, warn
 
@@ -298,20 +298,21 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
         return None
     # step 4: move the bytes (point to point: each payload to its owner, the replicated entries to the ranks of
     # nodes that hold no copy of them)
-    sends: dict[int, list[torch.Tensor]] = {}
+    sends: dict[int, list[Blob]] = {}
     for owner, src in assigned.items():
         if src[0] == rank and owner != rank:
-            sends.setdefault(owner, []).append(as_tensor(data[src][layout.PAYLOAD]))
-    if source0[0] == rank:
+            sends.setdefault(owner, []).append(Blob.of(data[src][layout.PAYLOAD]))
+    if source0[0] == rank and far:
+        replicated_blob = Blob.of(data[source0][layout.REPLICATED])  # one CRC however many ranks it goes to
         for r in far:
-            sends.setdefault(r, []).append(as_tensor(data[source0][layout.REPLICATED]))
+            sends.setdefault(r, []).append(replicated_blob)
     receive = sorted(({mine_src[0]} if mine_src[0] != rank else set()) | ({source0[0]} if rank in far else set()))
     got = exchange(tier.group, rank, sends, receive, timeout=tier.timeout, what=f"recovery of step {step}") \
         if sends or receive else {}
-    payload_bytes = got[mine_src[0]][0] if mine_src[0] != rank else None if mem_payload else \
+    payload_bytes = got[mine_src[0]][0].tensor if mine_src[0] != rank else None if mem_payload else \
         as_tensor(data[mine_src][layout.PAYLOAD])
     replicated_src = here if here is not None else source0
-    replicated_bytes = got[source0[0]][-1] if rank in far else None if mem_replicated else \
+    replicated_bytes = got[source0[0]][-1].tensor if rank in far else None if mem_replicated else \
         as_tensor(data[replicated_src][layout.REPLICATED])
     # step 5: deserialise and check
     kinds = _row(everyone, source0, cand)[4]

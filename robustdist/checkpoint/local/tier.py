@@ -53,7 +53,7 @@ from robustdist.checkpoint.local import layout, memory
 from robustdist.checkpoint.local import restore as _local_restore
 from robustdist.checkpoint.local.lineage import LINEAGE, lineage_of
 from robustdist.checkpoint.local.memory import node_need
-from robustdist.checkpoint.local.wire import as_tensor, exchange, nbytes, serialise
+from robustdist.checkpoint.local.wire import Blob, exchange, nbytes, serialise
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import exit_drain
 from robustdist.runtime.dist import Collectives, default_store
@@ -273,12 +273,14 @@ class LocalTier:
                              payload: dict[str, Any]) -> int:
         token = uuid.uuid4().hex[:12]
         meta = {"world_size": self.world_size, "lineage": self.lineage, "kinds": kinds, "save": save_id}
-        blobs = [serialise(payload)] + ([serialise(replicated)] if self.rank == 0 else [])
-        files = dict(zip((layout.PAYLOAD, layout.REPLICATED), blobs))
+        blobs = [Blob.of(serialise(payload))] + ([Blob.of(serialise(replicated))] if self.rank == 0 else [])
+        names = (layout.PAYLOAD, layout.REPLICATED)
+        files = {n: b.view() for n, b in zip(names, blobs)}
         written, problem = 0, None
         try:
             layout.remove_stale(self.directory, self.rank, "own")
-            written += layout.commit_copy(self.directory, self.rank, "own", step, token, files, meta)
+            written += layout.commit_copy(self.directory, self.rank, "own", step, token, files, meta,
+                                          {n: b.crc for n, b in zip(names, blobs)})
             # what the own copy holds, until the next snapshot: a load that agrees on this save uses it (.held)
             self._held = _held.Held(step, save_id, self.rank, self.world_size, self.lineage, payload, replicated)
         except Exception as e:  # still take part in the exchange (the peers wait for it), then report
@@ -287,17 +289,17 @@ class LocalTier:
         leaving = self._leaving  # from here to the end only collectives, then rotation once they succeed
         stayed = leaving.enter()
         peer = self.peers[self.rank]
-        sends = {peer: [as_tensor(b) for b in blobs]} if peer is not None else {}
+        sends = {peer: blobs} if peer is not None else {}
         try:
             if not stayed:
                 raise CheckpointError("left behind by an in-process recovery", rank=self.err_rank)
             received = exchange(self.group, self.rank, sends, self.senders, timeout=self.timeout,
                                 what=f"replication of step {step}") if sends or self.senders else {}
             for src, got in received.items():
-                names = (layout.PAYLOAD, layout.REPLICATED)[: len(got)]
                 layout.remove_stale(self.directory, src, "replica")
                 written += layout.commit_copy(self.directory, src, "replica", step, token,
-                                              {n: memoryview(t.numpy()) for n, t in zip(names, got)}, meta)
+                                              {n: b.view() for n, b in zip(names, got)}, meta,
+                                              {n: b.crc for n, b in zip(names, got)})
         except Exception as e:
             problem = problem or f"replicating: {e}"
         _faults.phase("local_replicated")
