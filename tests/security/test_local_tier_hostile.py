@@ -453,3 +453,60 @@ def test_a_save_refused_by_a_planted_link_during_a_recovery_keeps_nothing_alive(
         gc.enable()
     assert "owner_00000: is a symbolic link; expected a directory" in raised, raised
     assert list(outside.iterdir()) == []
+
+
+def _replica_flipped(rank: int, root: str) -> tuple[dict[str, bool], int, str, bool, str]:
+    """2 ranks on 2 nodes: every copy's meta.json records the CRC-32 of the bytes it holds (the replica's is the
+    one checked on arrival, not recomputed); then rank 1's own copy is gone and a byte of its replica on node 0 is
+    flipped: the load must refuse that replica and fall back to the durable tier."""
+    import torch.distributed as dist
+
+    state = _state(0)
+    durable = AtomicCheckpointer(Path(root) / "durable")
+    local = LocalTier(Path(root) / f"node{rank}", lineage="replica-crc")
+    for step in range(1, 9):
+        _step(state)
+        if step == 4:
+            state.save(durable, step)
+        if step == 8:
+            state.save_local(local, step)
+            local.wait()
+    honest = {}
+    for meta in Path(local.directory).glob("owner_*/*/step_*/meta.json"):
+        files = json.loads(meta.read_text())["files"]
+        honest[str(meta.relative_to(local.directory))] = all(
+            f"{zlib.crc32((meta.parent / name).read_bytes()):08x}" == entry["crc32"] for name, entry in files.items())
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(Path(local.directory, "owner_00001", "own"))
+    else:
+        payload = Path(local.directory, "owner_00001", "replica", "step_0000000008", "payload.pt")
+        data = bytearray(payload.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        payload.write_bytes(bytes(data))
+    dist.barrier()
+    fresh = _state(1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loaded = fresh.load(durable, local=local)
+    reference = _state(2)
+    reference.load(durable)
+    same = all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(),
+                                                  reference.model.state_dict().values()))
+    local.close()
+    durable.close()
+    assert loaded is not None
+    return honest, loaded.step, loaded.source, same, " ".join(str(w.message) for w in seen)
+
+
+def test_a_replica_whose_bytes_changed_is_refused_and_every_recorded_crc_is_the_bytes_own(tmp_path):
+    from robustdist.testing.ranks import run_ranks
+
+    results = run_ranks(_replica_flipped, 2, args=(str(tmp_path),), env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}],
+                        timeout=120)
+    for rank, (honest, step, source, same, text) in enumerate(results):
+        assert sorted(honest) == sorted(f"owner_{o:05d}/{role}/step_0000000008/meta.json"
+                                        for o, role in ((rank, "own"), (1 - rank, "replica"))), honest
+        assert all(honest.values()), f"rank {rank}: a meta.json records a CRC-32 other than its file's: {honest}"
+        assert (step, source, same) == (4, "durable", True), (rank, step, source, same, text)
+    assert any("CRC-32 differs from its meta.json" in text for *_, text in results), results
