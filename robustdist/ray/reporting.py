@@ -55,7 +55,16 @@ class RayReporting:
             if info.total_seconds is None:  # never committed (its error surfaced already)
                 continue
             with self._bounded("report to Ray Train"):
-                name = _ray_train.report(_ray_train.ray_metrics(metrics), info.path, _layout.read_manifest(info.path),
+                try:
+                    manifest = _layout.read_manifest(info.path)
+                except Exception as e:  # every rank learns it before any enters Ray's barrier
+                    try:
+                        self._staged_everywhere(info.step, f"reading its manifest: {type(e).__name__}: "
+                                                           f"{str(e)[:500]}")
+                    except BaseException as named:
+                        raise named from e
+                    raise
+                name = _ray_train.report(_ray_train.ray_metrics(metrics), info.path, manifest,
                                          rank=self.checkpointer.rank, world_size=self.checkpointer.collectives.world_size,
                                          timeout=min(self.checkpointer.timeout, _ray_train.REGISTER_TIMEOUT_S),
                                          agree=lambda problem, step=info.step: self._staged_everywhere(step, problem))

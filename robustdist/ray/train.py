@@ -233,22 +233,24 @@ def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any
     prefix = f"{STAGE_PREFIX}{rank}-"
     ours = re.compile(re.escape(prefix) + r"[A-Za-z0-9_]{1,64}")  # this rank's scratch (older ones: mkdtemp's)
     stage_name = f"{prefix}{uuid.uuid4().hex[:12]}"
-    with Confined(parent) as folder:
-        for leftover in folder.names():  # this rank's scratch from an attempt killed mid-report (only its own)
-            if ours.fullmatch(leftover):
-                with contextlib.suppress(CheckpointError):
-                    folder.remove_tree(leftover, ours)
-        staged = folder.sub(stage_name, fresh=True, mode=0o700)
     stage = os.path.join(parent, stage_name)
+    made = False
     try:
         problem: Exception | None = None
-        try:
+        try:  # everything up to Ray's barrier: a failure here is told to every rank first (agree), then raised
+            with Confined(parent) as folder:
+                for leftover in folder.names():  # this rank's scratch from an attempt killed mid-report (its own)
+                    if ours.fullmatch(leftover):
+                        with contextlib.suppress(CheckpointError):
+                            folder.remove_tree(leftover, ours)
+                staged = folder.sub(stage_name, fresh=True, mode=0o700)
+                made = True
             with staged:
                 for rel in files + (["manifest.json"] if rank == 0 else []):
                     entry = manifest.get("files", {}).get(rel)
                     _stage(step_dir, rel, staged, entry.get("size") if isinstance(entry, dict) else None)
                 checkpoint = ray.train.Checkpoint.from_directory(stage) if staged.names() else None
-        except Exception as e:  # told to every rank first (agree), then raised
+        except Exception as e:
             problem = e
         if agree is not None:
             try:
@@ -263,8 +265,9 @@ def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any
             ray.train.report(dict(metrics), checkpoint=checkpoint, checkpoint_dir_name=name)
     finally:
         try:
-            with Confined(parent) as folder:
-                folder.remove_tree(stage_name, ours)
+            if made:
+                with Confined(parent) as folder:
+                    folder.remove_tree(stage_name, ours)
         except CheckpointError as e:
             log.warning("could not remove the report's scratch directory %s: %s", stage, e)
     _wait_registered(name, timeout)

@@ -61,16 +61,28 @@ class Generation:
             self.sockets.unblock()
         stuck = _dist.interrupt_waits(f"a rank faulted in recovery generation {generation}")
         if stuck is not None and self._store is not None and self.rank is not None:
-            log.error("rank %d: a rank faulted in in-process recovery generation %d while this rank waits in %s, "
-                      "which robustdist cannot interrupt; expected every rank in a wait it can end. This rank "
-                      "cannot join the recovery, so it escalates for itself, and the launcher's restart takes over "
-                      "(under Ray Train, Ray's: FailureConfig.max_failures counts it). Fix: none needed; the "
-                      "restart resumes from the newest checkpoint.", self.rank, generation, stuck)
-            try:
-                decide(self._store, scope=self.scope, generation=generation, rank=self.rank,
-                       decision=f"escalate (waiting in {stuck})")
-            except Exception as e:  # the others then give up on this rank's decision after their bound
-                log.warning("rank %d could not record its escalation in the store: %s", self.rank, e)
+            self._escalate_stuck(generation, stuck, self._store, self.rank)
+
+    def _escalate_stuck(self, generation: int, stuck: str, store: Any, rank: int, bound: float = 10.0) -> None:
+        """This rank waits in ``stuck``, which nothing here ends: its decision is "escalate", written for it on a
+        connection of its own, abandoned after ``bound`` seconds (a store that stopped answering must not hold
+        the watch's callback)."""
+        log.error("rank %d: a rank faulted in in-process recovery generation %d while this rank waits in %s, which "
+                  "robustdist cannot interrupt; expected every rank in a wait it can end. This rank cannot join the "
+                  "recovery, so it escalates for itself, and the launcher's restart takes over. Fix: let the "
+                  "launcher restart the job (torchrun --max-restarts; under Ray Train FailureConfig(max_failures=1) "
+                  "or more: Ray's default, 0, ends the run); the restart resumes from the newest checkpoint.", rank,
+                  generation, stuck)
+        connect = connector(store, bound)
+        end = time.monotonic() + bound
+        _, problem, finished = bounded(
+            lambda: decide(connect(), scope=self.scope, generation=generation, rank=rank,
+                           decision=f"escalate (waiting in {stuck})"), end, "recovery-decide", ends_by=end + 15)
+        if problem is not None or not finished:  # the others give up on this rank's decision after their bound
+            log.warning("rank %d: could not record its escalation in the store (%s); expected the job's store to "
+                        "answer within %g s. The other ranks escalate once their decision bound has passed. Fix: "
+                        "check the store's host (rank 0's node) and this node's link to it.", rank,
+                        f"{type(problem).__name__}: {str(problem)[:200]}" if problem else "no answer", bound)
 
     def watch_on(self, store: Any, timeout: float) -> FaultWatch:
         """Start the watch on ``store`` (once; a later call returns the running one)."""

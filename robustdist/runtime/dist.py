@@ -119,7 +119,8 @@ def uncuttable(what: str, error: Callable[[str], BaseException]) -> Iterator[Non
     then not wait for this rank (in-process recovery lets this rank escalate)."""
     with _interrupt_lock:
         if _interrupt:
-            raise error(f"{what} was not started: {_interrupt[0]}. Expected when the job recovers in place.")
+            raise error(f"{what} was not started: {_interrupt[0]}. Expected when the job recovers in place. Fix: "
+                        "none; this rank joins the recovery.")
         _uncuttable.append(what)
     try:
         yield

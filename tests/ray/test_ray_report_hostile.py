@@ -73,3 +73,35 @@ def test_the_control_reports_the_checkpoint(ray_by_value, tmp_path):
     assert result.checkpoint is not None
     with result.checkpoint.as_directory() as d:
         assert sorted(os.listdir(d)) == ["manifest.json", "rank_00000.pt", "replicated.pt"]
+
+
+@pytest.mark.parametrize("where", ["parent", "file"])
+def test_every_failure_before_ray_s_barrier_is_told_to_the_agreement_first_and_nothing_reaches_ray(tmp_path,
+                                                                                                    monkeypatch, where):
+    """What fails before ``ray.train.report`` (the step directory's parent gone, a committed file gone) is handed
+    to ``agree`` (robustdist's own collective, which every rank reaches), whose error is raised from it; Ray's
+    barrier is never entered. No cluster needed: nothing reaches Ray."""
+    import ray.train
+
+    from robustdist.ray import train as rt
+
+    monkeypatch.setattr(ray.train, "report", lambda *a, **k: pytest.fail("entered Ray's barrier"))
+    step_dir = tmp_path / "ckpt" / "step_0000000006"
+    manifest = {"files": {"rank_1.pt": {"size": 10}}}
+    if where == "file":
+        step_dir.mkdir(parents=True)
+    told: list[str | None] = []
+
+    class Named(Exception):
+        pass
+
+    def agree(problem: str | None) -> None:
+        told.append(problem)
+        raise Named("every rank raises this")
+
+    with pytest.raises(Named) as caught:
+        rt.report({"step": 6}, str(step_dir), manifest, rank=1, world_size=2, agree=agree)
+    assert len(told) == 1 and told[0], told
+    assert caught.value.__cause__ is not None and type(caught.value.__cause__).__name__ in told[0]
+    left = sorted(p.name for p in (tmp_path / "ckpt").iterdir()) if where == "file" else []
+    assert left == (["step_0000000006"] if where == "file" else []), left  # no scratch directory left behind

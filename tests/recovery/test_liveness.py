@@ -328,3 +328,38 @@ def test_a_record_that_turns_unreadable_is_not_judged_and_the_watch_goes_on(stor
         watch.close()
     finally:
         beat.stop(wait=5)
+
+
+class _WritesRefused:
+    """A store connection that reads, but whose every write fails (a store that broke between the read and the
+    declaration)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("set", "add", "compare_set", "multi_set", "append", "delete_key"):
+            def refuse(*args: Any, **kwargs: Any) -> Any:
+                raise ConnectionError("the store refused the write")
+            return refuse
+        return getattr(self._inner, name)
+
+
+def test_a_declaration_the_store_refuses_is_said_with_the_fix_and_nothing_is_recorded(store, caplog):
+    own = _beat(store.port, 0)
+    try:
+        store.set(f"{PREFIX}/1", json.dumps(_record(False)))  # rank 1 wrote once, then stopped
+        watch = liveness.LivenessWatch(lambda: _WritesRefused(_connect(store.port)()), prefix=PREFIX, world_size=2,
+                                       interval=INTERVAL, limit=LIMIT, generation=2, scope=SCOPE,
+                                       fired=threading.Event())
+        with caplog.at_level("WARNING", logger="robustdist"):
+            watch.start()
+            assert _wait(lambda: not watch.alive, 30)
+        watch.close()
+        assert watch.declared == [] and read_fault(store, generation=2, world_size=2, scope=SCOPE) is None
+        assert caplog.text.count("could not declare") == 1, caplog.text
+        assert ("rank 0: could not declare rank(s) [1] faulty (their heartbeats stopped): ConnectionError: the store "
+                "refused the write; expected the job's store to take the declaration. The hang verdict or the fault "
+                "watch's lost store ends the wait instead. Fix: check the job's store") in caplog.text, caplog.text
+    finally:
+        own.stop(wait=5)

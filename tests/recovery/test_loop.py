@@ -4,6 +4,7 @@ in-memory tier every step and to disk rarely."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -30,10 +31,18 @@ class ToyModel(nn.Module):
 
 
 def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backward: bool = False,
-         kind: type[BaseException] = ValueError) -> dict:
+         kind: type[BaseException] = ValueError, keep: str | None = None) -> dict:
     """``fault``: (rank, step, every generation?) raises ValueError there: after the optimizer step (the other
     rank then waits in the save's arrival check, in the store), or before ``backward()`` (the other rank then
-    waits in DDP's gradient all-reduce, a gloo collective)."""
+    waits in DDP's gradient all-reduce, a gloo collective). ``keep``: the training function keeps generation 0's
+    ``h.<keep>`` (a script holding a part of a generation past its end); ``out["logged"]``: what robustdist
+    logged at INFO and above."""
+    logged: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("robustdist").addHandler(handler)
+    logging.getLogger("robustdist").setLevel(logging.INFO)  # this rank's own process: nothing else logs here
+    kept: list[object] = []
     torch.manual_seed(0)
     model = ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -48,6 +57,8 @@ def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backw
     def train(h, step: int) -> int:
         loaded = h.last_loaded
         seen.append((generation(), step, loaded.source if loaded is not None else "none"))
+        if keep and generation() == 0:
+            kept.append(getattr(h, keep))
         while step < TOTAL:
             for x, y in h.loader:
                 loss = nn.functional.mse_loss(h.model(x), y)
@@ -77,7 +88,9 @@ def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backw
             fault = None
             out["again"] = run_in_process(lambda: harden(model, loader, cfg, optimizer=optimizer), train,
                                           optimizer=optimizer)
-    out.update(seen=seen, generation=generation(), params=[p.detach().clone() for p in model.parameters()])
+    logging.getLogger("robustdist").removeHandler(handler)
+    out.update(seen=seen, generation=generation(), params=[p.detach().clone() for p in model.parameters()],
+               logged=logged)
     return out
 
 
@@ -95,6 +108,28 @@ def test_an_exception_on_one_rank_recovers_in_process_from_memory_bitwise(tmp_pa
         assert [g for g, _, _ in got["seen"]] == [0, 1] and got["seen"][1][1] == 6, got["seen"]
         assert got["seen"][1][2] != "durable", got["seen"]
         assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
+
+
+def test_a_part_of_a_torn_down_generation_the_script_keeps_is_named_and_the_recovery_goes_on_bitwise(tmp_path):
+    """The training function keeps generation 0's checkpointer past the fault: the teardown's collection cannot
+    free it, so rank 0 says so at INFO (robustdist's INFO lines come from rank 0 only, by default), naming the
+    part, and every rank recovers anyway; without it, nothing is said."""
+    kept = run_ranks(_job, 2, args=(str(tmp_path / "k"), (1, 7, False), True, ValueError, "checkpointer"),
+                     init=False, timeout=180)
+    plain = run_ranks(_job, 2, args=(str(tmp_path / "p"), (1, 7, False), True), init=False, timeout=180)
+    for rank in range(2):
+        assert "raised" not in kept[rank] and kept[rank]["end"] == TOTAL, kept[rank].get("raised")
+        assert "raised" not in plain[rank] and plain[rank]["end"] == TOTAL, plain[rank].get("raised")
+        assert not [m for m in plain[rank]["logged"] if "outlive(s) it" in m], plain[rank]["logged"]
+        assert all(torch.equal(a, b) for a, b in zip(kept[rank]["params"], plain[rank]["params"]))
+        if rank != 0:
+            continue
+        said = [m for m in kept[rank]["logged"] if "outlive(s) it" in m]
+        assert len(said) == 1 and f"rank {rank}: generation 0's checkpointer" in said[0], kept[rank]["logged"]
+        assert said[0].endswith(" outlive(s) it (held by a save left behind, or a module or group the script "
+                                "keeps); its store may serve the next generation. Expected: nothing of it left once "
+                                "torn down. Fix: nothing, unless this repeats (then see what keeps it: "
+                                "gc.get_referrers)"), said
 
 
 def test_a_fault_that_repeats_at_the_same_step_escalates(tmp_path):

@@ -34,7 +34,7 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(t.numpy()))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Blob:
     """Bytes as a uint8 tensor with their CRC-32, computed once: the same number goes into the header a peer
     checks and into the ``meta.json`` of the copy written from it (a 25 MB CRC is about 12 ms of CPU here, and
