@@ -524,3 +524,45 @@ def test_closing_after_a_peer_died_never_hangs(tmp_path):
                   timeout=60)
     failing, clean, kept = json.loads((tmp_path / "result.json").read_text())
     assert failing < 1.0 and 2.5 < clean < 10 and kept
+
+
+def _stuck_wait_interrupted(rank: int) -> tuple[str, float]:
+    """Rank 1 waits for a point-to-point receive that rank 0 never sends (a transfer gloo would not end); after
+    0.5 s a recovery interrupts the waits on rank 1."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from robustdist.checkpoint.local.wire import _wait
+    from robustdist.runtime import dist as rdist
+
+    if rank == 0:
+        dist.barrier()  # rank 1 is done (its wait given up) before this rank's group goes
+        return "", 0.0
+    work = dist.irecv(torch.empty(1 << 20, dtype=torch.uint8), 0, tag=9)
+    timer = threading.Timer(0.5, rdist.interrupt_waits, args=("rank 0 faulted in recovery generation 3",))
+    start = time.monotonic()
+    timer.start()
+    try:
+        _wait([(work, "rank 0")], 60.0, 1, "replication of step 7")
+        message = "returned"
+    except CheckpointError as e:
+        message = str(e)
+    finally:
+        timer.join()
+        rdist.resume_waits()
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    return message, elapsed
+
+
+def test_a_replication_wait_is_given_up_at_once_when_a_recovery_interrupts_it(tmp_path):
+    """gloo does not always end a point-to-point wait whose transfer is under way when the connections are shut
+    down (benchmarks/findings.md, P10); the save's background part must not wait for it once a recovery began."""
+    (message, elapsed), = run_ranks(_stuck_wait_interrupted, 2, timeout=120)[1:]
+    assert message.startswith("[rank 1] the in-memory checkpoint replication of step 7 with rank 0 was given up: "
+                              "rank 0 faulted in recovery generation 3. Expected when the job recovers in place"), \
+        message
+    assert "Fix: none; the recovery resumes from the newest complete step" in message
+    assert elapsed < 30, f"waited {elapsed:.1f} s: the wait ran toward its 60 s timeout instead of giving up"

@@ -49,6 +49,15 @@ def reference(ray_v2, tmp_path_factory):
     return torch.load(os.path.join(config["out"], "final.pt"), weights_only=True)
 
 
+def _fit_restarted_once(tmp_path, config, name):
+    """A fit that Ray may restart once (``max_failures=1``); returns what its controller saw the workers raise."""
+    errors = tmp_path / "controller-errors.jsonl"
+    result = client.trainer(config, storage=str(tmp_path / "ray"), name=name, max_failures=1,
+                            train_fn=client.train_fn_inprocess, callbacks=[client.ErrorLog(str(errors))]).fit()
+    assert result.error is None, result.error
+    return [json.loads(line) for line in errors.read_text().splitlines()]
+
+
 def _assert_bitwise(config, reference):
     final = torch.load(os.path.join(config["out"], "final.pt"), weights_only=True)
     assert final.keys() == reference.keys()
@@ -82,11 +91,7 @@ def test_a_worker_exception_recovers_in_the_same_ray_workers_bitwise(reference, 
 def test_a_fault_that_must_not_be_recovered_in_place_goes_to_ray_s_restart_which_takes_over_again(reference,
                                                                                                    tmp_path):
     faulted = _config(tmp_path, "fatal", fatal_at=5)
-    errors = tmp_path / "controller-errors.jsonl"
-    result = client.trainer(faulted, storage=str(tmp_path / "ray"), name="fatal", max_failures=1,
-                            train_fn=client.train_fn_inprocess, callbacks=[client.ErrorLog(str(errors))]).fit()
-    assert result.error is None, result.error
-    seen = [json.loads(line) for line in errors.read_text().splitlines()]
+    seen = _fit_restarted_once(tmp_path, faulted, "fatal")
     assert len(seen) == 1 and "MemoryError" in seen[0]["1"], seen  # it reached Ray's controller, once
     rows = _generations(faulted)
     for rank in range(2):
@@ -184,16 +189,11 @@ def test_a_fault_while_another_rank_waits_in_ray_train_report_escalates_at_once_
                                                                                                      tmp_path):
     """Ray's ``ray.train.report`` of step 6 raises on rank 1 (an upload that failed, say) while rank 0 waits in
     Ray's report barrier, which nothing of robustdist can interrupt: rank 0 cannot join an in-process recovery. Its
-    fault watch
-    says so for it ("escalate (waiting in ray.train.report)"), so rank 1 escalates at once (not after the decision
-    bound, where it would read a plain "escalate"), Ray restarts the worker group once, and the run resumes
-    bitwise."""
+    fault watch says so for it ("escalate (waiting in ray.train.report)"), so rank 1 escalates at once (not after
+    the decision bound, where it would read a plain "escalate"), Ray restarts the worker group once, and the run
+    resumes bitwise."""
     faulted = _config(tmp_path, "report", report_raise_at=6)
-    errors = tmp_path / "controller-errors.jsonl"
-    result = client.trainer(faulted, storage=str(tmp_path / "ray"), name="report", max_failures=1,
-                            train_fn=client.train_fn_inprocess, callbacks=[client.ErrorLog(str(errors))]).fit()
-    assert result.error is None, result.error
-    seen = [json.loads(line) for line in errors.read_text().splitlines()]
+    seen = _fit_restarted_once(tmp_path, faulted, "report")
     assert seen == [{"1": "OSError: Ray's report of step 6 failed (simulated)"}], seen
     rows = _generations(faulted)
     first = {}  # each rank's log from the worker group the fault was in

@@ -51,12 +51,11 @@ def _step(state: TrainState) -> None:
     state.optimizer.zero_grad()
 
 
-@pytest.fixture
-def tiers(tmp_path):
-    """A durable step 4 and an in-memory step 8 of the same run; the durable load's result for reference."""
+def _saved(durable_dir: Path, local_dir: Path, lineage: str) -> tuple[AtomicCheckpointer, LocalTier]:
+    """8 steps of one run: a durable save of step 4, an in-memory save of step 8 (committed)."""
     state = _state(0)
-    durable = AtomicCheckpointer(tmp_path / "durable")
-    local = LocalTier(tmp_path / "shm", lineage="hostile")
+    durable = AtomicCheckpointer(durable_dir)
+    local = LocalTier(local_dir, lineage=lineage)
     for step in range(1, 9):
         _step(state)
         if step == 4:
@@ -64,6 +63,13 @@ def tiers(tmp_path):
         if step == 8:
             state.save_local(local, step)
             local.wait()
+    return durable, local
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    """A durable step 4 and an in-memory step 8 of the same run; the durable load's result for reference."""
+    durable, local = _saved(tmp_path / "durable", tmp_path / "shm", "hostile")
     reference = _state(1)
     reference.load(durable)
     copy = Path(local.directory, "owner_00000", "own", "step_0000000008")
@@ -461,16 +467,7 @@ def _replica_flipped(rank: int, root: str) -> tuple[dict[str, bool], int, str, b
     flipped: the load must refuse that replica and fall back to the durable tier."""
     import torch.distributed as dist
 
-    state = _state(0)
-    durable = AtomicCheckpointer(Path(root) / "durable")
-    local = LocalTier(Path(root) / f"node{rank}", lineage="replica-crc")
-    for step in range(1, 9):
-        _step(state)
-        if step == 4:
-            state.save(durable, step)
-        if step == 8:
-            state.save_local(local, step)
-            local.wait()
+    durable, local = _saved(Path(root) / "durable", Path(root) / f"node{rank}", "replica-crc")
     honest = {}
     for meta in Path(local.directory).glob("owner_*/*/step_*/meta.json"):
         files = json.loads(meta.read_text())["files"]

@@ -8,6 +8,7 @@ for point-to-point work), so a peer that died mid-transfer is an error naming it
 
 from __future__ import annotations
 
+import threading
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,18 +54,46 @@ class Blob:
         return memoryview(self.tensor.numpy())
 
 
+_POLL_S = 0.05
+
+
 def _wait(works: list[tuple[Any, str]], timeout: float, rank: int, what: str) -> None:
-    for work, peer in works:
+    """Wait for ``works`` (bounded by ``timeout`` each) on a helper thread, and give up at once when an in-process
+    recovery interrupts the waits. gloo does not always wake a point-to-point wait whose transfer is under way when
+    its connections are shut down (benchmarks/findings.md, P10: 7 of 28 runs of a 200 MB exchange): waited for
+    here, such a wait held the recovery's teardown for its 2 s bound, then its thread until the timeout. Now only
+    the helper is left with it (the timeout still ends it); the caller goes on at once."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
         try:
-            ok = work.wait(timedelta(seconds=timeout))
+            for work, peer in works:
+                box["peer"] = peer
+                if work.wait(timedelta(seconds=timeout)) is False:
+                    box["late"] = peer
+                    return
         except Exception as e:  # gloo raises on timeout or a closed connection
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise CheckpointError(f"the in-memory checkpoint {what} with {peer} failed ({type(e).__name__}: {first}); "
-                                  f"expected it within {timeout:g} s. The peer probably died. Fix: see its log; the "
-                                  "restarted job recovers from the newest complete step.", rank=rank) from e
-        if ok is False:
-            raise CheckpointError(f"the in-memory checkpoint {what} with {peer} did not finish within {timeout:g} s; "
-                                  "expected the peer to take part. Fix: see its log.", rank=rank)
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"robustdist-local-wait-{rank}", daemon=True).start()
+    while not done.wait(_POLL_S):
+        if (reason := _dist.interrupted()) is not None:
+            raise CheckpointError(f"the in-memory checkpoint {what} with {box.get('peer', 'its peer')} was given up: "
+                                  f"{reason}. Expected when the job recovers in place (its wait is left to end on "
+                                  "its own). Fix: none; the recovery resumes from the newest complete step.",
+                                  rank=rank)
+    if (e := box.pop("error", None)) is not None:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(f"the in-memory checkpoint {what} with {box.get('peer', 'its peer')} failed "
+                              f"({type(e).__name__}: {first}); expected it within {timeout:g} s. The peer probably "
+                              "died. Fix: see its log; the restarted job recovers from the newest complete step.",
+                              rank=rank) from e
+    if "late" in box:
+        raise CheckpointError(f"the in-memory checkpoint {what} with {box['late']} did not finish within "
+                              f"{timeout:g} s; expected the peer to take part. Fix: see its log.", rank=rank)
 
 
 def exchange(group: Any, rank: int, sends: dict[int, list[Blob]], receive_from: list[int], *,
