@@ -274,13 +274,11 @@ class LocalTier:
         token = uuid.uuid4().hex[:12]
         meta = {"world_size": self.world_size, "lineage": self.lineage, "kinds": kinds, "save": save_id}
         blobs = [Blob.of(serialise(payload))] + ([Blob.of(serialise(replicated))] if self.rank == 0 else [])
-        names = (layout.PAYLOAD, layout.REPLICATED)
-        files = {n: b.view() for n, b in zip(names, blobs)}
-        written, problem = 0, None
+        names, written, problem = (layout.PAYLOAD, layout.REPLICATED), 0, None
         try:
             layout.remove_stale(self.directory, self.rank, "own")
-            written += layout.commit_copy(self.directory, self.rank, "own", step, token, files, meta,
-                                          {n: b.crc for n, b in zip(names, blobs)})
+            written += layout.commit_copy(self.directory, self.rank, "own", step, token, {
+                n: b.view() for n, b in zip(names, blobs)}, meta, {n: b.crc for n, b in zip(names, blobs)})
             # what the own copy holds, until the next snapshot: a load that agrees on this save uses it (.held)
             self._held = _held.Held(step, save_id, self.rank, self.world_size, self.lineage, payload, replicated)
         except Exception as e:  # still take part in the exchange (the peers wait for it), then report
