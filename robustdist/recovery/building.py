@@ -27,13 +27,15 @@ from typing import Any
 
 from robustdist.health.watchdog_store import connector
 from robustdist.init.rendezvous import bounded
+from robustdist.recovery import stuck as stuck_mod
 from robustdist.recovery.faults import FaultWatch, declare_fault, decide, read_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger
 
-__all__ = ["Generation", "building", "failed", "group_made", "looks_like_transport", "tell"]
+__all__ = ["AWAIT_DECISIONS_S", "Generation", "await_decisions", "building", "decide_escalate", "failed",
+           "group_made", "looks_like_transport", "tell"]
 
 log = get_logger(__name__)
 
@@ -51,6 +53,12 @@ class Generation:
         self.told = False  # tell() ran (once per generation)
         self.rank: int | None = None  # this rank in the generation's group, once the group exists
         self._store: Any = None  # the generation's store, once the watch runs
+        self.trainer: tuple[int, int] | None = None  # the training thread's (ident, native id), once it trains
+        self.judgement = stuck_mod.Judgement()  # whether the training thread got out of what the fault found
+        self.record_to: tuple[str, int] | None = None  # the restart-loop guard's record (directory, attempt)
+        self._checker: threading.Thread | None = None  # :func:`.stuck.watch`, after a shutdown
+        self._lock = threading.Lock()
+        self.decision_bound = 60.0  # how long the ranks wait for each other's decisions (the loop sets it)
 
     def on_fault(self, generation: int) -> None:
         """The watch's callback (any thread): get this rank out of the collective or store wait it is in. A wait
@@ -60,29 +68,51 @@ class Generation:
         if self.sockets is not None:
             self.sockets.unblock()
         stuck = _dist.interrupt_waits(f"a rank faulted in recovery generation {generation}")
-        if stuck is not None and self._store is not None and self.rank is not None:
+        if self._store is None or self.rank is None:
+            return
+        if stuck is not None:
             self._escalate_stuck(generation, stuck, self._store, self.rank)
+        elif self.trainer is not None and threading.get_ident() != self.trainer[0]:
+            store, rank, scope = self._store, self.rank, self.scope  # the thread holds these, not the generation
+            world, bound = _dist.world_size(), self.decision_bound
 
-    def _escalate_stuck(self, generation: int, stuck: str, store: Any, rank: int, bound: float = 10.0) -> None:
-        """This rank waits in ``stuck``, which nothing here ends: its decision is "escalate", written for it on a
-        connection of its own, abandoned after ``bound`` seconds (a store that stopped answering must not hold
-        the watch's callback)."""
+            left = self.judgement.left
+
+            def escalate(why: str) -> None:
+                decide_escalate(scope, generation, why, store, rank)
+                if rank == 0:  # its exit takes the store down, usually: the live ranks decide first (bounded)
+                    await_decisions(connector(store, bound), f"{scope}/{generation}/decision", world,
+                                    time.monotonic() + min(bound, AWAIT_DECISIONS_S), stop=left)
+
+            with self._lock:  # one check, never started after the training thread has left
+                if left.is_set() or self._checker is not None:
+                    return
+                self._checker = threading.Thread(
+                    target=stuck_mod.watch, name=f"robustdist-recovery-stuck-{generation}", daemon=True,
+                    kwargs=dict(ident=self.trainer[0], native_id=self.trainer[1], judgement=self.judgement,
+                                rank=rank, generation=generation, record_to=self.record_to, escalate=escalate))
+                self._checker.start()
+
+    def leave(self) -> str | None:
+        """The training thread is out of what the fault found it in: the stuck-thread check ends. Returns where
+        the thread was judged stuck (this rank has escalated), or None; never returns once the process exits."""
+        with self._lock:  # after this, no check starts
+            self.judgement.left.set()
+            checker = self._checker
+        stuck = self.judgement.leave()
+        if checker is not None and checker is not threading.current_thread():
+            checker.join(15.0 if stuck else 1.0)  # an escalation's store calls are bounded (10 s each)
+        return stuck
+
+    def _escalate_stuck(self, generation: int, stuck: str, store: Any, rank: int) -> None:
+        """This rank waits in ``stuck``, which nothing here ends: its decision is "escalate"."""
         log.error("rank %d: a rank faulted in in-process recovery generation %d while this rank waits in %s, which "
                   "robustdist cannot interrupt; expected every rank in a wait it can end. This rank cannot join the "
                   "recovery, so it escalates for itself, and the launcher's restart takes over. Fix: let the "
                   "launcher restart the job (torchrun --max-restarts; under Ray Train FailureConfig(max_failures=1) "
                   "or more: Ray's default, 0, ends the run); the restart resumes from the newest checkpoint.", rank,
                   generation, stuck)
-        connect = connector(store, bound)
-        end = time.monotonic() + bound
-        _, problem, finished = bounded(
-            lambda: decide(connect(), scope=self.scope, generation=generation, rank=rank,
-                           decision=f"escalate (waiting in {stuck})"), end, "recovery-decide", ends_by=end + 15)
-        if problem is not None or not finished:  # the others give up on this rank's decision after their bound
-            log.warning("rank %d: could not record its escalation in the store (%s); expected the job's store to "
-                        "answer within %g s. The other ranks escalate once their decision bound has passed. Fix: "
-                        "check the store's host (rank 0's node) and this node's link to it.", rank,
-                        f"{type(problem).__name__}: {str(problem)[:200]}" if problem else "no answer", bound)
+        decide_escalate(self.scope, generation, f"waiting in {stuck}", store, rank)
 
     def watch_on(self, store: Any, timeout: float) -> FaultWatch:
         """Start the watch on ``store`` (once; a later call returns the running one)."""
@@ -97,6 +127,39 @@ class Generation:
     def close(self) -> None:
         if self.watch is not None:
             self.watch.close()
+
+
+def decide_escalate(scope: str, generation: int, why: str, store: Any, rank: int, bound: float = 10.0) -> None:
+    """Record this rank's decision "escalate (``why``)" for it, on a connection of its own, abandoned after ``bound``
+    seconds (a store that stopped answering must not hold the caller)."""
+    connect = connector(store, bound)
+    end = time.monotonic() + bound
+    _, problem, finished = bounded(
+        lambda: decide(connect(), scope=scope, generation=generation, rank=rank, decision=f"escalate ({why})"), end,
+        "recovery-decide", ends_by=end + 15)
+    if problem is not None or not finished:  # the others give up on this rank's decision after their bound
+        log.warning("rank %d: could not record its escalation in the store (%s); expected the job's store to answer "
+                    "within %g s. The other ranks escalate once their decision bound has passed. Fix: check the "
+                    "store's host (rank 0's node) and this node's link to it.", rank,
+                    f"{type(problem).__name__}: {str(problem)[:200]}" if problem else "no answer", bound)
+
+
+AWAIT_DECISIONS_S = 10.0
+"""The most a stuck rank 0 waits for the other ranks' decisions before its process exits (a stopped or cut-off
+rank gives none; a live one, in its own teardown, within a second or two)."""
+
+
+def await_decisions(connect: Any, base: str, world: int, end: float, stop: threading.Event | None = None) -> None:
+    """Wait until every rank's decision is under ``base``, ``end`` (monotonic) has passed, or ``stop`` is set: rank
+    0, about to exit, usually serves the store, and its exit would take the store from the ranks still deciding."""
+
+    def decided() -> None:
+        client = connect()
+        keys = [f"{base}/{r}" for r in range(world)]
+        while not client.check(keys) and time.monotonic() < end and not (stop is not None and stop.is_set()):
+            time.sleep(0.05)
+
+    bounded(decided, end, "recovery-decided", ends_by=end + 15)
 
 
 _current: list[Generation] = []  # the generation being built in this process, while the loop builds one
@@ -183,12 +246,6 @@ def tell(g: Generation, error: BaseException, sockets: GroupSockets | None, *, b
             g.own = True
         client.set(f"{base}/{rank}", "escalate")  # the others need not wait for this rank's decision
 
-    def others_decided() -> None:
-        client = connect()
-        keys = [f"{base}/{r}" for r in range(world)]
-        while not client.check(keys) and time.monotonic() < end:
-            time.sleep(0.05)
-
     base = f"{g.scope}/{g.generation}/decision"
     end = time.monotonic() + bound
     _, problem, finished = bounded(declare, end, "recovery-tell", ends_by=end + 15)
@@ -203,7 +260,7 @@ def tell(g: Generation, error: BaseException, sockets: GroupSockets | None, *, b
         sockets.exclude(*_store_ports(store))
         sockets.unblock()  # the group's connections only: the store's stay, the others read the fault in it
     if rank == 0 and finished and problem is None:  # its exit may take the store down: the others decide first
-        bounded(others_decided, end, "recovery-decided", ends_by=end + 15)
+        await_decisions(connect, base, world, end)
     g.close()
 
 

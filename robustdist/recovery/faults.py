@@ -288,17 +288,23 @@ def agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str,
           timeout: float) -> tuple[list[str], str]:
     """Every rank's decision for generation ``gen`` ("recover", "escalate" or "done"; a rank that says nothing
     within ``timeout`` counts as "escalate"), and the generation's verdict: the first rank to have read every
-    decision stores its outcome, and every rank acts on that stored one (a rank that comes back after the others
-    gave up on it reads their "escalate", never its own view of the decisions)."""
+    decision, or one that is not "recover" (the outcome is then "escalate" whatever the rest say: nobody waits
+    for them), stores its outcome, and every rank acts on that stored one (a rank that comes back after the others
+    gave up on it reads their "escalate", never its own view of the decisions). Decisions not read then are
+    "undecided"."""
     base = f"{scope}/{gen}/decision"
     store.set(f"{base}/{rank}", mine)
     deadline = time.monotonic() + timeout
-    out = []
+    out: list[str] = []
     for r in range(world):
         key = f"{base}/{r}"
         while not store.check([key]) and time.monotonic() < deadline:
             time.sleep(0.02)
         out.append(store.get(key).decode("ascii", "replace") if store.check([key]) else "escalate")
+        if out[-1] != "recover":
+            out += [store.get(k).decode("ascii", "replace") if store.check([k]) else "undecided"
+                    for k in (f"{base}/{q}" for q in range(r + 1, world))]
+            break
     outcome = "recover" if all(d == "recover" for d in out) else "escalate"
     verdict = store.compare_set(f"{scope}/{gen}/verdict", "", outcome)
     return out, verdict.decode("ascii", "replace") if isinstance(verdict, bytes) else str(verdict)

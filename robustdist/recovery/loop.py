@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -208,15 +209,19 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
     clock: Clock | None = None  # the recovery in progress, phase by phase (.timings)
     last_resumed: tuple[object, int] = (None, 0)  # (the step resumed from, or "resume", faults after it in a row)
     record_to: tuple[str, int] | None = None  # where the restart-loop guard's record is (the last generation's)
+    bound = 60.0  # how long the ranks wait for each other's decisions after a fault (the last generation's)
     while True:
         _dist.resume_waits()
         gen = _state["generation"]
         g = Generation(scope, gen)
+        g.trainer = (threading.get_ident(), threading.get_native_id())  # for .stuck, after a shutdown
+        g.record_to, g.decision_bound = record_to, bound  # the last generation's, until this one is built
         try:
             with building(g if gen > 0 else None):  # generation 0 is the script's own harden call
                 h, sockets = build()
             rebuilt = clock.lap() if clock is not None else 0.0
         except BaseException as e:
+            g.leave()
             if gen == 0:
                 g.close()
                 raise
@@ -235,6 +240,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         if sockets is not None:
             sockets.exclude(*ports)  # before the watch may use them: the store's connections are never cut
         g.sockets = sockets
+        g.record_to = (h.checkpointer.directory, h.attempt) if h.checkpointer is not None else record_to
+        g.decision_bound = bound = min(60.0, h.config.distributed.init_timeout)
         if g.fired.is_set():  # a fault came while this generation was built: out of its first collective at once
             g.on_fault(gen)
         rank, world = _dist.rank(), _dist.world_size()
@@ -276,6 +283,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                     optimizer.zero_grad(set_to_none=True)
             result = train_fn(h, int(resumed))  # type: ignore[call-overload]
         except BaseException as e:
+            stuck = g.leave()  # out of what the fault found it in: no stuck-thread verdict now (.stuck)
             seen, caught = fired.is_set(), time.time()  # seen: another rank's fault, by this rank's watch
             try:  # the watch and the liveness thread close even if what comes first raised
                 # a lost connection where another rank has declared a fault that the watch has not yet woken up
@@ -305,6 +313,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             last_resumed = (resumed, repeats)
             limit = h.config.health.max_restarts_without_progress
             why = (unsupported if unsupported else
+                   f"this rank escalated: its training thread was judged {stuck}" if stuck else
                    "the watch lost the store" if watch.lost else
                    "it must not be recovered in place" if _fatal(e) else
                    f"{repeats} faults in a row after resuming from {'step ' if resumed != 'resume' else ''}{resumed} "
@@ -314,14 +323,13 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 record_to = (h.checkpointer.directory, h.attempt)
             try:  # every rank decides alike: if one escalates, or is gone, all do
                 t = time.monotonic()
-                decisions, verdict = agree(keep, scope, gen, rank, world, "escalate" if why else "recover",
-                                           min(60.0, h.config.distributed.init_timeout))
+                decisions, verdict = agree(keep, scope, gen, rank, world, "escalate" if why else "recover", bound)
                 clock.record.decide_s = time.monotonic() - t
             except Exception as d:  # the store is gone: nobody can agree on a recovery
                 decisions, verdict, store_ok = ["escalate"], "escalate", False
                 why = why or f"the store is gone ({type(d).__name__})"
             if why is None and verdict != "recover":
-                others = [r for r, d in enumerate(decisions) if d != "recover"]
+                others = [r for r, d in enumerate(decisions) if d not in ("recover", "undecided")]
                 why = (f"rank(s) {others} did not recover ({', '.join(decisions[r] for r in others)})" if others
                        else "another rank gave up waiting for this generation's decisions, and escalated")
             if h.local is not None and why is None:  # the next generation restores this process's copy from memory
@@ -354,6 +362,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                         "a fault" if own else "another rank's fault", gen, what[:300] if earlier is None else
                         f"{what[:300]}, after the fault of {earlier.describe()[:300]}, read from the store", gen + 1)
         else:
+            g.leave()
             try:  # before the watch closes: a rank faulting now reads "done" at once, not after the bound
                 keep.set(f"{scope}/{gen}/decision/{rank}", "done")
             except Exception as d:

@@ -31,12 +31,13 @@ class ToyModel(nn.Module):
 
 
 def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backward: bool = False,
-         kind: type[BaseException] = ValueError, keep: str | None = None) -> dict:
+         kind: type[BaseException] = ValueError, keep: str | None = None, settle: bool = False) -> dict:
     """``fault``: (rank, step, every generation?) raises ValueError there: after the optimizer step (the other
     rank then waits in the save's arrival check, in the store), or before ``backward()`` (the other rank then
     waits in DDP's gradient all-reduce, a gloo collective). ``keep``: the training function keeps generation 0's
-    ``h.<keep>`` (a script holding a part of a generation past its end); ``out["logged"]``: what robustdist
-    logged at INFO and above."""
+    ``h.<keep>`` (a script holding a part of a generation past its end); ``settle``: the faulting rank first waits
+    for its last in-memory save (a fault in its replication may leave that save behind, which the teardown names
+    too); ``out["logged"]``: what robustdist logged at INFO and above."""
     logged: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
@@ -63,6 +64,8 @@ def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backw
             for x, y in h.loader:
                 loss = nn.functional.mse_loss(h.model(x), y)
                 hit = fault and rank == fault[0] and step + 1 == fault[1] and (fault[2] or generation() == 0)
+                if hit and settle:
+                    h.local.wait()
                 if hit and before_backward:
                     raise kind(f"boom at step {step + 1}")
                 loss.backward()  # the other rank's backward is cut mid-way by this fault: partial gradients
@@ -114,9 +117,10 @@ def test_a_part_of_a_torn_down_generation_the_script_keeps_is_named_and_the_reco
     """The training function keeps generation 0's checkpointer past the fault: the teardown's collection cannot
     free it, so rank 0 says so at INFO (robustdist's INFO lines come from rank 0 only, by default), naming the
     part, and every rank recovers anyway; without it, nothing is said."""
-    kept = run_ranks(_job, 2, args=(str(tmp_path / "k"), (1, 7, False), True, ValueError, "checkpointer"),
+    kept = run_ranks(_job, 2, args=(str(tmp_path / "k"), (1, 7, False), True, ValueError, "checkpointer", True),
                      init=False, timeout=180)
-    plain = run_ranks(_job, 2, args=(str(tmp_path / "p"), (1, 7, False), True), init=False, timeout=180)
+    plain = run_ranks(_job, 2, args=(str(tmp_path / "p"), (1, 7, False), True, ValueError, None, True), init=False,
+                      timeout=180)
     for rank in range(2):
         assert "raised" not in kept[rank] and kept[rank]["end"] == TOTAL, kept[rank].get("raised")
         assert "raised" not in plain[rank] and plain[rank]["end"] == TOTAL, plain[rank].get("raised")

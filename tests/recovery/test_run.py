@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from robustdist import harden
@@ -98,9 +99,12 @@ def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, in
                     loss = h.model(x, y) / ACCUM
                     if last and (rank, iter_num + 1, generation()) in faults_here:
                         raise ValueError(f"boom in iteration {iter_num + 1}")
-                    if last and stall and (rank, iter_num + 1, 0) == (stall[0], stall[1], generation()):
+                    if last and stall and (stall[2] == "stop-in-send" or rank == stall[0]) \
+                            and (iter_num + 1, 0) == (stall[1], generation()):
                         if stall[2] == "sleep":
                             time.sleep(stall[3])
+                        elif stall[2] == "stop-in-send":  # pipeline-style activations, 200 MB: rank 1 stops
+                            _send_to_a_stopping_peer(rank, stall[3])  # mid-transfer
                         else:
                             subprocess.Popen(["sh", "-c", f"sleep {stall[3]}; kill -CONT {os.getpid()}"])
                             os.kill(os.getpid(), signal.SIGSTOP)
@@ -132,6 +136,20 @@ def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, in
         except RuntimeError as e:
             out["old"] = str(e)
     return out
+
+
+def _send_to_a_stopping_peer(rank: int, stop_for: float) -> None:
+    """Rank 0 sends 200 MB to rank 1, which posts its receive and then stops (SIGSTOP; continued ``stop_for``
+    seconds later): rank 0's send is under way when the fault (rank 1's heartbeats stopping) shuts its group's
+    connections down, and gloo does not end such a send."""
+    big = torch.ones(200 << 20, dtype=torch.uint8)
+    if rank == 1:
+        work = dist.irecv(torch.empty_like(big), 0)  # its "ready" is sent before this returns: the data flows
+        subprocess.Popen(["sh", "-c", f"sleep {stop_for}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        work.wait()
+    else:
+        dist.isend(big, 1).wait()
 
 
 @pytest.mark.parametrize("keep_old", [False, True], ids=["h-model", "kept-generation-0-module"])
@@ -213,6 +231,32 @@ def test_a_stopped_rank_makes_every_rank_escalate_long_before_the_collective_tim
     assert out[0]["seconds"] < 120, out[0]  # 2.25 s + 15 s and the steps before; not 300 s
     for rank in range(2):
         assert [g for g, _, _ in out[rank]["seen"]] == [0], out[rank]["seen"]
+
+
+def test_a_rank_stuck_in_a_send_that_the_teardown_cannot_end_exits_at_once_for_a_restart(tmp_path):
+    """Rank 1 stops (SIGSTOP, 8 s) while rank 0's 200 MB send to it is under way: rank 0 declares rank 1's stopped
+    heartbeats and shuts its group's connections down, but gloo does not end that send (it would wait for the
+    collective timeout, 300 s). Rank 0 finds its training thread stuck, escalates, waits (bounded) for rank 1's
+    decision (its process serves the store) and exits with the hang code; rank 1, continued, is stuck the same way
+    in its receive, half filled when the connection closed, and exits too. Both errors are recorded for the
+    restart-loop guard, and the launcher would restart the job within seconds, not after the timeout."""
+    from robustdist.health.restart_guard import _last_errors
+    from robustdist.health.watchdog import HANG_EXIT_CODE
+    from robustdist.runtime.errors import RanksFailed
+
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [], False, (1, 6, "stop-in-send", 8.0)), init=False,
+                  timeout=240)
+    took = time.monotonic() - start
+    assert set(failed.value.failures) == {0, 1}, failed.value.failures
+    for rank in range(2):
+        assert f"rank {rank} exited with code {HANG_EXIT_CODE} without returning" in failed.value.failures[rank]
+    assert took < 120, took  # the steps before, 8 s stopped, 2 s to judge each; not the 300 s timeout
+    errors = _last_errors(str(tmp_path / "a/ckpt"), [0])
+    for rank in range(2):
+        assert f"[rank {rank}] in-process recovery generation 0: this rank's training thread is still blocked in " \
+            "_send_to_a_stopping_peer (test_run.py:" in errors, errors
 
 
 def test_a_run_that_cannot_recover_in_place_takes_the_ordinary_path(tmp_path, monkeypatch):
