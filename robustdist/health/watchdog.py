@@ -135,6 +135,12 @@ class Watchdog:
     def heartbeats(self) -> tuple[str, float, float] | None:  # (key prefix, interval s, stale after s), or None
         return (self._prefix, self._interval, self._stale_after) if self._heartbeat is not None else None
 
+    @property
+    def hand_over(self) -> Callable[[BaseException], bool] | None:
+        """The ``hand_over`` it was made with (Ray Train's, inside a Train worker): in-process recovery hands a
+        stuck rank's error over the same way before its process exits."""
+        return self._hand_over
+
     def on_hang(self, callback: Callable[[HangReport], None] | None) -> None:
         """Call ``callback(report)`` on the watchdog's thread at each hang verdict, after the dump and the report
         (in-process recovery declares a fault there). With ``action="abort"`` the process then exits only if this

@@ -59,6 +59,7 @@ class Generation:
         self._checker: threading.Thread | None = None  # :func:`.stuck.watch`, after a shutdown
         self._lock = threading.Lock()
         self.decision_bound = 60.0  # how long the ranks wait for each other's decisions (the loop sets it)
+        self.hand_over: Any = None  # the watchdog's hand-over of an error to Ray Train's controller, if any
 
     def on_fault(self, generation: int) -> None:
         """The watch's callback (any thread): get this rank out of the collective or store wait it is in. A wait
@@ -90,7 +91,8 @@ class Generation:
                 self._checker = threading.Thread(
                     target=stuck_mod.watch, name=f"robustdist-recovery-stuck-{generation}", daemon=True,
                     kwargs=dict(ident=self.trainer[0], native_id=self.trainer[1], judgement=self.judgement,
-                                rank=rank, generation=generation, record_to=self.record_to, escalate=escalate))
+                                rank=rank, generation=generation, record_to=self.record_to, escalate=escalate,
+                                hand_over=self.hand_over))
                 self._checker.start()
 
     def leave(self) -> str | None:

@@ -242,6 +242,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         g.sockets = sockets
         g.record_to = (h.checkpointer.directory, h.attempt) if h.checkpointer is not None else record_to
         g.decision_bound = bound = min(60.0, h.config.distributed.init_timeout)
+        g.hand_over = h.watchdog.hand_over if h.watchdog is not None else None  # Ray Train's, in a Train worker
         if g.fired.is_set():  # a fault came while this generation was built: out of its first collective at once
             g.on_fault(gen)
         rank, world = _dist.rank(), _dist.world_size()

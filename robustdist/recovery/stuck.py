@@ -43,7 +43,7 @@ from robustdist.health.watchdog import HANG_EXIT_CODE
 from robustdist.runtime.errors import RecoveryError
 from robustdist.runtime.log import get_logger
 
-__all__ = ["EXIT_BOUND_S", "EXIT_GRACE_S", "STUCK_AFTER_S", "Judgement", "Sample", "sample", "waiting_in", "watch"]
+__all__ = ["EXIT_BOUND_S", "EXIT_GRACE_S", "HAND_OVER_GRACE_S", "STUCK_AFTER_S", "Judgement", "Sample", "sample", "waiting_in", "watch"]
 
 log = get_logger(__name__)
 
@@ -54,6 +54,9 @@ EXIT_GRACE_S = 2.0
 """After escalating, the seconds a stuck thread is given to come out by itself before the process exits."""
 EXIT_BOUND_S = 10.0
 """The most the exit's last steps (the restart-loop record, the stack dump, flushing) may take."""
+HAND_OVER_GRACE_S = 30.0
+"""Where the error was handed to the launcher's controller (Ray Train's), the seconds it has to tear the worker
+down before the process exits by itself."""
 _POLL_S = 0.1
 _COLLECTIVE_DIRS = tuple(os.path.join("torch", *parts) + os.sep for parts in
                          (("distributed",), ("autograd",), ("nn", "parallel")))
@@ -145,10 +148,11 @@ def waiting_in(ident: int) -> str | None:
 def watch(*, ident: int, native_id: int, judgement: Judgement, rank: int, generation: int,
           escalate: Callable[[str], None], record_to: tuple[str, int] | None,
           stuck_after: float = STUCK_AFTER_S, exit_grace: float = EXIT_GRACE_S,
-          exit: Callable[[int], Any] = os._exit) -> None:
+          hand_over: Callable[[BaseException], bool] | None = None, exit: Callable[[int], Any] = os._exit) -> None:
     """Watch the training thread (``ident``, ``native_id``) from the shutdown until it has left
-    (``judgement.left``); when it is stuck, ``escalate(where)`` and end the process (``exit``). Runs on a thread of
-    its own."""
+    (``judgement.left``); when it is stuck, ``escalate(where)`` and end the process (``exit``; first
+    ``hand_over(error)``, the watchdog's: inside Ray Train the controller then shows the error and ends the
+    worker). Runs on a thread of its own."""
     left = judgement.left
     start = time.monotonic()
     still_since, ticks = start, -1
@@ -183,14 +187,18 @@ def watch(*, ident: int, native_id: int, judgement: Judgement, rank: int, genera
             log.warning("rank %d: the training thread came out after all; not exiting, but this rank has escalated "
                         "(expected: an exit). Fix: none; the launcher's restart takes over.", rank, all_ranks=True)
             return
-        _exit(rank, error, record_to, exit)
+        _exit(rank, error, record_to, exit, hand_over)
         return
 
 
-def _exit(rank: int, error: BaseException, record_to: tuple[str, int] | None, exit: Callable[[int], Any]) -> None:
-    """The error recorded for the restart-loop guard, every thread's stack on stderr, then ``exit``; the last steps
-    bounded by :data:`EXIT_BOUND_S` (a record on a stalled file system, a pipe nobody reads)."""
-    bound = threading.Timer(EXIT_BOUND_S, exit, (HANG_EXIT_CODE,))
+def _exit(rank: int, error: BaseException, record_to: tuple[str, int] | None, exit: Callable[[int], Any],
+          hand_over: Callable[[BaseException], bool] | None = None) -> None:
+    """The error recorded for the restart-loop guard, every thread's stack on stderr, the error handed over (where
+    ``hand_over`` takes it: the process then waits up to :data:`HAND_OVER_GRACE_S` to be ended), then ``exit``;
+    the steps before the hand-over bounded by :data:`EXIT_BOUND_S` (a record on a stalled file system, a pipe
+    nobody reads), the whole by both."""
+    bound = threading.Timer(EXIT_BOUND_S + (HAND_OVER_GRACE_S if hand_over is not None else 0.0), exit,
+                            (HANG_EXIT_CODE,))
     bound.daemon = True
     bound.start()
     if record_to is not None:
@@ -205,5 +213,18 @@ def _exit(rank: int, error: BaseException, record_to: tuple[str, int] | None, ex
             stream.flush()
     except Exception:  # a closed stream must not keep the process alive
         pass
+    handed = False
+    if hand_over is not None:
+        try:
+            handed = hand_over(error)
+        except Exception as e:  # Ray's internals changed: exit as elsewhere
+            log.warning("rank %d: could not hand the error to the launcher's controller (%s: %s); expected Ray "
+                        "Train's controller to take it. Fix: none; the process exits instead.", rank, type(e).__name__,
+                        e, all_ranks=True)
+    if handed:
+        log.error("rank %d: handed the error to the launcher's controller (Ray Train), which ends this worker; "
+                  "exiting with code %d in %g s if it has not", rank, HANG_EXIT_CODE, HAND_OVER_GRACE_S,
+                  all_ranks=True)
+        time.sleep(HAND_OVER_GRACE_S)
     exit(HANG_EXIT_CODE)
     bound.cancel()  # reached only where ``exit`` returns (tests)

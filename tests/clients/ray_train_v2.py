@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import time
 from typing import Any
 
@@ -94,10 +95,12 @@ def train_fn_inprocess(config: dict[str, Any]) -> None:
            "checkpoint": {"dir": config["ckpt"], "every_n_steps": config.get("every", 3), "keep_last": 2,
                           "local_every_n_steps": 1, "local_dir": config["local_dir"]},
            "recovery": {"in_process": True}}
+    if config.get("stuck_at"):  # rank 0 finds rank 1's stopped heartbeats (its watchdog hands errors to Ray)
+        cfg["health"] = {"hang_timeout": 3}
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"])
     h = harden(model, loader, cfg, optimizer=optimizer)
     rank = h.topology.rank
-    if config.get("report_raise_at") or config.get("stage_raise_at"):
+    if config.get("report_raise_at") or config.get("stage_raise_at") or config.get("stuck_at"):
         _fail_report(out, rank, config.get("report_raise_at"), config.get("stage_raise_at"))
         handler = logging.FileHandler(os.path.join(out, f"log-{rank}-{os.getpid()}.txt"))
         handler.setLevel(logging.INFO)
@@ -118,6 +121,8 @@ def train_fn_inprocess(config: dict[str, Any]) -> None:
                     raise RuntimeError(f"boom before the backward of step {step + 1} (simulated)")
                 if rank == 1 and step + 1 == config.get("fatal_at") and _first_time(out, "fatal"):
                     raise MemoryError(f"out of memory before the backward of step {step + 1} (simulated)")
+                if step + 1 == config.get("stuck_at") and generation() == 0 and _first_time(out, f"stuck-{rank}"):
+                    _send_to_a_stopping_peer(rank)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
@@ -132,6 +137,21 @@ def train_fn_inprocess(config: dict[str, Any]) -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "final.pt"))
     with open(os.path.join(out, f"recoveries-{rank}"), "w") as fh:
         fh.write(str(len(history())))
+
+
+def _send_to_a_stopping_peer(rank: int) -> None:
+    """Pipeline-style activations, 200 MB, from rank 0 to rank 1, which posts its receive and stops (SIGSTOP, 8 s)
+    while the data flows: gloo ends neither wait when the connections are shut down."""
+    import torch.distributed as dist
+
+    big = torch.ones(200 << 20, dtype=torch.uint8)
+    if rank == 1:
+        work = dist.irecv(torch.empty_like(big), 0)
+        subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        work.wait()
+    else:
+        dist.isend(big, 1).wait()
 
 
 def _fail_report(out: str, rank: int, report_at: int | None, stage_at: int | None) -> None:

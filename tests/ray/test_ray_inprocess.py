@@ -207,6 +207,25 @@ def test_a_fault_while_another_rank_waits_in_ray_train_report_escalates_at_once_
     _assert_bitwise(faulted, reference)
 
 
+def test_a_worker_stuck_in_a_transfer_the_teardown_cannot_end_hands_its_error_to_ray_and_resumes_bitwise(reference,
+                                                                                                          tmp_path):
+    """Rank 1 stops (8 s) while rank 0's 200 MB point-to-point send to it is under way (in the generation before
+    any recovery): rank 0 finds rank 1's heartbeats stopped, shuts the group's connections down, and stays blocked
+    in the send (gloo does not end it). It is judged stuck: its error is handed to Ray's controller, which shows it
+    and restarts the worker group once; the run resumes bitwise."""
+    faulted = _config(tmp_path, "stuck", stuck_at=5)
+    seen = _fit_restarted_once(tmp_path, faulted, "stuck")
+    assert len(seen) == 1 and "0" in seen[0], seen
+    assert seen[0]["0"].startswith("RecoveryError: [rank 0] in-process recovery generation 0: this rank's training "
+                                   "thread is still blocked in _send_to_a_stopping_peer (ray_train_v2.py:"), seen
+    rows = _generations(faulted)
+    for rank in range(2):
+        mine = [r for r in rows if r["rank"] == rank]
+        assert [r["generation"] for r in mine] == [0, 0] and mine[0]["pid"] != mine[1]["pid"], mine  # Ray's restart
+        assert mine[1]["resumed"] == 4 and mine[1]["source"] == "memory", mine
+    _assert_bitwise(faulted, reference)
+
+
 def test_a_rank_whose_files_for_ray_cannot_be_staged_is_a_fault_recovered_in_the_same_workers_bitwise(reference,
                                                                                                         tmp_path):
     """Rank 1 cannot stage its files for the report of step 6 (a full disk, say). Every rank learns it in

@@ -118,6 +118,31 @@ def test_the_exit_is_bounded_when_its_last_steps_hang(tmp_path, monkeypatch):
     assert exits == [HANG_EXIT_CODE] and time.monotonic() - start < 10
 
 
+@pytest.mark.parametrize("takes", [True, False, "raises"])
+def test_the_error_is_handed_to_the_controller_before_the_exit(monkeypatch, caplog, takes):
+    """Inside Ray Train the watchdog's hand-over gives the controller the named error; the process then waits (up
+    to the grace) for the controller to end it, and exits by itself after. Where nothing takes it, it exits."""
+    monkeypatch.setattr(stuck, "HAND_OVER_GRACE_S", 0.3)
+    handed: list[BaseException] = []
+
+    def hand_over(error: BaseException) -> bool:
+        handed.append(error)
+        if takes == "raises":
+            raise RuntimeError("Ray's internals changed")
+        return bool(takes)
+
+    exits: list[int] = []
+    error = RuntimeError("stuck")
+    start = time.monotonic()
+    with caplog.at_level("WARNING"):
+        stuck._exit(1, error, None, exits.append, hand_over)
+    assert handed == [error] and exits == [HANG_EXIT_CODE]
+    assert (time.monotonic() - start >= 0.3) == (takes is True)
+    assert ("rank 1: handed the error to the launcher's controller (Ray Train)" in caplog.text) == (takes is True)
+    assert ("could not hand the error to the launcher's controller (RuntimeError: Ray's internals changed)"
+            in caplog.text) == (takes == "raises")
+
+
 @pytest.mark.parametrize("what", ["sleep", "compute", "queue", "store-poll"])
 def test_a_thread_sleeping_computing_or_waiting_elsewhere_is_not_judged(what):
     """Only a collective's wait is judged: a ``sleep`` in the script, a step computing, a loader's queue and a
