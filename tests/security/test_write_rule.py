@@ -29,6 +29,7 @@ LEGIT = {
     "ray/memory.py": 1,  # cgroup memory files (read)
     "init/reach.py": 1,  # /proc/sys/kernel/random/boot_id
     "runtime/exit_drain.py": 2,  # /proc/self/task/<tid>/comm and stat (read)
+    "recovery/stuck.py": 2,  # /proc/self/task/<tid>/stat and wchan (read)
     "health/watchdog.py": 3,  # the stack-dump file in health.dump_dir, which the user names
     "ray/actor.py": 3,  # sysfs (NUMA node, CPU list), /proc/self/statm
     "testing/nodelab.py": 8,  # the test harness
