@@ -11,16 +11,21 @@ cannot join the recovery. Before this module, the other ranks then waited the wh
 escalated, and the caught rank went on waiting for the group's timeout.
 
 :func:`watch` (started by the generation's fault callback, on its own thread) samples the training thread after
-the shutdown. It is *stuck* when, :data:`STUCK_AFTER_S` seconds after the shutdown, it has been blocked (state
-``S`` or ``D`` in ``/proc``, no CPU time used) for the last half of that time, in a collective: its innermost
-Python frame in ``torch/distributed``, ``torch/autograd`` (DDP's all-reduce is waited for in ``backward()``) or
-``torch/nn/parallel``, or on a line that calls ``wait(`` (a script's own ``work.wait()``). Then the rank escalates
-for itself (its decision, "escalate (stuck: ...)", written on a bounded connection of its own: the others escalate
-at once) and, unless the thread comes out within :data:`EXIT_GRACE_S`, the process exits with
-:data:`~robustdist.health.watchdog.HANG_EXIT_CODE` (the error recorded for the restart-loop guard first; every
-thread's stack on stderr), as ``health.hang_action="abort"`` does: the thread would otherwise wait out the group's
-timeout, and the launcher restarts the job from its newest checkpoint. A thread blocked elsewhere (a ``sleep``, a
-loader's queue, file I/O) is not judged: it comes back by itself, or the decision bound ends the wait.
+the shutdown. It is *stuck* when, :data:`STUCK_AFTER_S` seconds after the shutdown, it has been asleep (state ``S``
+in ``/proc``, in a futex where ``wchan`` says, no CPU time used) for the last half of that time, in a collective:
+its innermost Python frame in ``torch/distributed`` (not its ``checkpoint`` package: file I/O), in
+``torch/autograd`` (DDP's all-reduce is waited for in ``backward()``; only where CUDA is not initialised, as a GPU
+backward sleeps on the host) or in ``torch/nn/parallel``, or on a line of the script's own (not the standard
+library's, not an installed package's) that calls ``.wait(`` (``work.wait()``). Then the rank escalates for itself
+(its decision, "escalate (stuck: ...)", written on a bounded connection of its own: the others escalate at once)
+and, unless the thread comes out within :data:`EXIT_GRACE_S`, the process exits with
+:data:`~robustdist.health.watchdog.HANG_EXIT_CODE` (the error recorded for the restart-loop guard first, every
+thread's stack on stderr, the error handed to Ray Train's controller where the watchdog has a hand-over), as
+``health.hang_action="abort"`` does: the thread would otherwise wait out the group's timeout, and the launcher
+restarts the job from its newest checkpoint. A :class:`Judgement` keeps the training thread and the check in step:
+nothing is judged or ended once the thread has left, and a thread that leaves after the escalation makes its rank
+escalate. A thread elsewhere (a ``sleep``, a loader's queue, a store's wait, disk I/O, computing) is not judged: it
+comes back by itself, or the decision bound ends the wait.
 
 Not covered: a thread blocked in C++ called from a frame that names none of these (a library's own wrapper of a
 collective) is left to the decision bound; without ``/proc`` nothing is judged.
@@ -43,7 +48,8 @@ from robustdist.health.watchdog import HANG_EXIT_CODE
 from robustdist.runtime.errors import RecoveryError
 from robustdist.runtime.log import get_logger
 
-__all__ = ["EXIT_BOUND_S", "EXIT_GRACE_S", "HAND_OVER_GRACE_S", "STUCK_AFTER_S", "Judgement", "Sample", "sample", "waiting_in", "watch"]
+__all__ = ["EXIT_BOUND_S", "EXIT_GRACE_S", "HAND_OVER_GRACE_S", "STUCK_AFTER_S", "Judgement", "Sample", "sample",
+           "waiting_in", "watch"]
 
 log = get_logger(__name__)
 

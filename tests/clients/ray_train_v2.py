@@ -122,7 +122,7 @@ def train_fn_inprocess(config: dict[str, Any]) -> None:
                 if rank == 1 and step + 1 == config.get("fatal_at") and _first_time(out, "fatal"):
                     raise MemoryError(f"out of memory before the backward of step {step + 1} (simulated)")
                 if step + 1 == config.get("stuck_at") and generation() == 0 and _first_time(out, f"stuck-{rank}"):
-                    _send_to_a_stopping_peer(rank)
+                    send_to_a_stopping_peer(rank)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
@@ -139,15 +139,16 @@ def train_fn_inprocess(config: dict[str, Any]) -> None:
         fh.write(str(len(history())))
 
 
-def _send_to_a_stopping_peer(rank: int) -> None:
-    """Pipeline-style activations, 200 MB, from rank 0 to rank 1, which posts its receive and stops (SIGSTOP, 8 s)
-    while the data flows: gloo ends neither wait when the connections are shut down."""
+def send_to_a_stopping_peer(rank: int, stop_for: float = 8.0) -> None:
+    """Pipeline-style activations, 200 MB, from rank 0 to rank 1, which posts its receive and stops (SIGSTOP;
+    continued ``stop_for`` seconds later) while the data flows: when a fault then shuts the group's connections
+    down, gloo ends neither wait (also used by tests/recovery/test_run.py)."""
     import torch.distributed as dist
 
     big = torch.ones(200 << 20, dtype=torch.uint8)
     if rank == 1:
-        work = dist.irecv(torch.empty_like(big), 0)
-        subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {os.getpid()}"])
+        work = dist.irecv(torch.empty_like(big), 0)  # its "ready" is sent before this returns: the data flows
+        subprocess.Popen(["sh", "-c", f"sleep {stop_for}; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), signal.SIGSTOP)
         work.wait()
     else:

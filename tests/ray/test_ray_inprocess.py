@@ -217,7 +217,7 @@ def test_a_worker_stuck_in_a_transfer_the_teardown_cannot_end_hands_its_error_to
     seen = _fit_restarted_once(tmp_path, faulted, "stuck")
     assert len(seen) == 1 and "0" in seen[0], seen
     assert seen[0]["0"].startswith("RecoveryError: [rank 0] in-process recovery generation 0: this rank's training "
-                                   "thread is still blocked in _send_to_a_stopping_peer (ray_train_v2.py:"), seen
+                                   "thread is still blocked in send_to_a_stopping_peer (ray_train_v2.py:"), seen
     rows = _generations(faulted)
     for rank in range(2):
         mine = [r for r in rows if r["rank"] == rank]

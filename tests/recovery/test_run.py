@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from robustdist import harden
@@ -22,6 +21,7 @@ from robustdist.recovery import generation, history
 from robustdist.recovery.faults import FaultWatch
 from robustdist.runtime.errors import ConfigError
 from robustdist.testing.ranks import run_ranks
+from tests.clients.ray_train_v2 import send_to_a_stopping_peer
 
 pytestmark = pytest.mark.timeout(300)
 MAX_ITERS, ACCUM, BLOCK, VOCAB = 10, 2, 8, 32
@@ -104,7 +104,7 @@ def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, in
                         if stall[2] == "sleep":
                             time.sleep(stall[3])
                         elif stall[2] == "stop-in-send":  # pipeline-style activations, 200 MB: rank 1 stops
-                            _send_to_a_stopping_peer(rank, stall[3])  # mid-transfer
+                            send_to_a_stopping_peer(rank, stall[3])  # mid-transfer
                         else:
                             subprocess.Popen(["sh", "-c", f"sleep {stall[3]}; kill -CONT {os.getpid()}"])
                             os.kill(os.getpid(), signal.SIGSTOP)
@@ -136,20 +136,6 @@ def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, in
         except RuntimeError as e:
             out["old"] = str(e)
     return out
-
-
-def _send_to_a_stopping_peer(rank: int, stop_for: float) -> None:
-    """Rank 0 sends 200 MB to rank 1, which posts its receive and then stops (SIGSTOP; continued ``stop_for``
-    seconds later): rank 0's send is under way when the fault (rank 1's heartbeats stopping) shuts its group's
-    connections down, and gloo does not end such a send."""
-    big = torch.ones(200 << 20, dtype=torch.uint8)
-    if rank == 1:
-        work = dist.irecv(torch.empty_like(big), 0)  # its "ready" is sent before this returns: the data flows
-        subprocess.Popen(["sh", "-c", f"sleep {stop_for}; kill -CONT {os.getpid()}"])
-        os.kill(os.getpid(), signal.SIGSTOP)
-        work.wait()
-    else:
-        dist.isend(big, 1).wait()
 
 
 @pytest.mark.parametrize("keep_old", [False, True], ids=["h-model", "kept-generation-0-module"])
@@ -256,7 +242,7 @@ def test_a_rank_stuck_in_a_send_that_the_teardown_cannot_end_exits_at_once_for_a
     errors = _last_errors(str(tmp_path / "a/ckpt"), [0])
     for rank in range(2):
         assert f"[rank {rank}] in-process recovery generation 0: this rank's training thread is still blocked in " \
-            "_send_to_a_stopping_peer (test_run.py:" in errors, errors
+            "send_to_a_stopping_peer (ray_train_v2.py:" in errors, errors
 
 
 def test_a_run_that_cannot_recover_in_place_takes_the_ordinary_path(tmp_path, monkeypatch):

@@ -118,6 +118,19 @@ def test_the_exit_is_bounded_when_its_last_steps_hang(tmp_path, monkeypatch):
     assert exits == [HANG_EXIT_CODE] and time.monotonic() - start < 10
 
 
+def test_a_record_that_fails_is_said_and_the_process_still_exits(tmp_path, monkeypatch, caplog):
+    def refuse(*args):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(stuck, "record_error", refuse)
+    exits: list[int] = []
+    with caplog.at_level("WARNING"):
+        stuck._exit(2, RuntimeError("stuck"), (str(tmp_path), 0), exits.append)
+    assert exits == [HANG_EXIT_CODE]
+    assert f"rank 2: could not record the error for the restart-loop guard (read-only file system); expected a " \
+        f"writable checkpoint directory. Fix: check {tmp_path}." in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize("takes", [True, False, "raises"])
 def test_the_error_is_handed_to_the_controller_before_the_exit(monkeypatch, caplog, takes):
     """Inside Ray Train the watchdog's hand-over gives the controller the named error; the process then waits (up
@@ -213,7 +226,8 @@ if rank == 1:  # posts its receive, then stops: the send is under way when rank 
     dist.irecv(torch.empty_like(big), 0)
     os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(300)
-threading.Timer(1.5, declare_fault, (store,), dict(generation=0, rank=1, world_size=2, what="stopped", scope="t")).start()
+fault = dict(generation=0, rank=1, world_size=2, what="stopped", scope="t")
+threading.Timer(1.5, declare_fault, (store,), fault).start()
 store.set("sending", str(time.time()))
 dist.send(big, 1)
 print("OUT OF THE SEND", flush=True)
