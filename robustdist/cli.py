@@ -8,6 +8,8 @@
 * ``robustdist verify-checkpoint DIR [--json]`` verifies every committed checkpoint with the checks ``load()``
   runs short of the live objects (:mod:`robustdist.checkpoint._verify`) and prints step, files, bytes, status and
   reason. Exit code 1 if any is corrupt (exactly where a load would fall back past it).
+* ``robustdist run [torchrun's flags] SCRIPT [ARGS]`` is torchrun whose agent starts a worker killed by a signal
+  again alone when the script recovers in process (:mod:`robustdist.recovery.launch`); otherwise exactly torchrun.
 """
 
 from __future__ import annotations
@@ -147,10 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("directory")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(func=_cmd_verify)
+    sub.add_parser("run", add_help=False, help="torchrun whose agent replaces a killed worker alone "
+                   "(robustdist run --help: torchrun's flags)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # torchrun's own parser reads the rest (its flags, the script and its arguments)
+        from robustdist.recovery.launch import main as run_main
+
+        return run_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:

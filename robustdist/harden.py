@@ -83,6 +83,7 @@ from robustdist.ray import group as _ray_group
 from robustdist.ray import train as _ray_train
 from robustdist.recovery import building as _building
 from robustdist.recovery import loop as _recovery
+from robustdist.recovery import replacement as _replacement
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import ConfigError
@@ -138,6 +139,11 @@ def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: to
     topo = _ray_group.prepare(config, topo, framework=framework)  # Ray Train's group given up for in-process recovery
     # In-process recovery unblocks a collective by shutting the group's connections: record them as they open
     # (the default group, the checkpointer's and the tier's groups).
+    if into is None and topo.is_distributed:  # a worker robustdist run started in place of a dead one joins the others
+        joined = _replacement.join(in_process=config.recovery.in_process, rank=topo.rank, world=topo.world_size,
+                                   init_timeout=config.distributed.init_timeout)
+        if joined is not None:
+            _recovery.continue_as(*joined)
     recording = contextlib.ExitStack()
     sockets = recording.enter_context(GroupSockets().recording()) if config.recovery.in_process else None
     try:

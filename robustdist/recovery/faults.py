@@ -105,7 +105,7 @@ def declare_fault(store: Any, *, generation: int, rank: int, world_size: int, wh
 
 def declare_found(store: Any, *, generation: int, found: dict[int, tuple[str, str]], by: int, world_size: int,
                   scope: str = SCOPE) -> int:
-    """Rank ``by`` found the ranks in ``found`` (rank -> (node, what)) faulty (their heartbeats stopped): their
+    """Rank ``by`` (-1: the launcher, for a worker it replaced) found the ranks in ``found`` (rank -> (node, what)) faulty (their heartbeats stopped): their
     reasons, with ``by``, then one count per rank and one wake of every watch. A rank that declared a fault of its
     own is left as it said. Returns the count, as :func:`declare_fault` does."""
     store = _job_store(store)
@@ -116,8 +116,8 @@ def declare_found(store: Any, *, generation: int, found: dict[int, tuple[str, st
     count = int(store.add(_key(scope, generation, "fault"), len(found))) if found else 0
     if found:
         wake_all(store, generation=generation, world_size=world_size, scope=scope)
-        log.warning("rank %d found rank(s) %s faulty in generation %d: %s", by, sorted(found), generation,
-                    "; ".join(what[:300] for _, what in found.values()))
+        log.warning("%s found rank(s) %s faulty in generation %d: %s", f"rank {by}" if by >= 0 else "the launcher",
+                    sorted(found), generation, "; ".join(what[:300] for _, what in found.values()))
     return count
 
 

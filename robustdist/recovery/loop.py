@@ -66,7 +66,7 @@ from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from robustdist.health.watchdog_store import connector
-from robustdist.recovery import declaring, ending, handover, liveness
+from robustdist.recovery import declaring, ending, handover, liveness, replacement
 from robustdist.recovery.building import Generation, building
 from robustdist.recovery.faults import SCOPE, agree, clear_generation, declare_fault
 from robustdist.recovery.timings import Clock, Recovery, detection
@@ -78,7 +78,7 @@ from robustdist.runtime.errors import (ConfigError, RecoveryError, RestartLoopEr
 from robustdist.runtime.group_sockets import GroupSockets, sockets_on_port
 from robustdist.runtime.log import get_logger
 
-__all__ = ["generation", "run_hardened", "run_in_process"]
+__all__ = ["continue_as", "generation", "run_hardened", "run_in_process"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -92,6 +92,12 @@ def generation() -> int:
     """This process's in-process recovery generation: 0 until a recovery, then 1, 2, ... (the same on every
     rank). ``harden`` reads it: a later generation continues the run (its in-memory copies are kept)."""
     return _state["generation"]
+
+
+def continue_as(calls: int, gen: int) -> None:
+    """A replacement process (robustdist run, :mod:`.replacement`): its next ``h.run`` is the survivors' call
+    ``calls``, from generation ``gen``."""
+    _state["calls"], _state["generation"] = calls - 1, gen
 
 
 def _fatal(e: BaseException) -> bool:
@@ -146,6 +152,7 @@ def _calling(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Cal
         return _loop(build, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra,
                      scope=f"{SCOPE}/{_state['calls']}")
     finally:  # a later harden() in this process is a fresh start again, and its waits run
+        replacement.withdraw()  # rank 0's state in robustdist run's store: a worker dying now is not replaced
         _state["generation"] = 0
         _dist.resume_waits()
 
@@ -268,6 +275,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                                                        fired))
         live = liveness.start_for(h.watchdog, store, scope=scope, generation=gen, rank=rank, world_size=world,
                                   fired=fired)
+        if rank == 0:  # under robustdist run: where this generation stands, for a replacement of a dead worker
+            replacement.publish(keep, scope, gen, world)
         resumed: object = "resume"
         try:
             found = h.resume(optimizer=optimizer, scheduler=scheduler, **extra)

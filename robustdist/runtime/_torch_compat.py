@@ -12,8 +12,9 @@ exception: robustdist's mid-epoch position rides on them, and the canary is what
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ from robustdist.runtime.private_api import PrivateAPI
 __all__ = ["PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPILED_KEY_SEGMENT", "SCHEDULERS_KEY",
            "inner_schedulers", "scaler_unscaled", "BaseDataLoaderIter", "LoaderHooks",
            "MultiProcessingDataLoaderIter", "SingleProcessDataLoaderIter", "batch_norm_base", "compiled_inner",
-           "dcp_storage_info_type", "default_store", "has_python_state", "has_storage", "innermost_store",
+           "dcp_storage_info_type", "default_store", "elastic_agent_class", "launcher_agent", "start_worker_again",
+           "take_restart", "worker_processes", "has_python_state", "has_storage", "innermost_store",
            "live_iterator", "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
            "sparse_values", "tensor_version", "torch_save_code", "module_buffers"]
 
@@ -267,6 +269,76 @@ def reader_checking_slices(base: type, check: Callable[[Any, Any, Any], None]) -
     return CheckingReader
 
 
+# ------------------------------------------------------------------------------------------- torchelastic agent
+
+
+def elastic_agent_class(on_monitor: Callable[[Any, Any, Callable[[Any], Any]], Any]) -> type:
+    """A ``LocalElasticAgent`` whose ``_monitor_workers(group)`` is ``on_monitor(agent, group, torch's own)``."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class Agent(LocalElasticAgent):  # type: ignore[misc]
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            return on_monitor(self, worker_group, super()._monitor_workers)
+
+    return Agent
+
+
+@contextlib.contextmanager
+def launcher_agent(cls: type) -> Iterator[None]:
+    """torchrun's ``launch_agent`` makes ``cls`` in place of ``LocalElasticAgent`` inside the block (``robustdist
+    run``'s own process only)."""
+    from torch.distributed.launcher import api
+
+    saved, api.LocalElasticAgent = api.LocalElasticAgent, cls
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = saved
+
+
+def worker_processes(agent: Any) -> dict[int, Any]:
+    """Local rank -> the worker's ``Popen`` (empty where the workers are not subprocesses)."""
+    handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
+    return {lr: h.proc for lr, h in handlers.items()} if isinstance(handlers, dict) else {}
+
+
+def take_restart(agent: Any) -> bool:
+    """Use one of the agent's ``--max-restarts``; False when none is left."""
+    if agent._remaining_restarts <= 0:
+        return False
+    agent._remaining_restarts -= 1
+    return True
+
+
+def start_worker_again(agent: Any, worker: Any, extra_env: dict[str, str], suffix: str) -> int:
+    """Start ``worker`` (its local rank) again, alone, as the agent started it (entrypoint, arguments, environment,
+    plus ``extra_env``; a redirected output goes to its file plus ``suffix``); the agent's process context watches the
+    new process from then on. Returns its pid."""
+    import inspect
+
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+    pc, lr = agent._pcontext, worker.local_rank
+    kwargs: dict[str, Any] = dict(entrypoint=pc.entrypoint, args=pc.args[lr], env={**pc.envs[lr], **extra_env},
+                                  stdout=pc.stdouts[lr] and f"{pc.stdouts[lr]}{suffix}",
+                                  stderr=pc.stderrs[lr] and f"{pc.stderrs[lr]}{suffix}", local_rank_id=lr)
+    if "numa_options" in inspect.signature(get_subprocess_handler).parameters:
+        kwargs["numa_options"] = getattr(pc, "_numa_options", None)
+    handler = get_subprocess_handler(**kwargs)
+    pc.subprocess_handlers[lr] = handler
+    worker.id = handler.proc.pid
+    return int(handler.proc.pid)
+
+
+def _probe_agent() -> Any:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    from torch.distributed.launcher import api
+
+    return (_attr(LocalElasticAgent, "_monitor_workers") and _attr(LocalElasticAgent, "_start_workers")
+            and _attr(api, "LocalElasticAgent") and _attr(SubprocessContext, "_start")) or None
+
+
 # ----------------------------------------------------------------------------------------------- registry
 
 
@@ -423,4 +495,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.distributed.checkpoint.FileSystemReader._slice_file", "torch",
                "checking every slice of a sharded data file before DCP unpickles it (untrusted checkpoints)",
                _VERIFIED, _probe_dcp_slice),
+    PrivateAPI("torch.distributed.elastic LocalElasticAgent._monitor_workers/_pcontext/_remaining_restarts, "
+               "SubprocessContext.subprocess_handlers, launcher.api.LocalElasticAgent", "torch",
+               "robustdist run starts one dead worker again and leaves the others running (torchrun's agent stops "
+               "them all); without them it behaves exactly as torchrun", _VERIFIED, _probe_agent),
 )

@@ -10,7 +10,8 @@ in-memory tier every step.
 ``--epochs`` (3), ``--step-sleep`` (seconds per step), ``--hang-timeout`` (the watchdog's) and ``--log-steps`` (an
 event per step) and ``--local-every`` (the in-memory tier's interval, 1) shape a run for tests that act on it mid-run. ``--fault RANK:STEP`` raises ``ValueError`` on that rank after the optimizer step of global step STEP (its peer then
 waits in the save's arrival check), in generation 0 of attempt 0 only, or with ``--always`` in every generation of
-every attempt (a deterministic fault). Each rank writes ``events-<tag>-rank<r>.jsonl`` (every start of the
+every attempt (a deterministic fault). ``--kill RANK:STEP`` SIGKILLs that rank there instead, in its first process
+only (not in a replacement ``robustdist run`` started). Each rank writes ``events-<tag>-rank<r>.jsonl`` (every start of the
 training function and the restart-loop guard's stop), and at the end ``result-<tag>-rank<r>.json`` and
 ``final-<tag>-rank<r>.pt`` (the parameters) as ``tests/_torchrun.py`` reads them.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -65,6 +67,7 @@ class Trainer:
         self.rank = int(os.environ["RANK"])
         self.optimizer, self.fault, self.always, self.note = optimizer, fault, always, note
         self.epochs, self.step_sleep, self.log_steps = epochs, step_sleep, log_steps
+        self.kill: tuple[int, int] | None = None
 
     def _run_batch(self, h, source, targets, step: int) -> None:
         self.optimizer.zero_grad()
@@ -86,6 +89,9 @@ class Trainer:
             first = generation() == 0 and h.attempt == 0
             if self.fault == (self.rank, step) and (self.always or first):
                 raise ValueError(f"boom at step {step} (attempt {h.attempt}, generation {generation()})")
+            if self.kill == (self.rank, step) and first and "ROBUSTDIST_REPLACES" not in os.environ:
+                self.note(event="kill", step=step)
+                os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer's way: no exception, no exit code
             h.save(step)  # the in-memory tier every --local-every steps (1), the durable one every 4
         return step
 
@@ -104,6 +110,7 @@ def main() -> None:
     p.add_argument("--tag", required=True)
     p.add_argument("--fault", default=None, help="RANK:STEP")
     p.add_argument("--always", action="store_true")
+    p.add_argument("--kill", default=None, help="RANK:STEP: SIGKILL that rank there (first process only)")
     p.add_argument("--max-no-progress", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--hang-timeout", type=float, default=None)
@@ -132,6 +139,7 @@ def main() -> None:
     h = harden(model, loader, cfg, optimizer=optimizer)
     trainer = Trainer(optimizer, fault, a.always, note, epochs=a.epochs,  # type: ignore[arg-type]
                       step_sleep=a.step_sleep, log_steps=a.log_steps)
+    trainer.kill = tuple(int(v) for v in a.kill.split(":")) if a.kill else None  # type: ignore[assignment]
     try:
         end = h.run(trainer.train, optimizer=optimizer)
     except RestartLoopError as e:

@@ -1,0 +1,58 @@
+"""``robustdist run``: torchrun with an agent that replaces a killed worker alone (issue #35).
+
+Every torchrun flag is torchrun's own: the command line is parsed by ``torch.distributed.run``'s parser and the job is
+launched by its ``run`` (rendezvous, ``--max-restarts``, ``--nnodes``, ``--rdzv_*``, logs and error files alike);
+only the agent differs (:class:`robustdist.recovery.agent.Replacer`). Without in-process recovery in the training
+script, or when the agent itself dies, it behaves exactly as torchrun, but for one thing: without ``--log-dir``,
+torchrun leaves its temporary ``torchelastic_*`` directory behind; ``robustdist run`` removes it at the end unless a
+file was written there (a failed worker's error file, a redirected log). The launcher's own process sets
+:data:`~robustdist.runtime.replacing.RUN_ENV` for its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+
+from robustdist.runtime import _torch_compat
+from robustdist.runtime.replacing import RUN_ENV
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``robustdist run ARGS`` (torchrun's ``ARGS``). Returns 0; a failed job raises as torchrun's does (its
+    error summary, then exit code 1)."""
+    from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from robustdist.recovery.agent import Replacer
+
+    parser = torch_run.get_args_parser()
+    parser.prog = "robustdist run"
+    parser.description = ("torchrun, whose agent starts a worker killed by a signal again alone when the training "
+                          "script recovers in process (recovery.in_process); otherwise exactly torchrun. "
+                          + (parser.description or ""))
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    os.environ[RUN_ENV] = "1"  # this process is the launcher: its workers inherit it
+    made = None
+    if getattr(args, "log_dir", "") is None:  # torchrun's default: a temporary directory it never removes
+        made = args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+    try:
+        with _torch_compat.launcher_agent(_torch_compat.elastic_agent_class(Replacer())):
+            record(torch_run.run)(args)
+    finally:
+        if made is not None:
+            _remove_empty(made)
+    return 0
+
+
+def _remove_empty(top: str) -> None:
+    """Remove ``top``'s empty directories, bottom up (and ``top`` if it ends empty); a file written there (a worker's
+    error file, a redirected log) is kept, with the directories that lead to it."""
+    for path, _, _ in os.walk(top, topdown=False):
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty
+            pass

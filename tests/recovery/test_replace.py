@@ -1,0 +1,100 @@
+"""``robustdist run`` (issue #35): a rank killed by a signal is started again alone and joins the survivors' in-process
+recovery; everything else is torchrun's own path. Real torchrun agents, 2 gloo ranks, the DDP tutorial's shape
+(tests/clients/ddp_tutorial_inprocess.py) and the demo (examples/resilient_training.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._torchrun import ROOT, finish, launch, results, succeeded
+
+CLIENT = ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py"
+RUN = ("robustdist", "run")
+TIMEOUT = 240.0  # three 2-rank jobs side by side on 2 cores: each ends in about 10 s alone
+
+
+def _events(workdir: Path, tag: str, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (workdir / f"events-{tag}-rank{rank}.jsonl").read_text().splitlines()]
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _tmp_env(path: Path) -> dict[str, str]:
+    path.mkdir(parents=True, exist_ok=True)
+    return {"TMPDIR": str(path)}  # torchrun's log directory (torchelastic_*) goes here: the test sees what is left
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path):
+    """SIGKILL of rank 1 mid-run: rank 0's process keeps running (one pid throughout), rank 1 is a new process that
+    joins generation 1, nothing is restarted by torchrun (attempt 0 throughout), and the parameters are bitwise those
+    of an uninterrupted torchrun run and of an uninterrupted robustdist run."""
+    where = {tag: tmp_path / tag for tag in ("torchrun", "plain", "killed")}
+    procs = {"torchrun": launch(CLIENT, where["torchrun"], "torchrun", env=_tmp_env(tmp_path / "tmp-torchrun")),
+             "plain": launch(CLIENT, where["plain"], "plain", launcher=RUN, env=_tmp_env(tmp_path / "tmp-plain")),
+             "killed": launch(CLIENT, where["killed"], "killed", "--kill", "1:5", launcher=RUN,
+                              env=_tmp_env(tmp_path / "tmp-killed"))}
+    logs = succeeded(finish(procs, TIMEOUT))
+    final = {tag: results(w, tag) for tag, w in where.items()}
+    for tag in ("plain", "killed"):
+        for r in range(2):
+            _same(final["torchrun"][r][1], final[tag][r][1])
+            assert final[tag][r][0]["end"] == final["torchrun"][r][0]["end"] == 24
+    survivor, replaced = _events(where["killed"], "killed", 0), _events(where["killed"], "killed", 1)
+    assert {e["pid"] for e in survivor} == {final["killed"][0][0]["pid"]}, survivor  # rank 0: one process
+    assert [e["event"] for e in replaced if e["pid"] == replaced[0]["pid"]] == ["start", "kill"]
+    new = [e for e in replaced if e["pid"] != replaced[0]["pid"]]
+    assert [e["event"] for e in new] == ["start", "done"] and new[0]["generation"] == 1, replaced
+    assert new[0]["pid"] == final["killed"][1][0]["pid"]
+    assert [e["generation"] for e in survivor if e["event"] == "start"] == [0, 1]
+    assert {e["attempt"] for e in survivor + replaced} == {0}  # no torchrun restart
+    out = logs["killed"]
+    assert "rank 1 (local rank 1, pid " in out and "died (signal 9 (SIGKILL)); started it again alone" in out, out
+    assert "joins in-process recovery generation 1" in out
+    assert "Stopping worker group" not in out and "will restart worker group" not in out, out[-3000:]
+    # torchrun leaves its temporary log directory behind; robustdist run removes it (nothing was written there)
+    assert list((tmp_path / "tmp-torchrun").glob("torchelastic_*"))
+    for tag in ("plain", "killed"):
+        assert not list((tmp_path / f"tmp-{tag}").glob("torchelastic_*")), tag
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_rank_0_and_a_run_without_in_process_recovery_restart_every_worker(tmp_path):
+    """What is not replaced alone takes torchrun's path, and says why: rank 0 killed (in-process run), and a kill in
+    the demo, which does not recover in process. Both still end as torchrun's restart makes them end (the demo
+    checks its own result bitwise against a straight run and exits 1 otherwise)."""
+    demo = ROOT / "examples" / "resilient_training.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    procs = {
+        "straight": launch(CLIENT, tmp_path / "straight", "straight"),
+        "rank0": launch(CLIENT, tmp_path / "rank0", "rank0", "--kill", "0:5", launcher=RUN,
+                        env=_tmp_env(tmp_path / "tmp-rank0")),
+        "demo": subprocess.Popen([sys.executable, "-m", "robustdist", "run", "--standalone", "--nproc_per_node=2",
+                                  "--max-restarts=1", str(demo), "--workdir", str(tmp_path / "demo"), "--steps", "30",
+                                  "--every", "5", "--kill-step", "17"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)}
+    logs = succeeded(finish(procs, TIMEOUT))
+    out = logs["rank0"]
+    assert "rank 0 (local rank 0) ended with signal 9 (SIGKILL); every worker is stopped and started again" in out
+    assert "Rank 0 is not replaced alone" in out
+    events = _events(tmp_path / "rank0", "rank0", 0)
+    assert len({e["pid"] for e in events}) == 2 and max(e["attempt"] for e in events) == 1
+    straight, killed = results(tmp_path / "straight", "straight"), results(tmp_path / "rank0", "rank0")
+    for r in range(2):
+        _same(straight[r][1], killed[r][1])
+        assert killed[r][0]["end"] == 24
+    assert "rank 1 (local rank 1) ended with signal 9 (SIGKILL); every worker is stopped" in logs["demo"]
+    assert "The run takes no replacement (it does not recover in process" in logs["demo"], logs["demo"][-3000:]

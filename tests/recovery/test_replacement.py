@@ -1,0 +1,169 @@
+"""A replacement's join (robustdist.recovery.replacement, issue #35) against a real TCPStore in this process: the
+published state round-trips, the survivors' verdict decides, and the store's content and the environment are input
+(hostile values are named RecoveryErrors, never raw errors, never a hang). The whole launcher runs in
+test_replace.py."""
+
+from __future__ import annotations
+
+import ast
+import json
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from robustdist.recovery import faults, replacement
+from robustdist.runtime.errors import RecoveryError
+from robustdist.runtime.replacing import REPLACES_ENV, RUN_ENV, STATE_KEY
+
+PACKAGE = Path(replacement.__file__).resolve().parents[1]
+SCOPE = f"{faults.SCOPE}/3"
+
+
+@pytest.fixture
+def server(monkeypatch):
+    """A TCPStore server standing for torchrun's agent store (and the generation's store), named by MASTER_ADDR/PORT;
+    the module's and the counters' state restored afterwards."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent serves it (no new server to wait for)
+    monkeypatch.setattr(replacement, "_published", {})
+    for module, attr in replacement.COUNTERS.values():
+        monkeypatch.setattr(module, attr, getattr(module, attr))
+    return store
+
+
+def _state(store, **over):
+    state = {"scope": SCOPE, "generation": 4, "world": 2, "host": "127.0.0.1", "port": store.port,
+             "counters": {"rendezvous": 6, "reach": 6, "barrier": 6, "watchdog": 5}, "pid": 1, "wall": 0.0}
+    state.update(over)
+    return state
+
+
+def _replacing(monkeypatch, rank=1):
+    monkeypatch.setenv(REPLACES_ENV, json.dumps({"rank": rank, "pid": 4242, "died": "signal 9 (SIGKILL)", "n": 1}))
+
+
+def _rank0(store, verdict: str, stop: threading.Event) -> threading.Thread:
+    """The survivors' side: once rank 1's decision is in, rank 0 stores the verdict (as agree() does)."""
+    def run() -> None:
+        while not stop.is_set() and not store.check([f"{SCOPE}/4/decision/1"]):
+            time.sleep(0.02)
+        if not stop.is_set():
+            store.compare_set(f"{SCOPE}/4/verdict", "", verdict)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_every_counter_that_names_store_keys_is_adopted():
+    """A module-level counter bumped under ``global`` (``_x += 1``) names store keys the same on every rank; a
+    replacement must take each from the survivors, so each must be in COUNTERS (or this test names it)."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        if "testing" in path.parts:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            declared = {n for g in ast.walk(fn) if isinstance(g, ast.Global) for n in g.names}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and \
+                        node.target.id in declared and isinstance(node.op, ast.Add):
+                    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+                    found.add((module, node.target.id))
+    found.discard(("robustdist.data.dataloader", "_pinned_persistent"))  # counts warnings, names no key
+    listed = {(m.__name__, attr) for m, attr in replacement.COUNTERS.values()}
+    assert found == listed, f"counters bumped in the package: {sorted(found)}; adopted by a replacement: {sorted(listed)}"
+
+
+def test_publish_writes_what_join_reads(server, monkeypatch):
+    monkeypatch.delenv(RUN_ENV, raising=False)
+    replacement.publish(server, SCOPE, 4, 2)
+    assert not server.check([STATE_KEY])  # not under robustdist run: nothing
+    monkeypatch.setenv(RUN_ENV, "1")
+    replacement.publish(server, SCOPE, 4, 2)
+    state = replacement._state(server.get(STATE_KEY), 2, 1)
+    assert (state["scope"], state["generation"], state["port"]) == (SCOPE, 4, server.port)
+    assert state["counters"] == replacement.counters()
+    replacement.withdraw()
+    assert not server.check([STATE_KEY])
+
+
+def test_a_replacement_joins_the_survivors_next_generation(server, monkeypatch):
+    _replacing(monkeypatch)
+    server.set(STATE_KEY, json.dumps(_state(server)))
+    stop = threading.Event()
+    _rank0(server, "recover", stop)
+    assert replacement.join(in_process=True, rank=1, world=2, init_timeout=10) == (3, 5)
+    assert replacement.counters() == {"rendezvous": 6, "reach": 6, "barrier": 6, "watchdog": 5}
+    fault = faults.read_fault(server, generation=4, world_size=2, scope=SCOPE)
+    assert fault is not None and fault.count == 1 and fault.why[1]["by"] == -1
+    assert "pid 4242" in fault.why[1]["what"] and "SIGKILL" in fault.why[1]["what"]
+    assert server.get(f"{SCOPE}/4/decision/1") == b"recover" and server.check([f"{SCOPE}/4/left/1"])
+    assert replacement.join(in_process=True, rank=1, world=2, init_timeout=10) is None  # once per process
+    stop.set()
+
+
+def test_survivors_that_escalated_send_the_replacement_to_the_restart(server, monkeypatch):
+    _replacing(monkeypatch)
+    server.set(STATE_KEY, json.dumps(_state(server)))
+    stop = threading.Event()
+    _rank0(server, "escalate", stop)
+    with pytest.raises(RecoveryError, match=r"verdict 'escalate'.*expected \"recover\".*launcher's restart"):
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=10)
+    stop.set()
+
+
+def test_no_state_and_no_verdict_end_within_the_init_timeout(server, monkeypatch):
+    _replacing(monkeypatch)
+    start = time.monotonic()
+    with pytest.raises(RecoveryError, match=r"\[rank 1\].*no in-process state .* within 1 s.*Fix"):
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=1)
+    monkeypatch.setattr(replacement, "_published", {})
+    server.set(STATE_KEY, json.dumps(_state(server)))  # published, but nobody decides
+    with pytest.raises(RecoveryError, match="verdict missing|verdict 'none'"):
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=1)
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("raw, found", [
+    (b"{not json", "not JSON"),
+    (b"[1, 2]", "a JSON list"),
+    (b"x" * 9000, "9000 bytes"),
+    (b"[" * 5000 + b"]" * 5000, "bytes"),
+    (None, "scope '../../etc'"),
+    (None, "generation -1"),
+    (None, "world size 8"),
+    (None, "without a valid store address"),
+    (None, "counters"),
+])
+def test_a_hostile_state_is_a_named_error(server, monkeypatch, raw, found):
+    _replacing(monkeypatch)
+    over = {"scope '../../etc'": {"scope": "../../etc"}, "generation -1": {"generation": -1},
+            "world size 8": {"world": 8}, "without a valid store address": {"port": 70000},
+            "counters": {"counters": {"rendezvous": 2**40, "reach": 1, "barrier": 1, "watchdog": 1}}}.get(found, {})
+    server.set(STATE_KEY, raw if raw is not None else json.dumps(_state(server, **over)))
+    with pytest.raises(RecoveryError, match=rf"\[rank 1\].*{found}.*expected the JSON rank 0 publishes.*Fix"):
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=5)
+    assert replacement.counters() != {"rendezvous": 2**40, "reach": 1, "barrier": 1, "watchdog": 1}
+
+
+@pytest.mark.parametrize("value", ["{oops", json.dumps({"rank": 0}), json.dumps([1])])
+def test_a_hostile_environment_is_a_named_error(server, monkeypatch, value):
+    monkeypatch.setenv(REPLACES_ENV, value)
+    with pytest.raises(RecoveryError, match=rf"\[rank 1\] {REPLACES_ENV}=.*expected the JSON robustdist run sets.*Fix"):
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=5)
+
+
+def test_a_replacement_without_in_process_recovery_says_so(server, monkeypatch):
+    _replacing(monkeypatch)
+    with pytest.raises(RecoveryError, match="recovery.in_process off; expected the configuration the other ranks"):
+        replacement.join(in_process=False, rank=1, world=2, init_timeout=5)
+    monkeypatch.delenv(REPLACES_ENV)
+    monkeypatch.setattr(replacement, "_published", {})
+    assert replacement.join(in_process=False, rank=1, world=2, init_timeout=5) is None
