@@ -21,16 +21,16 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
                   "TORCHELASTIC_RUN_ID")
 
 
-def launch(client: Path, workdir: Path, tag: str, *args: str, max_restarts: int = 1,
+def launch(client: Path, workdir: Path, tag: str, *args: str, max_restarts: int = 1, nproc: int = 2,
            launcher: tuple[str, ...] = ("torch.distributed.run",), env: dict[str, str] | None = None
            ) -> subprocess.Popen:
-    """Start ``client --workdir workdir --tag tag *args`` on 2 ranks, ``max_restarts`` restarts allowed, in a session
+    """Start ``client --workdir workdir --tag tag *args`` on ``nproc`` ranks, ``max_restarts`` restarts allowed, in a session
     of its own, by ``python -m <launcher>`` (torchrun; ``("robustdist", "run")`` for robustdist's)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for var in _LAUNCHER_VARS:
         env.pop(var, None)
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", *launcher, "--standalone", "--nproc_per_node=2", f"--max-restarts={max_restarts}",
+    cmd = [sys.executable, "-m", *launcher, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
            str(client), "--workdir", str(workdir), "--tag", tag, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -8,6 +8,12 @@ or a preemption, SIGSEGV in a native library), it starts that worker again alone
 survivors' in-process recovery (:mod:`robustdist.recovery.replacement`) and resumes with them from the in-memory
 tier. Each replacement uses one of ``--max-restarts``, as a restart of the group would.
 
+**A warm spare** (``--spares 1``, the default): while the run can take a replacement, the agent keeps one process per
+node that has done a worker's slow start (:mod:`.spare`), and turns it into the replacement (its environment, command
+and output become the worker's); another is started :data:`SPARE_PAUSE_S` later. Without one (``--spares 0``, a
+spare that died, a worker command a spare cannot run, NUMA binding) the replacement starts cold, as torchrun starts a
+worker.
+
 Everything else is torchrun's own path (every worker stopped and started again, or the job failed when no restart
 is left), and the agent logs why:
 
@@ -24,19 +30,26 @@ is left), and the agent logs why:
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from robustdist.recovery import spare as _spare
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.replacing import REPLACES_ENV, STATE_KEY
 
-__all__ = ["Replacer", "describe_exit"]
+__all__ = ["SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
 
 log = get_logger(__name__)
+SPARE_LOOK_S = 2.0  # without a spare: how often the agent asks whether the run can take a replacement
+SPARE_PAUSE_S = 10.0  # after a spare became a worker: no new one before this (its imports would slow the new worker)
 
 
 def describe_exit(code: int) -> str:
@@ -52,10 +65,96 @@ def describe_exit(code: int) -> str:
 class Replacer:
     """The agent's hook: ``replacer(agent, worker_group, torch_monitor)`` returns the group's ``RunResult``."""
 
-    def __init__(self, store_timeout: float = 5.0) -> None:
+    def __init__(self, spares: int = 1, store_timeout: float = 5.0) -> None:
         self.replaced: list[dict[str, Any]] = []  # one record per replacement: rank, old and new pid, how it died
+        self.spares = spares
         self._client: Any = None  # a connection to the store the workers use (MASTER_ADDR:MASTER_PORT)
         self._timeout = store_timeout
+        self._spare: subprocess.Popen[bytes] | None = None
+        self._spare_after = 0.0  # time.monotonic() before which no spare is started (a look, or a pause)
+        self._ready: int | None = None  # the read end of the spare's "warm" pipe, until it has said so
+        self._started = 0.0
+
+    def close(self) -> None:
+        """End the spare, if one is waiting (the launcher's end; the spare also ends when its input closes)."""
+        spare, self._spare = self._spare, None
+        if self._ready is not None:
+            os.close(self._ready)
+            self._ready = None
+        if spare is not None and spare.poll() is None:
+            try:
+                os.killpg(spare.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            spare.wait()
+
+    def _in_process(self, group: Any) -> bool:
+        try:
+            return bool(self._store(group).check([STATE_KEY]))
+        except Exception as e:
+            log.info("robustdist run: could not read the workers' store at %s:%s: %s: %s", group.master_addr,
+                     group.master_port, type(e).__name__, str(e)[:200])
+            self._client = None
+            return False
+
+    def _tend_spare(self, group: Any) -> None:
+        """Keep one warm spare while the run can take a replacement (looking at most every :data:`SPARE_LOOK_S`)."""
+        spare = self._spare
+        self._look_ready()
+        if not self.spares or (spare is not None and spare.poll() is None) or time.monotonic() < self._spare_after:
+            return
+        if spare is not None:
+            log.warning("robustdist run: the warm spare (pid %d) ended with %s; starting another", spare.pid,
+                        describe_exit(spare.returncode))
+            self._spare = None
+        self._spare_after = time.monotonic() + SPARE_LOOK_S
+        if not self._in_process(group):
+            return
+        ready_r, ready_w = os.pipe()
+        try:
+            self._spare = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.recovery.spare"],
+                                           stdin=subprocess.PIPE, start_new_session=True, pass_fds=(ready_w,),
+                                           env={**os.environ, _spare.READY_FD_ENV: str(ready_w)})
+        finally:
+            os.close(ready_w)
+        self._ready, self._started = ready_r, time.monotonic()
+        log.info("robustdist run: started a warm spare (pid %d): it becomes the next worker killed on this node",
+                 self._spare.pid)
+
+    def _look_ready(self) -> None:
+        """Say when the spare is warm (a byte on its pipe; nothing to wait for: an order waits in its input)."""
+        if self._ready is None or not select.select([self._ready], [], [], 0)[0]:
+            return
+        ok = os.read(self._ready, 1) == b"1"
+        os.close(self._ready)
+        self._ready = None
+        if ok and self._spare is not None:
+            log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s", self._spare.pid,
+                     time.monotonic() - self._started)
+
+    def _from_spare(self, agent: Any, worker: Any, extra: dict[str, str], suffix: str) -> int | None:
+        """Turn the warm spare into ``worker`` (None where there is none, or it cannot run the worker's command)."""
+        spare = self._spare
+        if spare is None or spare.poll() is not None or spare.stdin is None:
+            return None
+        launch = _torch_compat.worker_launch(agent, worker)
+        if launch["entrypoint"] != sys.executable or launch["numa"] is not None or not _spare.usable(
+                list(launch["args"])):
+            return None
+        order = {"env": {**os.environ, **launch["env"], **extra}, "args": list(launch["args"]), "cwd": os.getcwd(),
+                 "stdout": launch["stdout"] and launch["stdout"] + suffix,
+                 "stderr": launch["stderr"] and launch["stderr"] + suffix}
+        try:
+            spare.stdin.write(json.dumps(order).encode() + b"\n")
+            spare.stdin.close()
+        except OSError as e:  # it died meanwhile
+            log.info("robustdist run: the warm spare could not take the order (%s); starting the worker cold", e)
+            return None
+        self._spare, self._spare_after = None, time.monotonic() + SPARE_PAUSE_S
+        if self._ready is not None:
+            os.close(self._ready)
+            self._ready = None
+        return _torch_compat.adopt_worker(agent, worker, spare)
 
     def _store(self, group: Any) -> Any:
         """The store the workers were given (the agent's own, shared, but not always the object the group holds)."""
@@ -68,6 +167,7 @@ class Replacer:
 
     def __call__(self, agent: Any, group: Any, monitor: Callable[[Any], Any]) -> Any:
         try:
+            self._tend_spare(group)
             procs = _torch_compat.worker_processes(agent)
             codes = {lr: p.poll() for lr, p in procs.items()}
         except Exception as e:  # a torch that moved the agent's internals: torchrun's own behaviour
@@ -88,19 +188,21 @@ class Replacer:
             worker = group.workers[lr]
             old = worker.id
             record = {"rank": worker.global_rank, "pid": old, "died": describe_exit(code), "n": len(self.replaced) + 1}
+            extra, suffix = {REPLACES_ENV: json.dumps(record)}, f".replaced-{record['n']}"
             try:
-                new = _torch_compat.start_worker_again(agent, worker, {REPLACES_ENV: json.dumps(record)},
-                                                       f".replaced-{record['n']}")
+                spare = self._from_spare(agent, worker, extra, suffix)
+                new = spare if spare is not None else _torch_compat.start_worker_again(agent, worker, extra, suffix)
             except Exception as e:
                 log.error("robustdist run: could not start rank %d again alone (%s: %s); expected torchrun's process "
                           "context to take a new worker. Every worker restarts instead.", worker.global_rank,
                           type(e).__name__, str(e)[:300])
                 return monitor(group)
-            record.update(new_pid=new, wall=time.time())
+            record.update(new_pid=new, wall=time.time(), spare=spare is not None)
             self.replaced.append(record)
             log.warning("robustdist run: rank %d (local rank %d, pid %s) died (%s); started it again alone as pid %d "
-                        "(replacement %d); the other workers keep running and take it in at their next in-process "
-                        "recovery generation", worker.global_rank, lr, old, record["died"], new, record["n"])
+                        "(replacement %d%s); the other workers keep running and take it in at their next in-process "
+                        "recovery generation", worker.global_rank, lr, old, record["died"], new, record["n"],
+                        ", from the warm spare" if spare is not None else "")
         return RunResult(state=WorkerState.HEALTHY)
 
     @staticmethod
@@ -121,14 +223,7 @@ class Replacer:
                              "resumes from the in-memory tier.")
         if any(c == 0 for c in codes.values()):
             return restart, "A worker has already finished: the run is ending, so nothing is replaced."
-        try:
-            in_process = bool(self._store(group).check([STATE_KEY]))
-        except Exception as e:
-            log.info("robustdist run: could not read the workers' store at %s:%s: %s: %s", group.master_addr,
-                     group.master_port, type(e).__name__, str(e)[:200])
-            self._client = None
-            in_process = False
-        if not in_process:
+        if not self._in_process(group):
             return restart, ("The run takes no replacement (it does not recover in process: recovery.in_process is "
                              "off, unsupported for this run, or the run is not training now). Fix: "
                              "recovery.in_process: true in the config given to harden(), and h.run(train).")

@@ -11,11 +11,13 @@ file was written there (a failed worker's error file, a redirected log). The lau
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
 
 from robustdist.runtime import _torch_compat
+from robustdist.runtime.log import logging_configured
 from robustdist.runtime.replacing import RUN_ENV
 
 __all__ = ["main"]
@@ -34,15 +36,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.description = ("torchrun, whose agent starts a worker killed by a signal again alone when the training "
                           "script recovers in process (recovery.in_process); otherwise exactly torchrun. "
                           + (parser.description or ""))
+    parser.add_argument("--spares", type=int, choices=(0, 1), default=1,
+                        help="robustdist: warm spare processes per node (torch and robustdist imported, DDP's first "
+                             "use done), each becoming the next worker killed there (default 1; 0: a replacement starts "
+                             "cold). Started only while the run can take a replacement.")
     args = parser.parse_args(list(argv) if argv is not None else None)
     os.environ[RUN_ENV] = "1"  # this process is the launcher: its workers inherit it
     made = None
     if getattr(args, "log_dir", "") is None:  # torchrun's default: a temporary directory it never removes
         made = args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+    if not logging_configured():  # the launcher's own news (a worker replaced, the spare ready) to stderr, at INFO
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        agent_log = logging.getLogger("robustdist.recovery.agent")
+        agent_log.addHandler(handler)
+        agent_log.setLevel(logging.INFO)
+    replacer = Replacer(spares=args.spares)
     try:
-        with _torch_compat.launcher_agent(_torch_compat.elastic_agent_class(Replacer())):
+        with _torch_compat.launcher_agent(_torch_compat.elastic_agent_class(replacer)):
             record(torch_run.run)(args)
     finally:
+        replacer.close()
         if made is not None:
             _remove_empty(made)
     return 0

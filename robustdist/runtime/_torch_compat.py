@@ -29,7 +29,7 @@ __all__ = ["PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPIL
            "inner_schedulers", "scaler_unscaled", "BaseDataLoaderIter", "LoaderHooks",
            "MultiProcessingDataLoaderIter", "SingleProcessDataLoaderIter", "batch_norm_base", "compiled_inner",
            "dcp_storage_info_type", "default_store", "elastic_agent_class", "launcher_agent", "start_worker_again",
-           "take_restart", "worker_processes", "has_python_state", "has_storage", "innermost_store",
+           "take_restart", "worker_processes", "worker_launch", "adopt_worker", "has_python_state", "has_storage", "innermost_store",
            "live_iterator", "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
            "sparse_values", "tensor_version", "torch_save_code", "module_buffers"]
 
@@ -310,6 +310,14 @@ def take_restart(agent: Any) -> bool:
     return True
 
 
+def worker_launch(agent: Any, worker: Any) -> dict[str, Any]:
+    """How the agent started ``worker``: ``entrypoint``, ``args``, ``env`` (the worker's own variables), ``stdout`` and
+    ``stderr`` (a file where torchrun redirects it, else ""), and ``numa`` (NUMA options, or None)."""
+    pc, lr = agent._pcontext, worker.local_rank
+    return dict(entrypoint=pc.entrypoint, args=tuple(pc.args[lr]), env=dict(pc.envs[lr]), stdout=pc.stdouts[lr] or "",
+                stderr=pc.stderrs[lr] or "", numa=getattr(pc, "_numa_options", None))
+
+
 def start_worker_again(agent: Any, worker: Any, extra_env: dict[str, str], suffix: str) -> int:
     """Start ``worker`` (its local rank) again, alone, as the agent started it (entrypoint, arguments, environment,
     plus ``extra_env``; a redirected output goes to its file plus ``suffix``); the agent's process context watches the
@@ -318,14 +326,26 @@ def start_worker_again(agent: Any, worker: Any, extra_env: dict[str, str], suffi
 
     from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
-    pc, lr = agent._pcontext, worker.local_rank
-    kwargs: dict[str, Any] = dict(entrypoint=pc.entrypoint, args=pc.args[lr], env={**pc.envs[lr], **extra_env},
-                                  stdout=pc.stdouts[lr] and f"{pc.stdouts[lr]}{suffix}",
-                                  stderr=pc.stderrs[lr] and f"{pc.stderrs[lr]}{suffix}", local_rank_id=lr)
+    spec = worker_launch(agent, worker)
+    kwargs: dict[str, Any] = dict(entrypoint=spec["entrypoint"], args=spec["args"], env={**spec["env"], **extra_env},
+                                  stdout=spec["stdout"] and spec["stdout"] + suffix,
+                                  stderr=spec["stderr"] and spec["stderr"] + suffix, local_rank_id=worker.local_rank)
     if "numa_options" in inspect.signature(get_subprocess_handler).parameters:
-        kwargs["numa_options"] = getattr(pc, "_numa_options", None)
-    handler = get_subprocess_handler(**kwargs)
-    pc.subprocess_handlers[lr] = handler
+        kwargs["numa_options"] = spec["numa"]
+    return adopt_worker(agent, worker, get_subprocess_handler(**kwargs))
+
+
+def adopt_worker(agent: Any, worker: Any, handler_or_proc: Any) -> int:
+    """Make the agent's process context watch (and, at the end, stop) this process as ``worker``: a torch
+    ``SubprocessHandler``, or a ``Popen`` started in a session of its own (a spare that became the worker)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    handler = handler_or_proc
+    if not isinstance(handler, SubprocessHandler):  # torch's handler without its constructor (which starts a process)
+        handler = SubprocessHandler.__new__(SubprocessHandler)
+        handler.proc, handler.local_rank_id = handler_or_proc, worker.local_rank
+        handler._stdout = handler._stderr = None
+    agent._pcontext.subprocess_handlers[worker.local_rank] = handler
     worker.id = handler.proc.pid
     return int(handler.proc.pid)
 
@@ -335,8 +355,11 @@ def _probe_agent() -> Any:
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
     from torch.distributed.launcher import api
 
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
     return (_attr(LocalElasticAgent, "_monitor_workers") and _attr(LocalElasticAgent, "_start_workers")
-            and _attr(api, "LocalElasticAgent") and _attr(SubprocessContext, "_start")) or None
+            and _attr(api, "LocalElasticAgent") and _attr(SubprocessContext, "_start")
+            and _attr(SubprocessHandler, "close")) or None
 
 
 # ----------------------------------------------------------------------------------------------- registry
@@ -496,7 +519,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "checking every slice of a sharded data file before DCP unpickles it (untrusted checkpoints)",
                _VERIFIED, _probe_dcp_slice),
     PrivateAPI("torch.distributed.elastic LocalElasticAgent._monitor_workers/_pcontext/_remaining_restarts, "
-               "SubprocessContext.subprocess_handlers, launcher.api.LocalElasticAgent", "torch",
+               "SubprocessContext.subprocess_handlers/_numa_options, SubprocessHandler._stdout/_stderr, "
+               "launcher.api.LocalElasticAgent", "torch",
                "robustdist run starts one dead worker again and leaves the others running (torchrun's agent stops "
                "them all); without them it behaves exactly as torchrun", _VERIFIED, _probe_agent),
 )

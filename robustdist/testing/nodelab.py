@@ -317,14 +317,16 @@ class NodeLab:
     def torchrun(self, index: int, script: str, args: Sequence[str] = (), *, nproc: int = 1, nnodes: str | None = None,
                  max_restarts: int = 0, env: Mapping[str, str] | None = None, name: str | None = None,
                  rdzv_id: str = "lab", rdzv_conf: Mapping[str, object] | None = None, local_addr: bool = True,
-                 extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-        """Start node ``index``'s torchrun agent for ``script`` (c10d rendezvous hosted on node 0).
+                 extra: Sequence[str] = (), launcher: Sequence[str] = ("torch.distributed.run",)
+                 ) -> subprocess.Popen[bytes]:
+        """Start node ``index``'s torchrun agent for ``script`` (c10d rendezvous hosted on node 0), by ``python -m
+        <launcher>`` (``("robustdist", "run")`` for robustdist's launcher).
 
         ``local_addr=False`` leaves out ``--local_addr``: torchrun then advertises the hostname, which on this
         machine (as on many) resolves to a loopback address, the classic multi-node trap."""
         node = self.node(index)
         conf = {**({"is_host": 1} if index == 0 else {}), **(rdzv_conf or {})}
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes or len(self.nodes)}",
+        argv = [sys.executable, "-m", *launcher, f"--nnodes={nnodes or len(self.nodes)}",
                 f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
                 f"--rdzv_endpoint={self.nodes[0].address}:{RDZV_PORT}", f"--rdzv_id={rdzv_id}",
                 f"--max-restarts={max_restarts}", "--monitor-interval=0.5",

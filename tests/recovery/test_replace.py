@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,13 +41,13 @@ def _tmp_env(path: Path) -> dict[str, str]:
 
 @pytest.mark.timeout(400)
 def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path):
-    """SIGKILL of rank 1 mid-run: rank 0's process keeps running (one pid throughout), rank 1 is a new process that
+    """SIGKILL of rank 1 mid-run, no spare: rank 0's process keeps running (one pid throughout), rank 1 is a new process that
     joins generation 1, nothing is restarted by torchrun (attempt 0 throughout), and the parameters are bitwise those
     of an uninterrupted torchrun run and of an uninterrupted robustdist run."""
     where = {tag: tmp_path / tag for tag in ("torchrun", "plain", "killed")}
     procs = {"torchrun": launch(CLIENT, where["torchrun"], "torchrun", env=_tmp_env(tmp_path / "tmp-torchrun")),
              "plain": launch(CLIENT, where["plain"], "plain", launcher=RUN, env=_tmp_env(tmp_path / "tmp-plain")),
-             "killed": launch(CLIENT, where["killed"], "killed", "--kill", "1:5", launcher=RUN,
+             "killed": launch(CLIENT, where["killed"], "killed", "--kill", "1:5", launcher=(*RUN, "--spares", "0"),
                               env=_tmp_env(tmp_path / "tmp-killed"))}
     logs = succeeded(finish(procs, TIMEOUT))
     final = {tag: results(w, tag) for tag, w in where.items()}
@@ -98,3 +102,65 @@ def test_a_killed_rank_0_and_a_run_without_in_process_recovery_restart_every_wor
         assert killed[r][0]["end"] == 24
     assert "rank 1 (local rank 1) ended with signal 9 (SIGKILL); every worker is stopped" in logs["demo"]
     assert "The run takes no replacement (it does not recover in process" in logs["demo"], logs["demo"][-3000:]
+
+
+def _reader(proc: subprocess.Popen) -> tuple[list[str], threading.Thread]:
+    lines: list[str] = []
+    thread = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    thread.start()
+    return lines, thread
+
+
+def _await_line(lines: list[str], proc: subprocess.Popen, pattern: str, after: int, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in lines[after:]:
+            if found := re.search(pattern, line):
+                return found
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"no line matching {pattern!r} within {timeout:g} s:\n{''.join(lines)[-4000:]}")
+
+
+@pytest.mark.timeout(400)
+def test_the_warm_spare_becomes_the_killed_worker_and_a_killed_spare_is_replaced(tmp_path):
+    """The agent's warm spare: killed itself once ready, another is started; then rank 1 is SIGKILLed from outside
+    (as the OOM killer does) and the spare becomes rank 1; the run ends bitwise equal to an uninterrupted torchrun run,
+    and no spare outlives the launcher."""
+    args = ("--epochs", "6", "--step-sleep", "0.25")  # 48 steps, at least 12 s: time for two spares to warm up
+    straight = launch(CLIENT, tmp_path / "straight", "straight", *args)
+    spared = launch(CLIENT, tmp_path / "spared", "spared", *args, launcher=RUN, env=_tmp_env(tmp_path / "tmp"))
+    lines, reader = _reader(spared)
+    try:
+        first = _await_line(lines, spared, r"the warm spare \(pid (\d+)\) is ready", 0, 120)
+        os.kill(int(first.group(1)), signal.SIGKILL)
+        _await_line(lines, spared, r"the warm spare \(pid %s\) ended with signal 9 \(SIGKILL\); starting another"
+                    % first.group(1), 0, 60)
+        second = _await_line(lines, spared, r"the warm spare \(pid (\d+)\) is ready", len(lines) - 1, 120)
+        rank1 = [e for e in _events(tmp_path / "spared", "spared", 1) if e["event"] == "start"][-1]["pid"]
+        os.kill(rank1, signal.SIGKILL)
+        spared.wait(timeout=TIMEOUT)
+        reader.join(10)
+    finally:
+        if spared.poll() is None:
+            os.killpg(spared.pid, signal.SIGKILL)
+            spared.wait()
+    out = "".join(lines)
+    assert spared.returncode == 0, out[-4000:]
+    succeeded(finish({"straight": straight}, TIMEOUT))
+    assert f"died (signal 9 (SIGKILL)); started it again alone as pid {second.group(1)} (replacement 1, from the " \
+           "warm spare)" in out, out[-4000:]
+    ends = {tag: results(tmp_path / tag, tag) for tag in ("straight", "spared")}
+    for r in range(2):
+        _same(ends["straight"][r][1], ends["spared"][r][1])
+    assert ends["spared"][1][0]["pid"] == int(second.group(1))
+    assert {e["pid"] for e in _events(tmp_path / "spared", "spared", 0)} == {ends["spared"][0][0]["pid"]}
+    mine = str(tmp_path / "tmp")
+    left = []
+    for entry in os.listdir("/proc"):  # a spare (or anything) started for this run, still alive
+        try:
+            if entry.isdigit() and f"TMPDIR={mine}".encode() in Path(f"/proc/{entry}/environ").read_bytes():
+                left.append(entry)
+        except OSError:
+            continue
+    assert not left, f"processes of the run left behind: {left}"

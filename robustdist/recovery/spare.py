@@ -1,0 +1,118 @@
+"""A warm spare: a process that has done a worker's slow start (``import torch``, robustdist, DDP's first-use imports)
+and waits to become a worker (``robustdist run --spares 1``, the default; issue #35).
+
+``robustdist run``'s agent (:mod:`.agent`) starts ``python -u -m robustdist.recovery.spare`` once the run can take a
+replacement. The spare imports torch, torch.distributed, DDP and DCP, ``robustdist.harden`` and the recovery loop,
+and runs one DDP step on a one-rank gloo group of its own (an in-memory store: no port, no file), which loads what a
+DDP constructor and its first backward load (sympy, the compiler's modules: about 2 s here), then destroys that group.
+It then reads one line from its standard input: the worker's order, JSON ``{"env", "args", "cwd", "stdout",
+"stderr"}``. Its environment becomes the worker's (exactly: the order's, nothing of its own kept), its output goes
+where the worker's would (a file when torchrun redirects it), and it runs the worker's command, ``[-u] SCRIPT ARGS``
+or ``[-u] -m MODULE ARGS``, as ``python`` would (``runpy``, as ``__main__``, ``sys.argv`` and ``sys.path[0]`` set). An
+end of input (the agent gone, or the launcher ending) ends it, quietly.
+
+What a spare cannot undo: modules already imported are not imported again (a script that sets an environment
+variable a module reads at import, before importing it, sees that module as imported with the launcher's
+environment: torch reads ``OMP_NUM_THREADS`` and the like at import). ``--spares 0`` starts every replacement cold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+from typing import Any
+
+__all__ = ["READY_FD_ENV", "become", "main", "warm", "usable"]
+
+_MAX_ORDER = 1 << 20  # bytes of an order (the environment and the arguments)
+
+
+def warm() -> None:
+    """Import and run what a worker's start would (no side effect outside this process)."""
+    import encodings.idna  # noqa: F401 - a hostname lookup imports it
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel
+
+    import robustdist.recovery.loop  # noqa: F401
+    from robustdist import harden  # noqa: F401 - the function: `import robustdist.harden` would shadow it
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(torch.nn.Linear(2, 1))
+        model(torch.zeros(2, 2)).sum().backward()
+        del model
+    finally:
+        dist.destroy_process_group()
+
+
+def usable(args: list[str]) -> bool:
+    """Whether a worker's arguments (after the interpreter) are a command a spare can run: ``[-u] SCRIPT ...`` or
+    ``[-u] -m MODULE ...`` (torchrun's, without ``--no-python``)."""
+    rest = args[1:] if args[:1] == ["-u"] else args
+    if rest[:1] == ["-m"]:
+        return len(rest) >= 2 and bool(rest[1]) and not rest[1].startswith("-")
+    return bool(rest) and not rest[0].startswith("-")
+
+
+def _redirect(path: Any, fd: int) -> None:
+    if path:
+        target = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def become(order: dict[str, Any]) -> None:
+    """Turn this process into the worker ``order`` describes, and run it (returns when the script does)."""
+    env, args = order["env"], [str(a) for a in order["args"]]
+    if not isinstance(env, dict) or not usable(args):
+        raise ValueError(f"robustdist spare: an order it cannot run (args {args[:4]}); expected [-u] SCRIPT or -m MODULE")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _redirect(order.get("stdout"), 1)
+    _redirect(order.get("stderr"), 2)
+    os.chdir(str(order["cwd"]))
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+    rest = args[1:] if args[0] == "-u" else args
+    if rest[0] == "-m":
+        sys.argv = [rest[1], *rest[2:]]  # runpy sets argv[0] to the module's path
+        sys.path[0] = os.getcwd()
+        runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(rest[0])
+        sys.argv = [rest[0], *rest[1:]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+
+
+READY_FD_ENV = "ROBUSTDIST_SPARE_READY_FD"
+"""The agent's pipe (a file descriptor number) on which the spare writes one byte once warm."""
+
+
+def main() -> int:
+    warm()
+    ready = os.environ.pop(READY_FD_ENV, "")
+    if ready.isdigit():
+        try:
+            os.write(int(ready), b"1")
+            os.close(int(ready))
+        except OSError:  # the agent stopped listening: it still sends the order
+            pass
+    line = sys.stdin.buffer.readline(_MAX_ORDER)
+    if not line.strip():  # the agent went away (or ended the spare): nothing to become
+        return 0
+    order = json.loads(line)
+    devnull = os.open(os.devnull, os.O_RDONLY)  # the agent's pipe is done with: the worker reads nothing from it
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    become(order)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
