@@ -111,15 +111,17 @@ class Nodes:
         lab a private tmpfs per node, on one host one directory both share."""
         return str(self.local / sub)
 
-    def agent(self, node: int, args: list[str], *, rdzv_id: str, name: str, sub: str) -> subprocess.Popen[bytes]:
+    def agent(self, node: int, args: list[str], *, rdzv_id: str, name: str, sub: str,
+              launcher: tuple[str, ...] = ("torch.distributed.run",)) -> subprocess.Popen[bytes]:
+        """Node ``node``'s agent, by ``python -m <launcher>`` (torchrun; ``("robustdist", "run", ...)``: P11)."""
         env = {**ENV, "P9_LOCAL_DIR": self.local_dir(sub)}
         if self.lab is not None:
             proc = self.lab.torchrun(node, JOB, args, nproc=1, max_restarts=MAX_RESTARTS, env=env, name=name,
-                                     rdzv_id=rdzv_id, rdzv_conf=RDZV)
+                                     rdzv_id=rdzv_id, rdzv_conf=RDZV, launcher=launcher)
         else:
             conf = ",".join(f"{k}={v}" for k, v in {"is_host": int(node == 0), **RDZV}.items())
             port = self.ports.setdefault(rdzv_id, _free_port())
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            argv = [sys.executable, "-m", *launcher, "--nnodes=2", "--nproc_per_node=1",
                     "--rdzv_backend=c10d", f"--rdzv_endpoint={self.address}:{port}", f"--rdzv_id={rdzv_id}",
                     f"--max-restarts={MAX_RESTARTS}", "--monitor-interval=0.5", f"--local_addr={self.address}",
                     f"--rdzv_conf={conf}", JOB, *args]

@@ -83,7 +83,7 @@ from robustdist.ray import group as _ray_group
 from robustdist.ray import train as _ray_train
 from robustdist.recovery import building as _building
 from robustdist.recovery import loop as _recovery
-from robustdist.recovery import replacement as _replacement
+from robustdist.recovery import joining as _joining
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import ConfigError
@@ -128,7 +128,18 @@ def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: to
            kept_loader: Any = None) -> Hardened:
     """harden()'s work, into a new ``Hardened`` or, for an in-process recovery's next generation, into ``into``
     (the same object the script holds, renewed: ``h.model`` is then the new generation's), keeping the previous
-    generation's ``SafeDataLoader`` (``kept_loader``; ranks and world size are the same)."""
+    generation's ``SafeDataLoader`` (``kept_loader``; ranks and world size are the same). A worker ``robustdist run``
+    started in place of a dead one first joins the others' in-process recovery, and builds as their next generation
+    (a failure of its build is told to them, as theirs is: :mod:`robustdist.recovery.building`)."""
+    with _joining.joining(config, detect_topology(), first=into is None):
+        return _assemble(model, loader, config, optimizer=optimizer, shard_policy=shard_policy,
+                         init_weights=init_weights, scaler=scaler, into=into, kept_loader=kept_loader)
+
+
+def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: torch.optim.Optimizer | None,
+              shard_policy: Any, init_weights: Any, scaler: Any, into: Hardened | None,
+              kept_loader: Any = None) -> Hardened:
+    """:func:`_build`'s work, once any join is done."""
     given_scaler = scaler
     topo = detect_topology()
     framework = _refuse_wrapped(model, topo)
@@ -139,11 +150,6 @@ def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: to
     topo = _ray_group.prepare(config, topo, framework=framework)  # Ray Train's group given up for in-process recovery
     # In-process recovery unblocks a collective by shutting the group's connections: record them as they open
     # (the default group, the checkpointer's and the tier's groups).
-    if into is None and topo.is_distributed:  # a worker robustdist run started in place of a dead one joins the others
-        joined = _replacement.join(in_process=config.recovery.in_process, rank=topo.rank, world=topo.world_size,
-                                   init_timeout=config.distributed.init_timeout)
-        if joined is not None:
-            _recovery.continue_as(*joined)
     recording = contextlib.ExitStack()
     sockets = recording.enter_context(GroupSockets().recording()) if config.recovery.in_process else None
     try:

@@ -30,6 +30,7 @@ is left), and the agent logs why:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -40,14 +41,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from robustdist.recovery import spare as _spare
 from robustdist.runtime import _torch_compat
-from robustdist.runtime.log import get_logger
 from robustdist.runtime.replacing import REPLACES_ENV, STATE_KEY
 
 __all__ = ["SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
 
-log = get_logger(__name__)
+log = logging.getLogger(__name__)  # the launcher is no rank: no rank prefix
 SPARE_LOOK_S = 2.0  # without a spare: how often the agent asks whether the run can take a replacement
 SPARE_PAUSE_S = 10.0  # after a spare became a worker: no new one before this (its imports would slow the new worker)
 
@@ -65,10 +67,10 @@ def describe_exit(code: int) -> str:
 class Replacer:
     """The agent's hook: ``replacer(agent, worker_group, torch_monitor)`` returns the group's ``RunResult``."""
 
-    def __init__(self, spares: int = 1, store_timeout: float = 5.0) -> None:
+    def __init__(self, spares: int = 1, store_timeout: float = 2.0) -> None:
         self.replaced: list[dict[str, Any]] = []  # one record per replacement: rank, old and new pid, how it died
         self.spares = spares
-        self._client: Any = None  # a connection to the store the workers use (MASTER_ADDR:MASTER_PORT)
+        self._client: tuple[tuple[str, int], Any] | None = None  # (address, connection) of the workers' store
         self._timeout = store_timeout
         self._spare: subprocess.Popen[bytes] | None = None
         self._spare_after = 0.0  # time.monotonic() before which no spare is started (a look, or a pause)
@@ -86,18 +88,92 @@ class Replacer:
                 os.killpg(spare.pid, signal.SIGKILL)
             except OSError:
                 pass
-            spare.wait()
+            try:
+                spare.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # stuck in the kernel: the launcher ends anyway
+                log.warning("robustdist run: the warm spare (pid %d) did not end within 10 s of SIGKILL", spare.pid)
+
+    def __call__(self, agent: Any, group: Any, monitor: Callable[[Any], Any]) -> Any:
+        try:
+            self._tend_spare(agent, group)
+            codes = {lr: p.poll() for lr, p in _torch_compat.worker_processes(agent).items()}
+        except SignalException:  # torchrun's SIGTERM/SIGINT: the agent shuts the workers down
+            raise
+        except Exception as e:  # a torch that moved the agent's internals: torchrun's own behaviour
+            log.warning("robustdist run: cannot read the workers' processes (%s: %s); a dead worker restarts every "
+                        "worker, as torchrun does", type(e).__name__, str(e)[:200])
+            return monitor(group)
+        dead = {lr: code for lr, code in codes.items() if code is not None and code != 0}
+        if not dead:
+            return monitor(group)
+        refused = self._refusal(agent, group, dead, codes)
+        if refused is not None:
+            log.warning("robustdist run: %s; %s, as torchrun does. %s", self._deaths(group, dead), refused[0],
+                        refused[1])
+            self._forget(group)  # before torch stops the workers: no death of the next ones is replaced from it
+            return monitor(group)
+        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+        for lr, code in sorted(dead.items()):
+            worker = group.workers[lr]
+            old = worker.id
+            record = {"rank": worker.global_rank, "pid": old, "died": describe_exit(code), "n": len(self.replaced) + 1}
+            extra = {REPLACES_ENV: json.dumps(record)}
+            try:
+                spare = self._from_spare(agent, worker, extra)
+                new = spare if spare is not None else _torch_compat.start_worker_again(agent, worker, extra)
+            except SignalException:
+                raise
+            except Exception as e:
+                log.error("robustdist run: could not start rank %d again alone (%s: %s); expected torchrun's process "
+                          "context to take a new worker. Every worker restarts instead.", worker.global_rank,
+                          type(e).__name__, str(e)[:300])
+                self._forget(group)
+                return monitor(group)
+            record.update(new_pid=new, wall=time.time(), spare=spare is not None)
+            self.replaced.append(record)
+            log.warning("robustdist run: rank %d (local rank %d, pid %s) died (%s); started it again alone as pid %d "
+                        "(replacement %d%s); the other workers keep running and take it in at their next in-process "
+                        "recovery generation", worker.global_rank, lr, old, record["died"], new, record["n"],
+                        ", from the warm spare" if spare is not None else "")
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _forget(self, group: Any) -> None:
+        """The workers are about to be stopped and started again (torchrun's path): rank 0's state names processes
+        about to be gone, so no death of the next ones may be replaced from it (rank 0 publishes afresh)."""
+        try:
+            self._store(group).delete_key(STATE_KEY)
+        except SignalException:
+            raise
+        except Exception as e:  # rank 0's own store (it serves the port) went with it: so did the key
+            log.debug("robustdist run: could not remove the state: %s", e)
+            self._client = None
+
+    def _store(self, group: Any) -> Any:
+        """The store the workers were given (MASTER_ADDR:MASTER_PORT: the agent's own where it is shared, rank 0's
+        where TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), one connection per address (a new rendezvous may move it)."""
+        address = (str(group.master_addr), int(group.master_port))
+        if self._client is None or self._client[0] != address:
+            import torch.distributed as dist
+
+            self._client = (address, dist.TCPStore(*address, is_master=False,
+                                                   timeout=timedelta(seconds=self._timeout)))
+        return self._client[1]
 
     def _in_process(self, group: Any) -> bool:
+        """Whether the run can take a replacement now: rank 0's state is published (it withdraws it while a recovery
+        rebuilds, at the end, and the agent removes it when the workers are restarted)."""
         try:
             return bool(self._store(group).check([STATE_KEY]))
+        except SignalException:
+            raise
         except Exception as e:
             log.info("robustdist run: could not read the workers' store at %s:%s: %s: %s", group.master_addr,
                      group.master_port, type(e).__name__, str(e)[:200])
             self._client = None
             return False
 
-    def _tend_spare(self, group: Any) -> None:
+    def _tend_spare(self, agent: Any, group: Any) -> None:
         """Keep one warm spare while the run can take a replacement (looking at most every :data:`SPARE_LOOK_S`)."""
         spare = self._spare
         self._look_ready()
@@ -108,7 +184,7 @@ class Replacer:
                         describe_exit(spare.returncode))
             self._spare = None
         self._spare_after = time.monotonic() + SPARE_LOOK_S
-        if not self._in_process(group):
+        if _torch_compat.restarts_left(agent) <= 0 or not self._in_process(group):
             return
         ready_r, ready_w = os.pipe()
         try:
@@ -132,7 +208,7 @@ class Replacer:
             log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s", self._spare.pid,
                      time.monotonic() - self._started)
 
-    def _from_spare(self, agent: Any, worker: Any, extra: dict[str, str], suffix: str) -> int | None:
+    def _from_spare(self, agent: Any, worker: Any, extra: dict[str, str]) -> int | None:
         """Turn the warm spare into ``worker`` (None where there is none, or it cannot run the worker's command)."""
         spare = self._spare
         if spare is None or spare.poll() is not None or spare.stdin is None:
@@ -142,8 +218,7 @@ class Replacer:
                 list(launch["args"])):
             return None
         order = {"env": {**os.environ, **launch["env"], **extra}, "args": list(launch["args"]), "cwd": os.getcwd(),
-                 "stdout": launch["stdout"] and launch["stdout"] + suffix,
-                 "stderr": launch["stderr"] and launch["stderr"] + suffix}
+                 "stdout": launch["stdout"], "stderr": launch["stderr"]}
         try:
             spare.stdin.write(json.dumps(order).encode() + b"\n")
             spare.stdin.close()
@@ -155,55 +230,6 @@ class Replacer:
             os.close(self._ready)
             self._ready = None
         return _torch_compat.adopt_worker(agent, worker, spare)
-
-    def _store(self, group: Any) -> Any:
-        """The store the workers were given (the agent's own, shared, but not always the object the group holds)."""
-        if self._client is None:
-            import torch.distributed as dist
-
-            self._client = dist.TCPStore(group.master_addr, int(group.master_port), is_master=False,
-                                         timeout=timedelta(seconds=self._timeout))
-        return self._client
-
-    def __call__(self, agent: Any, group: Any, monitor: Callable[[Any], Any]) -> Any:
-        try:
-            self._tend_spare(group)
-            procs = _torch_compat.worker_processes(agent)
-            codes = {lr: p.poll() for lr, p in procs.items()}
-        except Exception as e:  # a torch that moved the agent's internals: torchrun's own behaviour
-            log.warning("robustdist run: cannot read the workers' processes (%s: %s); a dead worker restarts every "
-                        "worker, as torchrun does", type(e).__name__, str(e)[:200])
-            return monitor(group)
-        dead = {lr: code for lr, code in codes.items() if code is not None and code != 0}
-        if not dead:
-            return monitor(group)
-        refused = self._refusal(agent, group, dead, codes)
-        if refused is not None:
-            log.warning("robustdist run: %s; %s, as torchrun does. %s", self._deaths(group, dead), refused[0],
-                        refused[1])
-            return monitor(group)
-        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-
-        for lr, code in sorted(dead.items()):
-            worker = group.workers[lr]
-            old = worker.id
-            record = {"rank": worker.global_rank, "pid": old, "died": describe_exit(code), "n": len(self.replaced) + 1}
-            extra, suffix = {REPLACES_ENV: json.dumps(record)}, f".replaced-{record['n']}"
-            try:
-                spare = self._from_spare(agent, worker, extra, suffix)
-                new = spare if spare is not None else _torch_compat.start_worker_again(agent, worker, extra, suffix)
-            except Exception as e:
-                log.error("robustdist run: could not start rank %d again alone (%s: %s); expected torchrun's process "
-                          "context to take a new worker. Every worker restarts instead.", worker.global_rank,
-                          type(e).__name__, str(e)[:300])
-                return monitor(group)
-            record.update(new_pid=new, wall=time.time(), spare=spare is not None)
-            self.replaced.append(record)
-            log.warning("robustdist run: rank %d (local rank %d, pid %s) died (%s); started it again alone as pid %d "
-                        "(replacement %d%s); the other workers keep running and take it in at their next in-process "
-                        "recovery generation", worker.global_rank, lr, old, record["died"], new, record["n"],
-                        ", from the warm spare" if spare is not None else "")
-        return RunResult(state=WorkerState.HEALTHY)
 
     @staticmethod
     def _deaths(group: Any, dead: dict[int, int]) -> str:
@@ -227,6 +253,7 @@ class Replacer:
             return restart, ("The run takes no replacement (it does not recover in process: recovery.in_process is "
                              "off, unsupported for this run, or the run is not training now). Fix: "
                              "recovery.in_process: true in the config given to harden(), and h.run(train).")
-        if not _torch_compat.take_restart(agent):
-            return "no --max-restarts is left, so the job fails", "Fix: raise --max-restarts."
+        if not _torch_compat.take_restarts(agent, len(dead)):  # one per worker started again
+            return (f"{_torch_compat.restarts_left(agent)} --max-restarts left for {len(dead)} dead worker(s), so the "
+                    "job fails or restarts as torchrun decides"), "Fix: raise --max-restarts."
         return None

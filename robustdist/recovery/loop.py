@@ -78,7 +78,7 @@ from robustdist.runtime.errors import (ConfigError, RecoveryError, RestartLoopEr
 from robustdist.runtime.group_sockets import GroupSockets, sockets_on_port
 from robustdist.runtime.log import get_logger
 
-__all__ = ["continue_as", "generation", "run_hardened", "run_in_process"]
+__all__ = ["continue_as", "generation", "scope_of", "run_hardened", "run_in_process"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -98,6 +98,11 @@ def continue_as(calls: int, gen: int) -> None:
     """A replacement process (robustdist run, :mod:`.replacement`): its next ``h.run`` is the survivors' call
     ``calls``, from generation ``gen``."""
     _state["calls"], _state["generation"] = calls - 1, gen
+
+
+def scope_of(call: int) -> str:
+    """The store-key scope of this process's ``call``-th :func:`run_in_process` (or ``h.run``)."""
+    return f"{SCOPE}/{call}"
 
 
 def _fatal(e: BaseException) -> bool:
@@ -150,7 +155,7 @@ def _calling(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Cal
     _state["calls"] += 1  # keys of its own: a store that outlived an earlier call holds that call's keys
     try:
         return _loop(build, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra,
-                     scope=f"{SCOPE}/{_state['calls']}")
+                     scope=scope_of(_state["calls"]))
     finally:  # a later harden() in this process is a fresh start again, and its waits run
         replacement.withdraw()  # rank 0's state in robustdist run's store: a worker dying now is not replaced
         _state["generation"] = 0
@@ -276,7 +281,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         live = liveness.start_for(h.watchdog, store, scope=scope, generation=gen, rank=rank, world_size=world,
                                   fired=fired)
         if rank == 0:  # under robustdist run: where this generation stands, for a replacement of a dead worker
-            replacement.publish(keep, scope, gen, world)
+            replacement.publish(keep, scope, gen, world, h.config.fingerprint())
         resumed: object = "resume"
         try:
             found = h.resume(optimizer=optimizer, scheduler=scheduler, **extra)
@@ -344,6 +349,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                        else "another rank gave up waiting for this generation's decisions, and escalated")
             if h.local is not None and why is None:  # the next generation restores this process's copy from memory
                 h.local.carry = True
+            if rank == 0:  # a death while the next generation is built is not replaced (robustdist run: .replacement)
+                replacement.withdraw()
             try:
                 h.close(keep_local=True)
             except Exception as c:  # a group that the fault broke: what matters is that it is gone

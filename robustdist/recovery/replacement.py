@@ -38,7 +38,7 @@ from robustdist.init import process_group as _process_group
 from robustdist.init import reach as _reach
 from robustdist.init import rendezvous as _rendezvous
 from robustdist.recovery import handover
-from robustdist.recovery.faults import SCOPE, declare_found, decide
+from robustdist.recovery.faults import SCOPE, declare_found
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import RecoveryError
 from robustdist.runtime.log import get_logger
@@ -70,25 +70,26 @@ def _agent_endpoint() -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() and len(port) < 6 else None
 
 
-def _connect(host: str, port: int, deadline: float, what: str, rank: int) -> Any:
-    store, kind, detail = _rendezvous.try_connect(host, port, 1, deadline)
+def _connect(host: str, port: int, deadline: float, what: str, rank: int, retry: bool = True) -> Any:
+    store, kind, detail = _rendezvous.try_connect(host, port, 1, deadline, retry_refused=retry)
     if store is None:
         raise RecoveryError(f"could not reach {what} at {host}:{port} ({kind}: {detail}); expected it to answer. Fix: "
                             "check the launcher's log (robustdist run) and the network to that host.", rank=rank)
     return store
 
 
-def publish(store: Any, scope: str, generation: int, world: int, timeout: float = 10.0) -> None:
+def publish(store: Any, scope: str, generation: int, world: int, fingerprint: str, timeout: float = 10.0) -> None:
     """Rank 0, at the start of each in-process generation under ``robustdist run``: say where the run stands, in the
-    agent's store. Never raises (without it, a dead worker restarts the job, as under torchrun)."""
-    if os.environ.get(RUN_ENV) != "1" or (endpoint := _agent_endpoint()) is None:
+    agent's store. Only for the script's first ``h.run`` (a replacement runs the script from the top, so it can only
+    stand in for that one). Never raises (without it, a dead worker restarts the job, as under torchrun)."""
+    if os.environ.get(RUN_ENV) != "1" or (endpoint := _agent_endpoint()) is None or not scope.endswith("/1"):
         return
     inner = _torch_compat.innermost_store(store)
     host, port = getattr(inner, "host", None), getattr(inner, "port", None)
     if not host or not port:
         return
     state = json.dumps({"scope": scope, "generation": generation, "world": world, "host": host, "port": int(port),
-                        "counters": counters(), "pid": os.getpid(), "wall": time.time()})
+                        "counters": counters(), "fingerprint": fingerprint, "pid": os.getpid(), "wall": time.time()})
 
     def put() -> None:  # a connection per call: under TORCH_DISABLE_SHARE_RDZV_TCP_STORE rank 0's own process serves
         # the job's port, a new server each generation
@@ -144,6 +145,8 @@ def _state(raw: bytes, world: int, rank: int) -> dict[str, Any]:
     if not isinstance(state.get("host"), str) or not isinstance(state.get("port"), int) or \
             not 0 < state["port"] < 65536:
         raise bad("a state without a valid store address")
+    if not isinstance(state.get("fingerprint"), str):
+        raise bad("a state without a configuration fingerprint")
     if not isinstance(counts, dict) or set(counts) != set(COUNTERS) or not all(
             isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_COUNT for v in counts.values()):
         raise bad(f"a state with counters {str(counts)[:200]}")
@@ -164,7 +167,8 @@ def _replaces(rank: int) -> dict[str, Any] | None:
     return info
 
 
-def join(*, in_process: bool, rank: int, world: int, init_timeout: float) -> tuple[int, int] | None:
+def join(*, in_process: bool, rank: int, world: int, init_timeout: float,
+         fingerprint: str = "") -> tuple[int, int] | None:
     """In a replacement's first ``harden`` (before its group exists): join the survivors' next generation, as the
     module docstring says, and return ``(call, generation)`` for :func:`robustdist.recovery.loop.continue_as`; None
     (nothing done) in any other process. Raises :class:`~robustdist.RecoveryError`."""
@@ -181,6 +185,9 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float) -> tup
                             rank=rank)
     start = time.monotonic()
     deadline = start + init_timeout
+    log.warning("rank %d: this process replaces the dead one (pid %s, %s): joining the others' in-process recovery "
+                "through the store at %s:%d (at most %g s)", rank, info.get("pid"), str(info.get("died"))[:100],
+                *endpoint, init_timeout)
 
     def take_part() -> tuple[dict[str, Any], str]:
         agent = _connect(*endpoint, deadline, "the agent's store", rank)
@@ -192,11 +199,18 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float) -> tup
             time.sleep(0.05)
         state = _state(agent.get(STATE_KEY), world, rank)
         scope, gen = state["scope"], state["generation"]
-        store = _connect(state["host"], state["port"], deadline, f"generation {gen}'s store", rank)
+        if fingerprint and state["fingerprint"] != fingerprint:
+            raise RecoveryError(f"this replacement's configuration (fingerprint {fingerprint[:12]}) is not the one the "
+                                f"others run (rank 0's: {state['fingerprint'][:12]}); expected the script's first "
+                                "harden() to be the run's. The launcher's restart takes over. Fix: give every rank the "
+                                "same config, and harden the run once per script.", rank=rank)
+        # a store that refuses at once is gone (its generation with it): no retrying until the deadline
+        store = _connect(state["host"], state["port"], deadline, f"generation {gen}'s store", rank, retry=False)
         what = (f"the process of rank {rank} (pid {info.get('pid')}) died ({str(info.get('died'))[:100]}); "
                 f"robustdist run started a replacement (pid {os.getpid()})")
         declare_found(store, generation=gen, found={rank: (node_label(), what)}, by=-1, world_size=world, scope=scope)
-        decide(store, scope=scope, generation=gen, rank=rank, decision="recover")
+        # for the dead process, which cannot: unless it decided before it died (then its word stands)
+        store.compare_set(f"{scope}/{gen}/decision/{rank}", "", "recover")
         store.set(f"{scope}/{gen}/left/{rank}", "1")
         verdict = f"{scope}/{gen}/verdict"
         while not store.check([verdict]) and time.monotonic() < deadline:

@@ -2,12 +2,12 @@
 and waits to become a worker (``robustdist run --spares 1``, the default; issue #35).
 
 ``robustdist run``'s agent (:mod:`.agent`) starts ``python -u -m robustdist.recovery.spare`` once the run can take a
-replacement. The spare imports torch, torch.distributed, DDP and DCP, ``robustdist.harden`` and the recovery loop,
+replacement. The spare imports torch, torch.distributed, DDP and DCP, and the modules ``robustdist.harden`` imports,
 and runs one DDP step on a one-rank gloo group of its own (an in-memory store: no port, no file), which loads what a
 DDP constructor and its first backward load (sympy, the compiler's modules: about 2 s here), then destroys that group.
 It then reads one line from its standard input: the worker's order, JSON ``{"env", "args", "cwd", "stdout",
 "stderr"}``. Its environment becomes the worker's (exactly: the order's, nothing of its own kept), its output goes
-where the worker's would (a file when torchrun redirects it), and it runs the worker's command, ``[-u] SCRIPT ARGS``
+where the worker's would (appended to the file torchrun redirects it to, which --tee follows), and it runs the worker's command, ``[-u] SCRIPT ARGS``
 or ``[-u] -m MODULE ARGS``, as ``python`` would (``runpy``, as ``__main__``, ``sys.argv`` and ``sys.path[0]`` set). An
 end of input (the agent gone, or the launcher ending) ends it, quietly.
 
@@ -18,6 +18,7 @@ environment: torch reads ``OMP_NUM_THREADS`` and the like at import). ``--spares
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
@@ -38,8 +39,13 @@ def warm() -> None:
     import torch.distributed.checkpoint  # noqa: F401
     from torch.nn.parallel import DistributedDataParallel
 
-    import robustdist.recovery.loop  # noqa: F401
-    from robustdist import harden  # noqa: F401 - the function: `import robustdist.harden` would shadow it
+    # what harden() imports (the facade itself stays for the script: `from robustdist import harden` must find the
+    # function, which an `import robustdist.harden` here would shadow with the module)
+    for module in ("robustdist.recovery.loop", "robustdist.recovery.joining", "robustdist.parallel.ddp",
+                   "robustdist.parallel.fsdp", "robustdist.checkpoint.checkpointer", "robustdist.checkpoint.local.tier",
+                   "robustdist.health.watchdog", "robustdist.health.step_guard", "robustdist.data.dataloader",
+                   "robustdist.config.io", "robustdist.init.process_group", "robustdist.ray.group"):
+        importlib.import_module(module)
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -61,7 +67,7 @@ def usable(args: list[str]) -> bool:
 
 def _redirect(path: Any, fd: int) -> None:
     if path:
-        target = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        target = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # after the dead worker's
         os.dup2(target, fd)
         os.close(target)
 

@@ -29,7 +29,7 @@ __all__ = ["PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPIL
            "inner_schedulers", "scaler_unscaled", "BaseDataLoaderIter", "LoaderHooks",
            "MultiProcessingDataLoaderIter", "SingleProcessDataLoaderIter", "batch_norm_base", "compiled_inner",
            "dcp_storage_info_type", "default_store", "elastic_agent_class", "launcher_agent", "start_worker_again",
-           "take_restart", "worker_processes", "worker_launch", "adopt_worker", "has_python_state", "has_storage", "innermost_store",
+           "restarts_left", "take_restarts", "worker_processes", "worker_launch", "adopt_worker", "has_python_state", "has_storage", "innermost_store",
            "live_iterator", "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
            "sparse_values", "tensor_version", "torch_save_code", "module_buffers"]
 
@@ -302,49 +302,72 @@ def worker_processes(agent: Any) -> dict[int, Any]:
     return {lr: h.proc for lr, h in handlers.items()} if isinstance(handlers, dict) else {}
 
 
-def take_restart(agent: Any) -> bool:
-    """Use one of the agent's ``--max-restarts``; False when none is left."""
-    if agent._remaining_restarts <= 0:
+def restarts_left(agent: Any) -> int:
+    """How many of the agent's ``--max-restarts`` are left."""
+    return int(agent._remaining_restarts)
+
+
+def take_restarts(agent: Any, n: int) -> bool:
+    """Use ``n`` of the agent's ``--max-restarts`` (one per worker started again); False, using none, when fewer are
+    left."""
+    if agent._remaining_restarts < n:
         return False
-    agent._remaining_restarts -= 1
+    agent._remaining_restarts -= n
     return True
 
 
 def worker_launch(agent: Any, worker: Any) -> dict[str, Any]:
     """How the agent started ``worker``: ``entrypoint``, ``args``, ``env`` (the worker's own variables), ``stdout`` and
-    ``stderr`` (a file where torchrun redirects it, else ""), and ``numa`` (NUMA options, or None)."""
+    ``stderr`` (the file torchrun redirects it to, else "": ``os.devnull`` for a rank ``--local-ranks-filter``
+    leaves out), and ``numa`` (NUMA options, or None)."""
     pc, lr = agent._pcontext, worker.local_rank
     return dict(entrypoint=pc.entrypoint, args=tuple(pc.args[lr]), env=dict(pc.envs[lr]), stdout=pc.stdouts[lr] or "",
                 stderr=pc.stderrs[lr] or "", numa=getattr(pc, "_numa_options", None))
 
 
-def start_worker_again(agent: Any, worker: Any, extra_env: dict[str, str], suffix: str) -> int:
-    """Start ``worker`` (its local rank) again, alone, as the agent started it (entrypoint, arguments, environment,
-    plus ``extra_env``; a redirected output goes to its file plus ``suffix``); the agent's process context watches the
-    new process from then on. Returns its pid."""
-    import inspect
-
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+def start_worker_again(agent: Any, worker: Any, extra_env: dict[str, str]) -> int:
+    """Start ``worker`` (its local rank) again, alone, as the agent started it (entrypoint, arguments, the agent's
+    environment with the worker's variables and ``extra_env``, a session of its own); a redirected output is appended
+    to the same file, which torchrun's ``--tee`` keeps following. The agent's process context watches the new process
+    from then on (and stops it at the end). Returns its pid."""
+    import os
+    import subprocess
 
     spec = worker_launch(agent, worker)
-    kwargs: dict[str, Any] = dict(entrypoint=spec["entrypoint"], args=spec["args"], env={**spec["env"], **extra_env},
-                                  stdout=spec["stdout"] and spec["stdout"] + suffix,
-                                  stderr=spec["stderr"] and spec["stderr"] + suffix, local_rank_id=worker.local_rank)
-    if "numa_options" in inspect.signature(get_subprocess_handler).parameters:
-        kwargs["numa_options"] = spec["numa"]
-    return adopt_worker(agent, worker, get_subprocess_handler(**kwargs))
+    if spec["numa"] is not None:  # torch's own handler applies the binding (its output files start afresh)
+        import inspect
+
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+        kwargs: dict[str, Any] = dict(entrypoint=spec["entrypoint"], args=spec["args"],
+                                      env={**spec["env"], **extra_env}, stdout=spec["stdout"], stderr=spec["stderr"],
+                                      local_rank_id=worker.local_rank)
+        if "numa_options" in inspect.signature(get_subprocess_handler).parameters:
+            kwargs["numa_options"] = spec["numa"]
+        return adopt_worker(agent, worker, get_subprocess_handler(**kwargs))
+    out = open(spec["stdout"], "a") if spec["stdout"] else None  # noqa: SIM115 - the handler closes them
+    err = open(spec["stderr"], "a") if spec["stderr"] else None  # noqa: SIM115
+    proc = subprocess.Popen([spec["entrypoint"], *map(str, spec["args"])], env={**os.environ, **spec["env"],
+                                                                                **extra_env},
+                            stdout=out, stderr=err, start_new_session=True)
+    return adopt_worker(agent, worker, proc, files=(out, err))
 
 
-def adopt_worker(agent: Any, worker: Any, handler_or_proc: Any) -> int:
+def adopt_worker(agent: Any, worker: Any, handler_or_proc: Any, files: tuple[Any, Any] = (None, None)) -> int:
     """Make the agent's process context watch (and, at the end, stop) this process as ``worker``: a torch
-    ``SubprocessHandler``, or a ``Popen`` started in a session of its own (a spare that became the worker)."""
+    ``SubprocessHandler``, or a ``Popen`` started in a session of its own (``files``: its open output files, closed
+    with it). The dead worker's handler's files are closed."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     handler = handler_or_proc
     if not isinstance(handler, SubprocessHandler):  # torch's handler without its constructor (which starts a process)
         handler = SubprocessHandler.__new__(SubprocessHandler)
         handler.proc, handler.local_rank_id = handler_or_proc, worker.local_rank
-        handler._stdout = handler._stderr = None
+        handler._stdout, handler._stderr = files
+    old = agent._pcontext.subprocess_handlers.get(worker.local_rank)
+    for f in (getattr(old, "_stdout", None), getattr(old, "_stderr", None)):
+        if f is not None:
+            f.close()
     agent._pcontext.subprocess_handlers[worker.local_rank] = handler
     worker.id = handler.proc.pid
     return int(handler.proc.pid)

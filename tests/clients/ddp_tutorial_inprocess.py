@@ -11,7 +11,8 @@ in-memory tier every step.
 event per step) and ``--local-every`` (the in-memory tier's interval, 1) shape a run for tests that act on it mid-run. ``--fault RANK:STEP`` raises ``ValueError`` on that rank after the optimizer step of global step STEP (its peer then
 waits in the save's arrival check), in generation 0 of attempt 0 only, or with ``--always`` in every generation of
 every attempt (a deterministic fault). ``--kill RANK:STEP`` SIGKILLs that rank there instead, in its first process
-only (not in a replacement ``robustdist run`` started). Each rank writes ``events-<tag>-rank<r>.jsonl`` (every start of the
+only (not in a replacement ``robustdist run`` started), or with ``--always`` in every process; ``--kill-in-save`` right after that step's ``save()``
+returns (its background part under way). Each rank writes ``events-<tag>-rank<r>.jsonl`` (every start of the
 training function and the restart-loop guard's stop), and at the end ``result-<tag>-rank<r>.json`` and
 ``final-<tag>-rank<r>.pt`` (the parameters) as ``tests/_torchrun.py`` reads them.
 """
@@ -68,6 +69,7 @@ class Trainer:
         self.optimizer, self.fault, self.always, self.note = optimizer, fault, always, note
         self.epochs, self.step_sleep, self.log_steps = epochs, step_sleep, log_steps
         self.kill: tuple[int, int] | None = None
+        self.kill_in_save = False
 
     def _run_batch(self, h, source, targets, step: int) -> None:
         self.optimizer.zero_grad()
@@ -89,10 +91,15 @@ class Trainer:
             first = generation() == 0 and h.attempt == 0
             if self.fault == (self.rank, step) and (self.always or first):
                 raise ValueError(f"boom at step {step} (attempt {h.attempt}, generation {generation()})")
-            if self.kill == (self.rank, step) and first and "ROBUSTDIST_REPLACES" not in os.environ:
+            replaced = "ROBUSTDIST_REPLACES" in os.environ
+            doomed = self.kill == (self.rank, step) and (self.always or (first and not replaced))
+            if doomed and not self.kill_in_save:
                 self.note(event="kill", step=step)
                 os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer's way: no exception, no exit code
             h.save(step)  # the in-memory tier every --local-every steps (1), the durable one every 4
+            if doomed:  # --kill-in-save: while the save's background part (commit, replication) runs
+                self.note(event="kill", step=step)
+                os.kill(os.getpid(), signal.SIGKILL)
         return step
 
     def train(self, h, step: int) -> int:
@@ -111,6 +118,7 @@ def main() -> None:
     p.add_argument("--fault", default=None, help="RANK:STEP")
     p.add_argument("--always", action="store_true")
     p.add_argument("--kill", default=None, help="RANK:STEP: SIGKILL that rank there (first process only)")
+    p.add_argument("--kill-in-save", action="store_true", help="--kill right after that step's save() returns")
     p.add_argument("--max-no-progress", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--hang-timeout", type=float, default=None)
@@ -140,6 +148,7 @@ def main() -> None:
     trainer = Trainer(optimizer, fault, a.always, note, epochs=a.epochs,  # type: ignore[arg-type]
                       step_sleep=a.step_sleep, log_steps=a.log_steps)
     trainer.kill = tuple(int(v) for v in a.kill.split(":")) if a.kill else None  # type: ignore[assignment]
+    trainer.kill_in_save = a.kill_in_save
     try:
         end = h.run(trainer.train, optimizer=optimizer)
     except RestartLoopError as e:

@@ -164,3 +164,53 @@ def test_the_warm_spare_becomes_the_killed_worker_and_a_killed_spare_is_replaced
         except OSError:
             continue
     assert not left, f"processes of the run left behind: {left}"
+
+
+@pytest.mark.timeout(400)
+def test_a_kill_inside_a_save_and_a_killed_replacement_still_end_bitwise(tmp_path):
+    """Rank 1 SIGKILLed while its in-memory save's background part runs: the survivors resume from a complete step
+    (never the half-replicated one) with the replacement. And a replacement SIGKILLed as soon as it starts (a death
+    during the recovery): the agent starts another, and the run still ends bitwise."""
+    args = ("--step-sleep", "0.1")
+    procs = {"straight": launch(CLIENT, tmp_path / "straight", "straight", *args),
+             "save": launch(CLIENT, tmp_path / "save", "save", *args, "--kill", "1:9", "--kill-in-save",
+                            launcher=(*RUN, "--spares", "0"), max_restarts=3)}
+    twice = launch(CLIENT, tmp_path / "twice", "twice", *args, "--kill", "1:9", launcher=(*RUN, "--spares", "0"),
+                   max_restarts=3)
+    lines, reader = _reader(twice)
+    try:
+        first = _await_line(lines, twice, r"started it again alone as pid (\d+) \(replacement 1\)", 0, 120)
+        os.kill(int(first.group(1)), signal.SIGKILL)
+        twice.wait(timeout=TIMEOUT)
+        reader.join(10)
+    finally:
+        if twice.poll() is None:
+            os.killpg(twice.pid, signal.SIGKILL)
+            twice.wait()
+    out = "".join(lines)
+    assert twice.returncode == 0, out[-4000:]
+    logs = succeeded(finish(procs, TIMEOUT))
+    ref = results(tmp_path / "straight", "straight")
+    for tag in ("save", "twice"):
+        for r, (res, params) in enumerate(results(tmp_path / tag, tag)):
+            _same(ref[r][1], params)
+            assert res["end"] == 24 and res["attempt"] == 0, (tag, res)  # torchrun restarted nothing
+    starts = [e for e in _events(tmp_path / "save", "save", 0) if e["event"] == "start"]
+    assert [e["generation"] for e in starts] == [0, 1] and starts[1]["step"] in (8, 9), starts
+    assert "started it again alone" in logs["save"]
+    assert f"rank 1 (local rank 1, pid {first.group(1)}) died (signal 9 (SIGKILL)); started it again alone as pid" \
+        in out and "(replacement 2)" in out, out[-4000:]
+
+
+@pytest.mark.timeout(400)
+def test_a_crash_loop_ends_in_the_restart_loop_guard(tmp_path):
+    """Rank 1 SIGKILLed at the same step in every process (a replacement included): each death is replaced until
+    the survivors' in-process loop sees the same step fail health.max_restarts_without_progress times and
+    escalates; torchrun's restarts then end in the restart-loop guard (or run out), and the job fails, bounded."""
+    proc = launch(CLIENT, tmp_path / "loop", "loop", "--kill", "1:5", "--always", "--max-no-progress", "2",
+                  launcher=(*RUN, "--spares", "0"), max_restarts=4)
+    (code, out), = finish({"loop": proc}, TIMEOUT).values()
+    assert code != 0, out[-4000:]
+    assert "(replacement 1)" in out and "2 faults in a row after resuming from step 4" in out, out[-6000:]
+    assert "exited with a code" not in out or "every worker is stopped and started again" in out
+    assert "RestartLoopError" in out or "no --max-restarts is left" in out, out[-4000:]

@@ -20,7 +20,7 @@ from robustdist.runtime.errors import RecoveryError
 from robustdist.runtime.replacing import REPLACES_ENV, RUN_ENV, STATE_KEY
 
 PACKAGE = Path(replacement.__file__).resolve().parents[1]
-SCOPE = f"{faults.SCOPE}/3"
+SCOPE = f"{faults.SCOPE}/1"  # the script's first h.run: the only one a replacement can stand in for
 
 
 @pytest.fixture
@@ -39,7 +39,8 @@ def server(monkeypatch):
 
 def _state(store, **over):
     state = {"scope": SCOPE, "generation": 4, "world": 2, "host": "127.0.0.1", "port": store.port,
-             "counters": {"rendezvous": 6, "reach": 6, "barrier": 6, "watchdog": 5}, "pid": 1, "wall": 0.0}
+             "counters": {"rendezvous": 6, "reach": 6, "barrier": 6, "watchdog": 5}, "fingerprint": "f00d",
+             "pid": 1, "wall": 0.0}
     state.update(over)
     return state
 
@@ -83,10 +84,12 @@ def test_every_counter_that_names_store_keys_is_adopted():
 
 def test_publish_writes_what_join_reads(server, monkeypatch):
     monkeypatch.delenv(RUN_ENV, raising=False)
-    replacement.publish(server, SCOPE, 4, 2)
+    replacement.publish(server, SCOPE, 4, 2, "f00d")
     assert not server.check([STATE_KEY])  # not under robustdist run: nothing
     monkeypatch.setenv(RUN_ENV, "1")
-    replacement.publish(server, SCOPE, 4, 2)
+    replacement.publish(server, f"{faults.SCOPE}/2", 4, 2, "f00d")
+    assert not server.check([STATE_KEY])  # a second h.run in the script: a replacement cannot stand in for it
+    replacement.publish(server, SCOPE, 4, 2, "f00d")
     state = replacement._state(server.get(STATE_KEY), 2, 1)
     assert (state["scope"], state["generation"], state["port"]) == (SCOPE, 4, server.port)
     assert state["counters"] == replacement.counters()
@@ -99,7 +102,7 @@ def test_a_replacement_joins_the_survivors_next_generation(server, monkeypatch):
     server.set(STATE_KEY, json.dumps(_state(server)))
     stop = threading.Event()
     _rank0(server, "recover", stop)
-    assert replacement.join(in_process=True, rank=1, world=2, init_timeout=10) == (3, 5)
+    assert replacement.join(in_process=True, rank=1, world=2, init_timeout=10, fingerprint="f00d") == (1, 5)
     assert replacement.counters() == {"rendezvous": 6, "reach": 6, "barrier": 6, "watchdog": 5}
     fault = faults.read_fault(server, generation=4, world_size=2, scope=SCOPE)
     assert fault is not None and fault.count == 1 and fault.why[1]["by"] == -1
@@ -167,3 +170,21 @@ def test_a_replacement_without_in_process_recovery_says_so(server, monkeypatch):
     monkeypatch.delenv(REPLACES_ENV)
     monkeypatch.setattr(replacement, "_published", {})
     assert replacement.join(in_process=False, rank=1, world=2, init_timeout=5) is None
+
+
+def test_another_configuration_and_a_decision_the_dead_rank_gave_are_respected(server, monkeypatch):
+    """A replacement whose config is not the run's is refused; a dead rank that had decided "escalate" before it
+    died keeps its word (the replacement does not overwrite it)."""
+    _replacing(monkeypatch)
+    server.set(STATE_KEY, json.dumps(_state(server)))
+    with pytest.raises(RecoveryError, match=r"\[rank 1\].*configuration \(fingerprint beef\) is not the one the "
+                                            r"others run \(rank 0's: f00d\).*Fix"):
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=15, fingerprint="beef")
+    monkeypatch.setattr(replacement, "_published", {})
+    server.set(f"{SCOPE}/4/decision/1", "escalate (a stuck rank)")
+    stop = threading.Event()
+    _rank0(server, "escalate", stop)
+    with pytest.raises(RecoveryError, match="verdict 'escalate'"):
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=15, fingerprint="f00d")
+    assert server.get(f"{SCOPE}/4/decision/1") == b"escalate (a stuck rank)"
+    stop.set()

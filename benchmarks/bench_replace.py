@@ -1,0 +1,181 @@
+"""P11: a killed rank replaced alone (``robustdist run``) vs torchrun's restart of every worker, on the P9 job.
+
+The job and the two nodes are P9's (``bench_recovery.py``, ``_recovery_job.py``): DDP over gloo, a 2.1M-parameter MLP
+with Adam, ~50 ms steps, two lab nodes (network namespaces, one agent and one rank each; two agents on this host where
+the lab cannot run, and the record says so), durable and in-memory checkpoints. Variants:
+
+* ``restart``: torchrun, P9's ``memory`` job: a SIGKILLed rank makes torchrun restart every worker (respawn,
+  ``import torch``, rendezvous, restore from the in-memory tier, replay).
+* ``cold``: ``robustdist run --spares 0``, the ``inprocess`` job (``recovery.in_process``, ``h.run``): the dead
+  rank's agent starts it again alone, cold (a new Python, ``import torch``, the script from the top); the survivor
+  recovers in its own process and takes it in.
+* ``spare``: ``robustdist run`` (one warm spare per node): the dead rank's agent turns its spare into the worker.
+
+The faults: rank 1 SIGKILLed at P9's intervals (21 to 28 s apart from the first step on), the same for every variant,
+until the job ends. Only rank 1: ``robustdist run`` does not replace rank 0 alone (its process serves the job's store);
+a killed rank 0 takes torchrun's path in every variant, so P9's schedule (which kills rank 0 every other time and
+replaces a node) is not this one. Per fault: SIGKILL -> first new step (a step beyond the last done before the kill,
+on every rank), split into kill -> the loop running again and replay (``bench_inprocess.per_fault``). Goodput = steps x
+the baseline step time right before the variant / wall time from the first step to the last. Then, without faults,
+the job's start under ``robustdist run`` against torchrun's (the same in-process job, launch -> first step on every
+rank), alternating, ``--pairs`` times; the difference is taken per pair (median reported).
+
+Run: .venv/bin/python benchmarks/bench_replace.py [--ideal-seconds 62] [--host] [--keep];
+``make bench BENCH=bench_replace`` (about 8 minutes here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+import bench_inprocess as p10
+import bench_recovery as p9
+from robustdist.testing import nodelab
+
+VARIANTS = ("restart", "cold", "spare")
+LAUNCHER = {"restart": ("torch.distributed.run",), "cold": ("robustdist", "run", "--spares", "0"),
+            "spare": ("robustdist", "run", "--spares", "1")}
+JOB_VARIANT = {"restart": "memory", "cold": "inprocess", "spare": "inprocess"}
+INTERVALS = p9.INTERVALS
+
+
+def kill_run(nodes: p9.Nodes, work: Path, variant: str, a: Any, *, faults: bool, tag: str,
+             launcher: tuple[str, ...] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    """Run ``variant`` (``faults``: rank 1 SIGKILLed on the schedule); returns its events, the kills, and when the
+    agents were started (wall clock)."""
+    ev, ckpt = work / f"{tag}-events", work / f"{tag}-ckpt"
+    ckpt.mkdir(parents=True)
+    args = p9.job_args(JOB_VARIANT[variant], ev, ckpt, a, a.steps if faults else a.quiet_steps, a.every)
+    launched = time.time()
+    agents = [nodes.agent(i, args, rdzv_id=f"p11-{tag}", name=f"{tag}-n{i}", sub=tag,
+                          launcher=launcher or LAUNCHER[variant]) for i in range(2)]
+    p9.wait_until(lambda: p9._tail_has(ev, "rank0-*.jsonl", '"event": "step"'), 120, f"{tag}'s first step", agents)
+    first = min(t for p in p9.processes(p9.read_events(ev)).values() for t, _ in p.steps)
+    due, kills = first + INTERVALS[0], []
+    deadline = time.monotonic() + a.variant_timeout
+    while any(agent.poll() is None for agent in agents):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"P11: {tag} did not finish within {a.variant_timeout:g} s")
+        if any(agent.poll() not in (None, 0) for agent in agents):
+            raise RuntimeError(f"P11: {tag}: an agent failed (exit {[x.poll() for x in agents]}); see the logs")
+        if faults and time.time() >= due and not p9._tail_has(ev, "rank*.jsonl", '"event": "done"'):
+            pid = p9.live_pid(ev, 1)
+            if pid is not None:  # between two processes: the kill waits for the new one
+                os.kill(pid, signal.SIGKILL)
+                kills.append({"t": time.time(), "rank": 1})
+                due += INTERVALS[len(kills) % len(INTERVALS)]
+        time.sleep(0.05)
+    p9.finish(agents, 10, tag)
+    return p9.read_events(ev), kills, launched
+
+
+def started(events: list[dict[str, Any]], launched: float) -> float:
+    """Launch -> the first step done on every rank."""
+    firsts = {}
+    for p in p9.processes(events).values():
+        if p.steps:
+            firsts[p.rank] = min(firsts.get(p.rank, float("inf")), p.steps[0][0])
+    return max(firsts.values()) - launched
+
+
+def main() -> None:
+    p = h.parser(__doc__.splitlines()[0])
+    p.add_argument("--ideal-seconds", type=float, default=62.0, help="the job's length in seconds of training (P9's)")
+    p.add_argument("--durable-seconds", type=float, default=12.5, help="durable checkpoint spacing, as in P9")
+    p.add_argument("--local-every", type=int, default=10, help="in-memory cadence, steps")
+    p.add_argument("--sleep", type=float, default=0.02, help="seconds of 'accelerator time' per step")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--baseline-steps", type=int, default=130)
+    p.add_argument("--quiet-steps", type=int, default=40, help="steps of each fault-free start run")
+    p.add_argument("--pairs", type=int, default=3, help="fault-free torchrun/robustdist run start pairs")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variant-timeout", type=float, default=300)
+    p.add_argument("--host", action="store_true", help="two agents on this host even where the lab can run")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (events, logs)")
+    a = p.parse_args()
+    a.steps = a.every = None
+    why = nodelab.unavailable()
+    use_lab = why is None and not a.host
+    work = Path(tempfile.mkdtemp(prefix="rd-bench-replace-"))
+    began, load0 = time.time(), os.getloadavg()[0]
+    ideal: dict[str, list[float]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    walls: dict[str, float] = {}
+    starts: list[float] = []
+    try:
+        nodes = p9.Nodes(work, use_lab)
+        try:
+            for variant in [v for v in a.variants.split(",") if v]:
+                ideal[variant] = p9.baseline_run(nodes, work, a, variant)
+                step = statistics.mean(ideal[variant])
+                if a.steps is None:
+                    a.steps = round(a.ideal_seconds / step)
+                    a.every = a.local_every * max(1, round(a.durable_seconds / step / a.local_every))
+                events, kills, _ = kill_run(nodes, work, variant, a, faults=True, tag=variant)
+                rank0 = sorted(t for pr in p9.processes(events).values() if pr.rank == 0 for t, _ in pr.steps)
+                walls[variant] = rank0[-1] - rank0[0] + step
+                runs[variant] = p10.per_fault(events, kills)
+                print(f"  {variant}: goodput {a.steps * step / walls[variant]:.3f}, kills {runs[variant]}", flush=True)
+            for i in range(a.pairs):
+                order = ("torchrun", "robustdist") if i % 2 == 0 else ("robustdist", "torchrun")
+                took = {who: started(*kill_run(nodes, work, "spare", a, faults=False, tag=f"start-{who}-{i}",
+                                               launcher=LAUNCHER["restart" if who == "torchrun" else "spare"])[::2])
+                        for who in order}
+                starts.append(took["robustdist"] - took["torchrun"])
+        finally:
+            nodes.close()
+    except BaseException:
+        p9.dump_logs(work)
+        raise
+    finally:
+        p9.tidy(work, a.keep)
+    report(a, use_lab, why, ideal, runs, walls, starts, time.time() - began, (load0, os.getloadavg()[0]))
+
+
+def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]], runs: dict[str, list[dict[str, Any]]],
+           walls: dict[str, float], starts: list[float], seconds: float, load: tuple[float, float]) -> None:
+    times: dict[str, list[float]] = {}
+    metrics: dict[str, float] = {"lab": float(use_lab)}
+    for v, kills in runs.items():
+        lone = [f for f in kills if not f["overlapped"]]
+        times[f"{v}: baseline step right before (no checkpoint, no fault)"] = ideal[v]
+        times[f"{v}: SIGKILL to first new step"] = [f["recovery"] for f in lone]
+        metrics[f"goodput_{v}"] = a.steps * statistics.mean(ideal[v]) / walls[v]
+        metrics[f"kills_{v}"] = float(len(kills))
+        for part in ("recovery", "to_loop", "replay"):
+            metrics[f"{part}_seconds_{v}"] = p9._med([f[part] for f in lone])
+    if starts:
+        times["no faults: robustdist run start - torchrun start, same job (per pair)"] = starts
+        metrics["start_delta_seconds"] = statistics.median(starts)
+    if "spare" in runs and "cold" in runs:
+        metrics["spare_saves_seconds"] = metrics["recovery_seconds_cold"] - metrics["recovery_seconds_spare"]
+    if "restart" in runs and "spare" in runs:
+        metrics["recovery_speedup"] = metrics["recovery_seconds_restart"] / metrics["recovery_seconds_spare"]
+    where = "2 lab nodes (network namespaces, one agent and one rank each, a private tmpfs local disk)" \
+        if use_lab else f"2 agents on one host, 1 rank each (NOT the lab: {why or '--host'})"
+    setup = (f"{where}; P9's job: DDP/gloo MLP {a.layers}x{a.width} + Adam, {a.steps} steps ({a.sleep * 1e3:.0f} ms "
+             f"of each a fixed sleep), durable every {a.every} steps, in-memory every {a.local_every}; rank 1 SIGKILLed "
+             f"{min(INTERVALS):g} to {max(INTERVALS):g} s apart from the first step on (rank 1 only: robustdist run "
+             "does not replace rank 0 alone), the same for every variant; start difference from "
+             f"{len(starts)} alternating pairs of {a.quiet_steps}-step runs; {seconds:.0f} s in all")
+    notes = [f"machine load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
+             f"{os.cpu_count()} CPUs"]
+    notes += [f"{v}, per kill (steps lost, SIGKILL to first new step = to the loop again + replay s, sources): "
+              + "; ".join(f"{f['lost']} {f['recovery']:.2f} = {f['to_loop']:.2f} + {f['replay']:.2f} "
+                          f"{'/'.join(f['sources'])}{' (overlapped)' if f['overlapped'] else ''}" for f in kills)
+              for v, kills in runs.items()]
+    metrics = {k: v for k, v in metrics.items() if v == v}  # NaN: not measured
+    h.emit(a, "P11", "a killed rank replaced alone (robustdist run) vs torchrun's restart of every worker", times,
+           metrics, setup=setup, notes=notes)
+
+
+if __name__ == "__main__":
+    main()
