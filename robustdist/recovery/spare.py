@@ -3,7 +3,8 @@ and waits to become a worker (``robustdist run --spares 1``, the default; issue 
 
 ``robustdist run``'s agent (:mod:`.agent`) starts ``python -u -m robustdist.recovery.spare`` once the run can take a
 replacement. The spare imports torch, torch.distributed, DDP and DCP, and the modules ``robustdist.harden`` imports,
-and runs one DDP step on a one-rank gloo group of its own (an in-memory store: no port, no file), which loads what a
+at the lowest CPU priority where it may return to the normal one (root, or ``RLIMIT_NICE``), and runs one DDP
+step on a one-rank gloo group of its own (an in-memory store: no port, no file), which loads what a
 DDP constructor and its first backward load (sympy, the compiler's modules: about 2 s here), then destroys that group.
 It then reads one line from its standard input: the worker's order, JSON ``{"env", "args", "cwd", "stdout",
 "stderr"}``. Its environment becomes the worker's (exactly: the order's, nothing of its own kept), its output goes
@@ -100,7 +101,24 @@ READY_FD_ENV = "ROBUSTDIST_SPARE_READY_FD"
 """The agent's pipe (a file descriptor number) on which the spare writes one byte once warm."""
 
 
+def _yield_cpu() -> int | None:
+    """While warming, take only CPU the workers leave (nice 19), where this process may return to its priority when
+    it becomes a worker (root, or RLIMIT_NICE allowing it): a worker must not keep a low priority. Returns the
+    priority to return to (None: unchanged)."""
+    try:
+        import resource
+
+        before = os.getpriority(os.PRIO_PROCESS, 0)
+        if os.geteuid() != 0 and 20 - resource.getrlimit(resource.RLIMIT_NICE)[0] > before:
+            return None
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+        return before
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
 def main() -> int:
+    niced = _yield_cpu()
     warm()
     ready = os.environ.pop(READY_FD_ENV, "")
     if ready.isdigit():
@@ -113,6 +131,8 @@ def main() -> int:
     if not line.strip():  # the agent went away (or ended the spare): nothing to become
         return 0
     order = json.loads(line)
+    if niced is not None:
+        os.setpriority(os.PRIO_PROCESS, 0, niced)  # a worker now, at the workers' priority
     devnull = os.open(os.devnull, os.O_RDONLY)  # the agent's pipe is done with: the worker reads nothing from it
     os.dup2(devnull, 0)
     os.close(devnull)

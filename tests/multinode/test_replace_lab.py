@@ -49,18 +49,26 @@ def _same(straight: list, work: Path, tag: str, ranks: int) -> list:
     return ends
 
 
-def test_two_ranks_on_two_nodes_killed_at_once_are_each_replaced_alone(node_lab, tmp_path):
-    shape = ("--epochs", "8", "--step-sleep", "0.15")  # 4 ranks: 4 steps an epoch, 32 steps
-    straight = _straight(tmp_path, 4, *shape)
+def _at_step_12(node_lab, tmp_path: Path, tag: str, shape: tuple[str, ...], *, nproc: int, launcher: tuple[str, ...],
+                rdzv_conf: dict | None = None):
+    """Two lab nodes running the client under ``launcher`` (nproc ranks each), once rank 0 has done step 12."""
     lab = node_lab(2, local_disk=tmp_path / "node-local")
     work = tmp_path / "lab"
     work.mkdir()
-    argv = ["--workdir", str(work), "--tag", "two", "--local-dir", str(tmp_path / "node-local" / "tier"),
-            "--log-steps", *shape]
-    agents = [lab.torchrun(i, CLIENT, argv, nproc=2, max_restarts=2, env=ENV, launcher=(*RUN, "--spares", "0"))
-              for i in range(2)]
-    wait_for(lambda: [e for e in _events(work, "two", 0) if e["event"] == "step" and e["step"] >= 12], 180,
+    argv = ["--workdir", str(work), "--tag", tag, "--local-dir", str(tmp_path / "node-local" / "tier"), "--log-steps",
+            *shape]
+    agents = [lab.torchrun(i, CLIENT, argv, nproc=nproc, max_restarts=2, env=ENV, rdzv_conf=rdzv_conf,
+                           launcher=launcher) for i in range(2)]
+    wait_for(lambda: [e for e in _events(work, tag, 0) if e["event"] == "step" and e["step"] >= 12], 180,
              "step 12", lab=lab, procs=agents)
+    return lab, work, argv, agents
+
+
+def test_two_ranks_on_two_nodes_killed_at_once_are_each_replaced_alone(node_lab, tmp_path):
+    shape = ("--epochs", "8", "--step-sleep", "0.15")  # 4 ranks: 4 steps an epoch, 32 steps
+    straight = _straight(tmp_path, 4, *shape)
+    lab, work, argv, agents = _at_step_12(node_lab, tmp_path, "two", shape, nproc=2,
+                                          launcher=(*RUN, "--spares", "0"))
     doomed = {r: [e for e in _events(work, "two", r) if e["event"] == "start"][-1]["pid"] for r in (1, 3)}
     for pid in doomed.values():  # the same moment on both nodes (pids are the host's: the lab shares them)
         os.kill(pid, signal.SIGKILL)
@@ -83,15 +91,9 @@ def test_two_ranks_on_two_nodes_killed_at_once_are_each_replaced_alone(node_lab,
 def test_a_lost_node_and_its_agent_take_the_whole_node_path(node_lab, tmp_path):
     shape = ("--epochs", "6", "--step-sleep", "0.15")  # 2 ranks: 8 steps an epoch, 48 steps
     straight = _straight(tmp_path, 2, *shape)
-    lab = node_lab(2, local_disk=tmp_path / "node-local")
-    work = tmp_path / "lab"
-    work.mkdir()
+    lab, work, argv, agents = _at_step_12(node_lab, tmp_path, "node", shape, nproc=1, launcher=RUN,
+                                          rdzv_conf=FAST_RDZV)
     tier = tmp_path / "node-local" / "tier"
-    argv = ["--workdir", str(work), "--tag", "node", "--local-dir", str(tier), "--log-steps", *shape]
-    agents = [lab.torchrun(i, CLIENT, argv, max_restarts=2, env=ENV, rdzv_conf=FAST_RDZV, launcher=RUN)
-              for i in range(2)]
-    wait_for(lambda: [e for e in _events(work, "node", 0) if e["event"] == "step" and e["step"] >= 12], 180,
-             "step 12", lab=lab, procs=agents)
     lab.kill_node(1)
     assert agents[1].wait(timeout=15) == -9
     lab.exec(1, ["rm", "-rf", str(tier)])  # a replacement node: nothing in memory

@@ -111,6 +111,19 @@ def _reader(proc: subprocess.Popen) -> tuple[list[str], threading.Thread]:
     return lines, thread
 
 
+def _ended(proc: subprocess.Popen, reader: threading.Thread, lines: list[str]) -> str:
+    """Wait for the launcher (killing its session past the timeout, or on the way out of a failure); its output."""
+    try:
+        proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    reader.join(10)
+    return "".join(lines)
+
+
 def _await_line(lines: list[str], proc: subprocess.Popen, pattern: str, after: int, timeout: float) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -139,13 +152,8 @@ def test_the_warm_spare_becomes_the_killed_worker_and_a_killed_spare_is_replaced
         second = _await_line(lines, spared, r"the warm spare \(pid (\d+)\) is ready", len(lines) - 1, 120)
         rank1 = [e for e in _events(tmp_path / "spared", "spared", 1) if e["event"] == "start"][-1]["pid"]
         os.kill(rank1, signal.SIGKILL)
-        spared.wait(timeout=TIMEOUT)
-        reader.join(10)
     finally:
-        if spared.poll() is None:
-            os.killpg(spared.pid, signal.SIGKILL)
-            spared.wait()
-    out = "".join(lines)
+        out = _ended(spared, reader, lines)
     assert spared.returncode == 0, out[-4000:]
     succeeded(finish({"straight": straight}, TIMEOUT))
     assert f"died (signal 9 (SIGKILL)); started it again alone as pid {second.group(1)} (replacement 1, from the " \
@@ -181,13 +189,8 @@ def test_a_kill_inside_a_save_and_a_killed_replacement_still_end_bitwise(tmp_pat
     try:
         first = _await_line(lines, twice, r"started it again alone as pid (\d+) \(replacement 1\)", 0, 120)
         os.kill(int(first.group(1)), signal.SIGKILL)
-        twice.wait(timeout=TIMEOUT)
-        reader.join(10)
     finally:
-        if twice.poll() is None:
-            os.killpg(twice.pid, signal.SIGKILL)
-            twice.wait()
-    out = "".join(lines)
+        out = _ended(twice, reader, lines)
     assert twice.returncode == 0, out[-4000:]
     logs = succeeded(finish(procs, TIMEOUT))
     ref = results(tmp_path / "straight", "straight")

@@ -188,3 +188,24 @@ def test_another_configuration_and_a_decision_the_dead_rank_gave_are_respected(s
         replacement.join(in_process=True, rank=1, world=2, init_timeout=15, fingerprint="f00d")
     assert server.get(f"{SCOPE}/4/decision/1") == b"escalate (a stuck rank)"
     stop.set()
+
+
+def test_a_spare_takes_only_a_python_script_or_module():
+    from robustdist.recovery.spare import usable
+
+    assert usable(["-u", "train.py", "--lr", "1"]) and usable(["train.py"]) and usable(["-u", "-m", "pkg.train"])
+    assert not usable(["-X", "dev", "train.py"]) and not usable(["-m"]) and not usable(["-u"]) and not usable([])
+
+
+def test_the_launchers_log_directory_goes_when_empty_and_stays_with_a_file(tmp_path):
+    from robustdist.recovery.launch import _remove_empty
+
+    empty, kept = tmp_path / "torchelastic_a", tmp_path / "torchelastic_b"
+    (empty / "run" / "attempt_0" / "0").mkdir(parents=True)
+    (kept / "run" / "attempt_0" / "1").mkdir(parents=True)
+    (kept / "run" / "attempt_0" / "1" / "error.json").write_text("{}")
+    (kept / "run" / "attempt_0" / "0").mkdir()
+    _remove_empty(str(empty))
+    _remove_empty(str(kept))
+    assert not empty.exists()
+    assert (kept / "run" / "attempt_0" / "1" / "error.json").exists() and not (kept / "run" / "attempt_0" / "0").exists()
