@@ -52,6 +52,7 @@ __all__ = ["SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
 log = logging.getLogger(__name__)  # the launcher is no rank: no rank prefix
 SPARE_LOOK_S = 2.0  # without a spare: how often the agent asks whether the run can take a replacement
 SPARE_PAUSE_S = 10.0  # after a spare became a worker: no new one before this (its imports would slow the new worker)
+SPARE_TRIES = 3  # spares in a row that end before they are warm: then no more (replacements start cold)
 
 
 def describe_exit(code: int) -> str:
@@ -75,7 +76,10 @@ class Replacer:
         self._spare: subprocess.Popen[bytes] | None = None
         self._spare_after = 0.0  # time.monotonic() before which no spare is started (a look, or a pause)
         self._ready: int | None = None  # the read end of the spare's "warm" pipe, until it has said so
+        self._warm = False  # the spare has said it is warm
         self._started = 0.0
+        self._failures = 0  # spares in a row that ended before they were warm
+        self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
 
     def close(self) -> None:
         """End the spare, if one is waiting (the launcher's end; the spare also ends when its input closes)."""
@@ -95,14 +99,19 @@ class Replacer:
 
     def __call__(self, agent: Any, group: Any, monitor: Callable[[Any], Any]) -> Any:
         try:
-            self._tend_spare(agent, group)
             codes = {lr: p.poll() for lr, p in _torch_compat.worker_processes(agent).items()}
+            if all(c in (None, 0) for c in codes.values()):  # deaths first: a spare started now would slow them
+                self._tend_spare(agent, group)
         except SignalException:  # torchrun's SIGTERM/SIGINT: the agent shuts the workers down
             raise
         except Exception as e:  # a torch that moved the agent's internals: torchrun's own behaviour
             log.warning("robustdist run: cannot read the workers' processes (%s: %s); a dead worker restarts every "
                         "worker, as torchrun does", type(e).__name__, str(e)[:200])
             return monitor(group)
+        ids = {w.id for w in group.workers}
+        if self._ids and not ids & self._ids:  # torchrun restarted every worker (a membership change, a death torch's
+            self._forget(group)  # own look saw first): rank 0's state is of processes gone
+        self._ids = ids
         dead = {lr: code for lr, code in codes.items() if code is not None and code != 0}
         if not dead:
             return monitor(group)
@@ -114,6 +123,7 @@ class Replacer:
             return monitor(group)
         from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
+        before = len(self.replaced)
         for lr, code in sorted(dead.items()):
             worker = group.workers[lr]
             old = worker.id
@@ -128,10 +138,13 @@ class Replacer:
                 log.error("robustdist run: could not start rank %d again alone (%s: %s); expected torchrun's process "
                           "context to take a new worker. Every worker restarts instead.", worker.global_rank,
                           type(e).__name__, str(e)[:300])
-                self._forget(group)
+                _torch_compat.take_restarts(agent, -(len(dead) - len(self.replaced) + before))  # not started: the
+                self._forget(group)  # restart torchrun now makes is charged by torchrun itself
                 return monitor(group)
             record.update(new_pid=new, wall=time.time(), spare=spare is not None)
             self.replaced.append(record)
+            self._ids.discard(old)
+            self._ids.add(new)
             log.warning("robustdist run: rank %d (local rank %d, pid %s) died (%s); started it again alone as pid %d "
                         "(replacement %d%s); the other workers keep running and take it in at their next in-process "
                         "recovery generation", worker.global_rank, lr, old, record["died"], new, record["n"],
@@ -154,7 +167,12 @@ class Replacer:
         where TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), one connection per address (a new rendezvous may move it)."""
         address = (str(group.master_addr), int(group.master_port))
         if self._client is None or self._client[0] != address:
+            import socket
+
             import torch.distributed as dist
+
+            with socket.create_connection(address, timeout=0.5):  # refused at once: no 2 s of client retries
+                pass
 
             self._client = (address, dist.TCPStore(*address, is_master=False,
                                                    timeout=timedelta(seconds=self._timeout)))
@@ -167,9 +185,9 @@ class Replacer:
             return bool(self._store(group).check([STATE_KEY]))
         except SignalException:
             raise
-        except Exception as e:
-            log.info("robustdist run: could not read the workers' store at %s:%s: %s: %s", group.master_addr,
-                     group.master_port, type(e).__name__, str(e)[:200])
+        except Exception as e:  # rank 0's own store, between two of its generations or processes: not now
+            log.debug("robustdist run: could not read the workers' store at %s:%s: %s: %s", group.master_addr,
+                      group.master_port, type(e).__name__, str(e)[:200])
             self._client = None
             return False
 
@@ -180,17 +198,29 @@ class Replacer:
         if not self.spares or (spare is not None and spare.poll() is None) or time.monotonic() < self._spare_after:
             return
         if spare is not None:
-            log.warning("robustdist run: the warm spare (pid %d) ended with %s; starting another", spare.pid,
-                        describe_exit(spare.returncode))
-            self._spare = None
+            self._failures += 0 if self._warm else 1
+            log.warning("robustdist run: the warm spare (pid %d) ended with %s%s", spare.pid,
+                        describe_exit(spare.returncode), "; starting another" if self._failures < SPARE_TRIES else
+                        f"; {SPARE_TRIES} in a row ended before they were warm (see the launcher's stderr above), so "
+                        "no more: replacements start cold. Fix: run `python -m robustdist.recovery.spare` by hand")
+            self._spare, self._warm = None, False
+            if self._ready is not None:
+                os.close(self._ready)
+                self._ready = None
         self._spare_after = time.monotonic() + SPARE_LOOK_S
-        if _torch_compat.restarts_left(agent) <= 0 or not self._in_process(group):
+        if self._failures >= SPARE_TRIES or _torch_compat.restarts_left(agent) <= 0 or not self._in_process(group):
             return
         ready_r, ready_w = os.pipe()
         try:
-            self._spare = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.recovery.spare"],
+            self._spare = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.recovery.spare"], cwd="/",
                                            stdin=subprocess.PIPE, start_new_session=True, pass_fds=(ready_w,),
                                            env={**os.environ, _spare.READY_FD_ENV: str(ready_w)})
+        except OSError as e:  # no process now (memory, process limits): the next look tries again
+            os.close(ready_r)
+            self._failures += 1
+            log.warning("robustdist run: could not start a warm spare (%s: %s); expected a new Python process. "
+                        "Replacements start cold meanwhile.", type(e).__name__, str(e)[:200])
+            return
         finally:
             os.close(ready_w)
         self._ready, self._started = ready_r, time.monotonic()
@@ -204,15 +234,17 @@ class Replacer:
         ok = os.read(self._ready, 1) == b"1"
         os.close(self._ready)
         self._ready = None
+        self._warm = ok
         if ok and self._spare is not None:
+            self._failures = 0
             log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s", self._spare.pid,
                      time.monotonic() - self._started)
 
     def _from_spare(self, agent: Any, worker: Any, extra: dict[str, str]) -> int | None:
         """Turn the warm spare into ``worker`` (None where there is none, or it cannot run the worker's command)."""
         spare = self._spare
-        if spare is None or spare.poll() is not None or spare.stdin is None:
-            return None
+        if spare is None or spare.poll() is not None or spare.stdin is None or not self._warm:
+            return None  # one still warming would start the worker later than a cold start (and block the order)
         launch = _torch_compat.worker_launch(agent, worker)
         if launch["entrypoint"] != sys.executable or launch["numa"] is not None or not _spare.usable(
                 list(launch["args"])):
@@ -225,7 +257,7 @@ class Replacer:
         except OSError as e:  # it died meanwhile
             log.info("robustdist run: the warm spare could not take the order (%s); starting the worker cold", e)
             return None
-        self._spare, self._spare_after = None, time.monotonic() + SPARE_PAUSE_S
+        self._spare, self._warm, self._spare_after = None, False, time.monotonic() + SPARE_PAUSE_S
         if self._ready is not None:
             os.close(self._ready)
             self._ready = None

@@ -159,7 +159,7 @@ def _replaces(rank: int) -> dict[str, Any] | None:
         return None
     try:
         info = json.loads(raw[:4096])
-    except ValueError:
+    except (ValueError, RecursionError):
         info = None
     if not isinstance(info, dict) or info.get("rank") != rank:
         raise RecoveryError(f"{REPLACES_ENV}={raw[:200]!r}; expected the JSON robustdist run sets for a replacement of "

@@ -3,16 +3,17 @@ and waits to become a worker (``robustdist run --spares 1``, the default; issue 
 
 ``robustdist run``'s agent (:mod:`.agent`) starts ``python -u -m robustdist.recovery.spare`` once the run can take a
 replacement. The spare imports torch, torch.distributed, DDP and DCP, and the modules ``robustdist.harden`` imports,
-at the lowest CPU priority where it may return to the normal one (root, or ``RLIMIT_NICE``), and runs one DDP
-step on a one-rank gloo group of its own (an in-memory store: no port, no file), which loads what a
-DDP constructor and its first backward load (sympy, the compiler's modules: about 2 s here), then destroys that group.
+and, on a build without CUDA, runs one DDP step on a one-rank gloo group of its own (an in-memory store: no port, no file), which loads what a
+DDP constructor and its first backward load (sympy, the compiler's modules), then destroys that group.
 It then reads one line from its standard input: the worker's order, JSON ``{"env", "args", "cwd", "stdout",
 "stderr"}``. Its environment becomes the worker's (exactly: the order's, nothing of its own kept), its output goes
 where the worker's would (appended to the file torchrun redirects it to, which --tee follows), and it runs the worker's command, ``[-u] SCRIPT ARGS``
 or ``[-u] -m MODULE ARGS``, as ``python`` would (``runpy``, as ``__main__``, ``sys.argv`` and ``sys.path[0]`` set). An
 end of input (the agent gone, or the launcher ending) ends it, quietly.
 
-What a spare cannot undo: modules already imported are not imported again (a script that sets an environment
+On a build with CUDA the spare only imports (a backward can count the GPUs, which fixes ``CUDA_VISIBLE_DEVICES``
+before the worker's script sets its own). The spare starts in ``/`` (nothing there shadows its imports) and moves to
+the worker's directory. What a spare cannot undo: modules already imported are not imported again (a script that sets an environment
 variable a module reads at import, before importing it, sees that module as imported with the launcher's
 environment: torch reads ``OMP_NUM_THREADS`` and the like at import). ``--spares 0`` starts every replacement cold.
 """
@@ -48,6 +49,8 @@ def warm() -> None:
                    "robustdist.config.io", "robustdist.init.process_group", "robustdist.ray.group"):
         importlib.import_module(module)
 
+    if torch.backends.cuda.is_built():  # a backward may count the GPUs, fixing CUDA_VISIBLE_DEVICES before the
+        return  # worker's own (a script may set it after `import torch`): imports only
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = DistributedDataParallel(torch.nn.Linear(2, 1))
@@ -77,7 +80,8 @@ def become(order: dict[str, Any]) -> None:
     """Turn this process into the worker ``order`` describes, and run it (returns when the script does)."""
     env, args = order["env"], [str(a) for a in order["args"]]
     if not isinstance(env, dict) or not usable(args):
-        raise ValueError(f"robustdist spare: an order it cannot run (args {args[:4]}); expected [-u] SCRIPT or -m MODULE")
+        raise ValueError(f"robustdist spare: an order it cannot run (args {args[:4]}); expected [-u] SCRIPT or -m "
+                         "MODULE. Fix: none needed, robustdist run starts such a worker cold (a bug if seen)")
     sys.stdout.flush()
     sys.stderr.flush()
     _redirect(order.get("stdout"), 1)
@@ -88,37 +92,21 @@ def become(order: dict[str, Any]) -> None:
     rest = args[1:] if args[0] == "-u" else args
     if rest[0] == "-m":
         sys.argv = [rest[1], *rest[2:]]  # runpy sets argv[0] to the module's path
-        sys.path[0] = os.getcwd()
+        if not getattr(sys.flags, "safe_path", False):  # python -m puts the working directory first (none with -P)
+            sys.path[0] = os.getcwd()
         runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
     else:
-        script = os.path.abspath(rest[0])
-        sys.argv = [rest[0], *rest[1:]]
-        sys.path[0] = os.path.dirname(script)
-        runpy.run_path(script, run_name="__main__")
+        sys.argv = [rest[0], *rest[1:]]  # runpy keeps argv[0] as given, as python does
+        if not getattr(sys.flags, "safe_path", False):  # python puts the script's real directory first (none with -P)
+            sys.path[0] = os.path.dirname(os.path.realpath(rest[0]))
+        runpy.run_path(rest[0], run_name="__main__")
 
 
 READY_FD_ENV = "ROBUSTDIST_SPARE_READY_FD"
 """The agent's pipe (a file descriptor number) on which the spare writes one byte once warm."""
 
 
-def _yield_cpu() -> int | None:
-    """While warming, take only CPU the workers leave (nice 19), where this process may return to its priority when
-    it becomes a worker (root, or RLIMIT_NICE allowing it): a worker must not keep a low priority. Returns the
-    priority to return to (None: unchanged)."""
-    try:
-        import resource
-
-        before = os.getpriority(os.PRIO_PROCESS, 0)
-        if os.geteuid() != 0 and 20 - resource.getrlimit(resource.RLIMIT_NICE)[0] > before:
-            return None
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
-        return before
-    except (OSError, AttributeError, ValueError):
-        return None
-
-
 def main() -> int:
-    niced = _yield_cpu()
     warm()
     ready = os.environ.pop(READY_FD_ENV, "")
     if ready.isdigit():
@@ -131,8 +119,6 @@ def main() -> int:
     if not line.strip():  # the agent went away (or ended the spare): nothing to become
         return 0
     order = json.loads(line)
-    if niced is not None:
-        os.setpriority(os.PRIO_PROCESS, 0, niced)  # a worker now, at the workers' priority
     devnull = os.open(os.devnull, os.O_RDONLY)  # the agent's pipe is done with: the worker reads nothing from it
     os.dup2(devnull, 0)
     os.close(devnull)

@@ -308,8 +308,8 @@ def restarts_left(agent: Any) -> int:
 
 
 def take_restarts(agent: Any, n: int) -> bool:
-    """Use ``n`` of the agent's ``--max-restarts`` (one per worker started again); False, using none, when fewer are
-    left."""
+    """Use ``n`` of the agent's ``--max-restarts`` (one per worker started again; a negative ``n`` gives them back);
+    False, using none, when fewer are left."""
     if agent._remaining_restarts < n:
         return False
     agent._remaining_restarts -= n

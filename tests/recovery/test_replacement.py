@@ -156,7 +156,7 @@ def test_a_hostile_state_is_a_named_error(server, monkeypatch, raw, found):
     assert replacement.counters() != {"rendezvous": 2**40, "reach": 1, "barrier": 1, "watchdog": 1}
 
 
-@pytest.mark.parametrize("value", ["{oops", json.dumps({"rank": 0}), json.dumps([1])])
+@pytest.mark.parametrize("value", ["{oops", json.dumps({"rank": 0}), json.dumps([1]), "[" * 4000])
 def test_a_hostile_environment_is_a_named_error(server, monkeypatch, value):
     monkeypatch.setenv(REPLACES_ENV, value)
     with pytest.raises(RecoveryError, match=rf"\[rank 1\] {REPLACES_ENV}=.*expected the JSON robustdist run sets.*Fix"):
