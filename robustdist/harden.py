@@ -128,9 +128,8 @@ def _build(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer: to
            kept_loader: Any = None) -> Hardened:
     """harden()'s work, into a new ``Hardened`` or, for an in-process recovery's next generation, into ``into``
     (the same object the script holds, renewed: ``h.model`` is then the new generation's), keeping the previous
-    generation's ``SafeDataLoader`` (``kept_loader``; ranks and world size are the same). A worker ``robustdist run``
-    started in place of a dead one first joins the others' in-process recovery, and builds as their next generation
-    (a failure of its build is told to them, as theirs is: :mod:`robustdist.recovery.building`)."""
+    generation's ``SafeDataLoader`` (``kept_loader``; ranks and world size are the same). A replacement worker
+    (``robustdist run``) first joins the others' in-process recovery: :mod:`robustdist.recovery.joining`."""
     with _joining.joining(config, detect_topology(), first=into is None):
         return _assemble(model, loader, config, optimizer=optimizer, shard_policy=shard_policy,
                          init_weights=init_weights, scaler=scaler, into=into, kept_loader=kept_loader)
