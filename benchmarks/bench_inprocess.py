@@ -151,7 +151,8 @@ def per_fault(events: list[dict[str, Any]], injected: list[dict[str, Any]] | Non
         phases["detect"] = max((d for d in seen if d is not None), default=nan) if recovered else nan
         out.append({**phases, "from_process": recovered and all(e.get("phases", {}).get("from_process")
                                                                 for e in again.values()),
-                    "rank": f["rank"], "lost": before - min(e["step"] for e in again.values()) if recovered else 0,
+                    "rank": f["rank"], "t": f["t"],
+                    "lost": before - min(e["step"] for e in again.values()) if recovered else 0,
                     "recovery": first - f["t"], "to_loop": back - f["t"] if recovered else nan,
                     "replay": first - back if recovered else nan, "error_seen": min(peer) if peer else nan,
                     "overlapped": nxt < first, "ridden_out": not recovered,

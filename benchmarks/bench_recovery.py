@@ -112,9 +112,11 @@ class Nodes:
         return str(self.local / sub)
 
     def agent(self, node: int, args: list[str], *, rdzv_id: str, name: str, sub: str,
-              launcher: tuple[str, ...] = ("torch.distributed.run",)) -> subprocess.Popen[bytes]:
-        """Node ``node``'s agent, by ``python -m <launcher>`` (torchrun; ``("robustdist", "run", ...)``: P11)."""
-        env = {**ENV, "P9_LOCAL_DIR": self.local_dir(sub)}
+              launcher: tuple[str, ...] = ("torch.distributed.run",),
+              base_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Node ``node``'s agent, by ``python -m <launcher>`` (torchrun; ``("robustdist", "run", ...)``: P11), with
+        ``base_env`` in place of :data:`ENV` where given."""
+        env = {**(ENV if base_env is None else base_env), "P9_LOCAL_DIR": self.local_dir(sub)}
         if self.lab is not None:
             proc = self.lab.torchrun(node, JOB, args, nproc=1, max_restarts=MAX_RESTARTS, env=env, name=name,
                                      rdzv_id=rdzv_id, rdzv_conf=RDZV, launcher=launcher)

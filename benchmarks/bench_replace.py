@@ -11,10 +11,11 @@ the lab cannot run, and the record says so), durable and in-memory checkpoints. 
   recovers in its own process and takes it in.
 * ``spare``: ``robustdist run`` (one warm spare per node): the dead rank's agent turns its spare into the worker.
 
-The faults: rank 1 SIGKILLed at P9's intervals (21 to 28 s apart from the first step on), the same for every variant,
-until the job ends. Only rank 1: ``robustdist run`` does not replace rank 0 alone (its process serves the job's store);
-a killed rank 0 takes torchrun's path in every variant, so P9's schedule (which kills rank 0 every other time and
-replaces a node) is not this one. Per fault: SIGKILL -> first new step (a step beyond the last done before the kill,
+The faults: P9's schedule without its replaced node: a rank SIGKILLed at P9's intervals (21 to 28 s apart from the
+first step on), rank 1 then rank 0 alternately, the same for every variant, until the job ends. The agents share
+torchrun's store with the workers (torchrun's default; P9 turns it off so that a replaced node's new agent can rejoin),
+so ``robustdist run``'s agent on node 0 serves each attempt's store and a killed rank 0 is replaced alone too. Per
+fault: SIGKILL -> first new step (a step beyond the last done before the kill,
 on every rank), split into kill -> the loop running again and replay (``bench_inprocess.per_fault``). Goodput = steps x
 the baseline step time right before the variant / wall time from the first step to the last. Then, without faults,
 the job's start under ``robustdist run`` against torchrun's (the same in-process job, launch -> first step on every
@@ -44,18 +45,24 @@ LAUNCHER = {"restart": ("torch.distributed.run",), "cold": ("robustdist", "run",
             "spare": ("robustdist", "run", "--spares", "1")}
 JOB_VARIANT = {"restart": "memory", "cold": "inprocess", "spare": "inprocess"}
 INTERVALS = p9.INTERVALS
+ENV = {k: v for k, v in p9.ENV.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}  # torchrun's store shared
+
+
+def target(n: int) -> int:
+    """The rank the n-th kill takes: rank 1, rank 0, rank 1, ... (P9's order, without its replaced node)."""
+    return 1 if n % 2 == 0 else 0
 
 
 def kill_run(nodes: p9.Nodes, work: Path, variant: str, a: Any, *, faults: bool, tag: str,
              launcher: tuple[str, ...] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
-    """Run ``variant`` (``faults``: rank 1 SIGKILLed on the schedule); returns its events, the kills, and when the
-    agents were started (wall clock)."""
+    """Run ``variant`` (``faults``: a rank SIGKILLed on the schedule, :func:`target`); returns its events, the kills,
+    and when the agents were started (wall clock)."""
     ev, ckpt = work / f"{tag}-events", work / f"{tag}-ckpt"
     ckpt.mkdir(parents=True)
     args = p9.job_args(JOB_VARIANT[variant], ev, ckpt, a, a.steps if faults else a.quiet_steps, a.every)
     launched = time.time()
     agents = [nodes.agent(i, args, rdzv_id=f"p11-{tag}", name=f"{tag}-n{i}", sub=tag,
-                          launcher=launcher or LAUNCHER[variant]) for i in range(2)]
+                          launcher=launcher or LAUNCHER[variant], base_env=ENV) for i in range(2)]
     p9.wait_until(lambda: p9._tail_has(ev, "rank0-*.jsonl", '"event": "step"'), 120, f"{tag}'s first step", agents)
     first = min(t for p in p9.processes(p9.read_events(ev)).values() for t, _ in p.steps)
     due, kills = first + INTERVALS[0], []
@@ -66,14 +73,54 @@ def kill_run(nodes: p9.Nodes, work: Path, variant: str, a: Any, *, faults: bool,
         if any(agent.poll() not in (None, 0) for agent in agents):
             raise RuntimeError(f"P11: {tag}: an agent failed (exit {[x.poll() for x in agents]}); see the logs")
         if faults and time.time() >= due and not p9._tail_has(ev, "rank*.jsonl", '"event": "done"'):
-            pid = p9.live_pid(ev, 1)
+            rank = target(len(kills))
+            pid = p9.live_pid(ev, rank)
             if pid is not None:  # between two processes: the kill waits for the new one
                 os.kill(pid, signal.SIGKILL)
-                kills.append({"t": time.time(), "rank": 1})
+                kills.append({"t": time.time(), "rank": rank})
                 due += INTERVALS[len(kills) % len(INTERVALS)]
         time.sleep(0.05)
     p9.finish(agents, 10, tag)
     return p9.read_events(ev), kills, launched
+
+
+def breakdown(events: list[dict[str, Any]], faults: list[dict[str, Any]], step: float) -> dict[str, float]:
+    """Where the wall time beyond ``steps x step`` went, on rank 0's clock (its steps over all its processes, in time
+    order): the kills' windows (SIGKILL -> first new step, the replay inside), then, for every other step-to-step gap,
+    the seconds beyond ``step``: the job's first 6 s (every process starting; with a spare, the first spare warming),
+    a new process's first 20 steps, 8 to 16 s after a recovery (with a spare, the next one warming: it starts 10 s
+    after a replacement), a step followed by a save, and the rest; and the median of the rest against ``step``."""
+    windows = [(f["t"], f["t"] + f["recovery"]) for f in faults]
+    timeline = []
+    firsts = {}
+    for pid, proc in p9.processes(events).items():
+        if proc.rank != 0 or not proc.steps:
+            continue
+        saved = {s for _, s, _ in proc.saves}
+        firsts[pid] = proc.steps[0][0]
+        timeline += [(t, pid, i, s in saved) for i, (t, s) in enumerate(proc.steps)]
+    timeline.sort()
+    out = {"recovery": sum(f["recovery"] for f in faults), "job_start": 0.0, "new_process": 0.0, "after_recovery": 0.0,
+           "save_steps": 0.0, "other_steps": 0.0}
+    rest: list[float] = []
+    start, first_pid = timeline[0][0], timeline[0][1]
+    for (t0, _, _, saved), (t1, pid, i, _) in zip(timeline, timeline[1:], strict=False):
+        if any(a < t1 and t0 < b for a, b in windows):
+            continue  # inside a kill's window: counted whole above
+        extra = t1 - t0 - step
+        if t0 - start < 6.0:
+            out["job_start"] += extra
+        elif pid != first_pid and i < 20:
+            out["new_process"] += extra
+        elif any(b + 8.0 <= t0 <= b + 16.0 for _, b in windows):
+            out["after_recovery"] += extra
+        elif saved:
+            out["save_steps"] += extra
+        else:
+            out["other_steps"] += extra
+            rest.append(t1 - t0)
+    out["other_step_ratio"] = statistics.median(rest) / step if rest else float("nan")
+    return out
 
 
 def started(events: list[dict[str, Any]], launched: float) -> float:
@@ -109,6 +156,7 @@ def main() -> None:
     ideal: dict[str, list[float]] = {}
     runs: dict[str, list[dict[str, Any]]] = {}
     walls: dict[str, float] = {}
+    lost: dict[str, dict[str, float]] = {}
     starts: list[float] = []
     try:
         nodes = p9.Nodes(work, use_lab)
@@ -123,6 +171,7 @@ def main() -> None:
                 rank0 = sorted(t for pr in p9.processes(events).values() if pr.rank == 0 for t, _ in pr.steps)
                 walls[variant] = rank0[-1] - rank0[0] + step
                 runs[variant] = p10.per_fault(events, kills)
+                lost[variant] = breakdown(events, runs[variant], step)
                 print(f"  {variant}: goodput {a.steps * step / walls[variant]:.3f}, kills {runs[variant]}", flush=True)
             for i in range(a.pairs):
                 order = ("torchrun", "robustdist") if i % 2 == 0 else ("robustdist", "torchrun")
@@ -137,11 +186,12 @@ def main() -> None:
         raise
     finally:
         p9.tidy(work, a.keep)
-    report(a, use_lab, why, ideal, runs, walls, starts, time.time() - began, (load0, os.getloadavg()[0]))
+    report(a, use_lab, why, ideal, runs, walls, lost, starts, time.time() - began, (load0, os.getloadavg()[0]))
 
 
 def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]], runs: dict[str, list[dict[str, Any]]],
-           walls: dict[str, float], starts: list[float], seconds: float, load: tuple[float, float]) -> None:
+           walls: dict[str, float], lost: dict[str, dict[str, float]], starts: list[float], seconds: float,
+           load: tuple[float, float]) -> None:
     times: dict[str, list[float]] = {}
     metrics: dict[str, float] = {"lab": float(use_lab)}
     for v, kills in runs.items():
@@ -162,9 +212,9 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
     where = "2 lab nodes (network namespaces, one agent and one rank each, a private tmpfs local disk)" \
         if use_lab else f"2 agents on one host, 1 rank each (NOT the lab: {why or '--host'})"
     setup = (f"{where}; P9's job: DDP/gloo MLP {a.layers}x{a.width} + Adam, {a.steps} steps ({a.sleep * 1e3:.0f} ms "
-             f"of each a fixed sleep), durable every {a.every} steps, in-memory every {a.local_every}; rank 1 SIGKILLed "
-             f"{min(INTERVALS):g} to {max(INTERVALS):g} s apart from the first step on (rank 1 only: robustdist run "
-             "does not replace rank 0 alone), the same for every variant; start difference from "
+             f"of each a fixed sleep), durable every {a.every} steps, in-memory every {a.local_every}; ranks 1 and 0 "
+             f"SIGKILLed alternately, {min(INTERVALS):g} to {max(INTERVALS):g} s apart from the first step on, the "
+             "same for every variant, torchrun's store shared; start difference from "
              f"{len(starts)} alternating pairs of {a.quiet_steps}-step runs; {seconds:.0f} s in all")
     notes = [f"machine load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
              f"{os.cpu_count()} CPUs"]
@@ -172,6 +222,12 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
               + "; ".join(f"{f['lost']} {f['recovery']:.2f} = {f['to_loop']:.2f} + {f['replay']:.2f} "
                           f"{'/'.join(f['sources'])}{' (overlapped)' if f['overlapped'] else ''}" for f in kills)
               for v, kills in runs.items()]
+    notes += [f"{v}, wall {walls[v]:.1f} s vs {a.steps} x baseline {a.steps * statistics.mean(ideal[v]):.1f} s; seconds "
+              "beyond the baseline step, rank 0: " + ", ".join(f"{k} {x:.1f}" for k, x in parts.items()
+                                                              if k != "other_step_ratio")
+              + f"; the other steps' median / baseline {parts['other_step_ratio']:.2f}" for v, parts in lost.items()]
+    for v, parts in lost.items():
+        metrics[f"other_step_ratio_{v}"] = parts["other_step_ratio"]
     metrics = {k: v for k, v in metrics.items() if v == v}  # NaN: not measured
     h.emit(a, "P11", "a killed rank replaced alone (robustdist run) vs torchrun's restart of every worker", times,
            metrics, setup=setup, notes=notes)

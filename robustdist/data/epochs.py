@@ -14,6 +14,10 @@ loop that breaks after the last batch). A new ``iter(loader)``:
   ``next(iter(loader))``), replays that epoch: no ``set_epoch``, so an epoch-seeded sampler
   (``DistributedSampler``) yields the same order, as a plain ``DataLoader`` with ``set_epoch(epoch)`` does;
   after a resume it starts again at the restored position. A ``set_epoch`` the user calls in between wins.
+  Restored one batch before its end, an epoch is not ended by an abandoned iteration that took that one batch: that
+  is a peek, and the next iteration yields that batch again (a loop that breaks right after the last batch, then
+  iterates again, meets it twice: a batch-size peek is the common case). A loop still in the iteration (a
+  ``state_dict()`` after that batch) has ended the epoch.
 
 A sampler without ``set_epoch`` (a single process's ``RandomSampler``) draws its order at each ``iter()``, as
 with a plain ``DataLoader``.
@@ -93,10 +97,16 @@ class Position:
     rng: RngState | None = None  # what the current iteration's sampler started from
     pending: Start | None = None  # the current iteration's start, taken by its index sampler's iter()
 
-    def ended(self, length: int | None) -> bool:
-        """Whether the current iteration finished its epoch (ran out, or yielded every batch)."""
+    def ended(self, length: int | None, abandoned: bool = True) -> bool:
+        """Whether the current iteration finished its epoch (ran out, or yielded every batch). An ``abandoned``
+        iteration (no loop is in it) that took one batch from a restored position with one left is a peek (the DDP
+        tutorial's ``next(iter(loader))``), not the end; a loop still in it (a save after the epoch's last batch,
+        before the loop asks for the next) has ended it."""
         p = self.progress
-        return p is not None and (p.finished or (length is not None and self.offset + p.batches >= length))
+        if p is None:
+            return False
+        peek = abandoned and self.offset > 0 and p.batches == 1 and not p.finished
+        return p.finished or (length is not None and self.offset + p.batches >= length and not peek)
 
     def alive(self) -> bool:
         return self.iterator is not None and self.iterator() is not None

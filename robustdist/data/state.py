@@ -76,7 +76,7 @@ def in_use(loader: PositionedLoader, pos: Position) -> bool:
 
 def state_dict(loader: PositionedLoader, sampler: EpochSampler | None) -> dict[str, Any]:
     pos, length = loader._pos, batches_per_epoch(loader)
-    in_flight = pos.open and not pos.ended(epoch_length(loader, pos))
+    in_flight = pos.open and not pos.ended(epoch_length(loader, pos), abandoned=not in_use(loader, pos))
     if not in_flight:
         batches, rng = 0, None
     elif in_use(loader, pos) and pos.progress is not None:  # the loop is in this iteration: its own position

@@ -57,10 +57,11 @@ from robustdist.init import rendezvous as _rendezvous
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import InitError
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, ATTEMPT_TOKEN_KEY, RUN_ENV, attempt_store_info
 
 log = get_logger(__name__)
 _KEY = "robustdist/attempt_store"
-_TOKEN = "robustdist/attempt_token"
+_TOKEN = ATTEMPT_TOKEN_KEY
 _counted: dict[tuple[Any, ...], int] = {}  # (job id, store address) -> the attempt this process counted
 _COUNTER = "robustdist/attempt_counter"  # in the agent's (job-lifetime) store: rank 0 adds 1 per attempt
 _ATTEMPT = "robustdist/attempt"  # in the attempt's own store: the number rank 0 counted
@@ -141,6 +142,9 @@ def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: f
     store under a key of its own, so a client cannot take the previous round's record, whose store a kept
     model may still hold open (its token would match)."""
     key = _KEY if generation <= 1 else f"{_KEY}/{generation}"
+    served = served_by_agent(rank)
+    if served is not None:
+        return _agent_served(served, addr, port, rank, world_size, timeout_s, key)
     deadline = time.monotonic() + timeout_s
     endpoint = _rendezvous.Endpoint("env", f"MASTER_ADDR={addr!r}, MASTER_PORT={port}", host=addr, port=port,
                                     addresses=[addr])
@@ -177,3 +181,65 @@ def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: f
     raise InitError(f"could not reach rank 0's store for this torchrun attempt within {timeout_s:g} s (last: "
                     f"{last_error}); expected rank 0 to publish it in the agent store at {addr}:{port}. Fix: check "
                     "rank 0's log for an earlier failure, or raise distributed.init_timeout.", rank=rank)
+
+
+def served_by_agent(rank: int) -> dict[str, Any] | None:
+    """``{"addr", "port", "token"}`` of the attempt's store where ``robustdist run``'s agent serves it
+    (:data:`~robustdist.runtime.replacing.ATTEMPT_STORE_ENV`, only under :data:`~robustdist.runtime.replacing.RUN_ENV`),
+    else None (rank 0 serves it). The environment is input: anything but what the agent sets is an InitError."""
+    raw = os.environ.get(ATTEMPT_STORE_ENV)
+    if raw is None or os.environ.get(RUN_ENV) != "1":
+        return None
+    info = attempt_store_info(raw)
+    if info is None:
+        raise InitError(f"{ATTEMPT_STORE_ENV}={raw[:200]!r}; expected the JSON robustdist run's agent sets "
+                        '({"addr": host, "port": 1-65535, "token": 32 hex digits}). Fix: unset it (only the launcher '
+                        "sets it).", rank=rank)
+    return info
+
+
+def _agent_served(info: dict[str, Any], addr: str, port: int, rank: int, world_size: int, timeout_s: float,
+                  key: str) -> Any:
+    """A client of the attempt's store the agent serves, checked by its token; rank 0 counts the attempt there once
+    (a replacement of rank 0 finds its predecessor's count), the others wait for that count. Rank 0 also publishes
+    the store's address where a rank without the variable looks for rank 0's own (an agent that could not read
+    node 0's address in time gives its workers none): they join the same store."""
+    deadline = time.monotonic() + timeout_s
+    host, served, last_error = info["addr"], info["port"], "not tried"
+    while True:
+        store, _, detail = _rendezvous.try_connect(host, served, world_size,
+                                                   min(deadline, time.monotonic() + _CONNECT_S), retry_refused=True)
+        if store is not None:
+            break
+        last_error = f"{detail}"
+        if time.monotonic() >= deadline:
+            raise InitError(f"could not reach this attempt's store at {host}:{served} within {timeout_s:g} s "
+                            f"({last_error}); expected robustdist run's agent on node 0 to serve it. Fix: check that "
+                            "launcher's log and the network to that node, or raise distributed.init_timeout.",
+                            rank=rank)
+        time.sleep(0.2)
+    try:
+        if not (store.check([_TOKEN]) and store.get(_TOKEN).decode("ascii", "replace") == info["token"]):
+            raise InitError(f"the store at {host}:{served} is not this attempt's (its token differs); expected the one "
+                            f"robustdist run's agent serves for this attempt. Fix: the attempt ended (see the "
+                            "launcher's log); nothing else may listen on that port.", rank=rank)
+        if rank == 0:
+            agent = _rendezvous.connect_tcp(
+                _rendezvous.Endpoint("env", f"MASTER_ADDR={addr!r}, MASTER_PORT={port}", host=addr, port=port,
+                                     addresses=[addr]),
+                rank=rank, world_size=world_size, deadline=deadline, init_timeout=timeout_s,
+                serving="torchrun's agent on the master node")
+            if not store.check([_ATTEMPT]):  # a replacement of rank 0 finds the count already there
+                store.set(_ATTEMPT, str(count_attempt(agent)))
+            agent.set(key, json.dumps({"addr": host, "port": served, "token": info["token"]}))
+        elif rank != 0:
+            store.wait([_ATTEMPT], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+    except InitError:
+        raise
+    except (RuntimeError, OSError, ValueError) as e:  # DistError is a RuntimeError
+        raise InitError(f"this attempt's store at {host}:{served} failed during the rendezvous ({type(e).__name__}: "
+                        f"{str(e)[:300]}); expected rank 0 to count the attempt there within {timeout_s:g} s. Fix: "
+                        "see rank 0's log and the launcher's.", rank=rank) from e
+    store.set_timeout(timedelta(seconds=timeout_s))
+    log.debug("attempt store served by robustdist run's agent at %s:%d", host, served)
+    return store

@@ -21,8 +21,8 @@ is left), and the agent logs why:
   store only while an in-process recovery run trains (``recovery.in_process`` on a run it supports);
 * a worker **exited** with a code: an exception, or a rank that escalated (the in-process loop decided the job
   restarts), or the stuck-rank exit (86): a restart of the job is what it asked for;
-* the dead worker is global rank 0 (its process serves the generation's store under ``--max-restarts``, and runs the
-  job's checks; see docs/recovery.md);
+* the dead worker is global rank 0 and its process served the attempt's store: the agent serves it instead
+  (:mod:`.attempt_store`) only with c10d rendezvous, the agent's store shared and ``--max-restarts`` > 0;
 * a worker has already finished (exit 0): the run is ending;
 * no ``--max-restarts`` is left.
 """
@@ -44,6 +44,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from robustdist.recovery import spare as _spare
+from robustdist.recovery.attempt_store import AttemptStore
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.replacing import REPLACES_ENV, STATE_KEY
 
@@ -80,9 +81,21 @@ class Replacer:
         self._started = 0.0
         self._failures = 0  # spares in a row that ended before they were warm
         self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
+        self.attempt = AttemptStore()  # each attempt's store, served here on node 0 (outlives rank 0's process)
+
+    def starting(self, group: Any) -> None:
+        """The agent's hook after each rendezvous, before it starts the workers: this attempt's store."""
+        try:
+            self.attempt.start(group)
+        except SignalException:
+            raise
+        except Exception as e:  # the workers then make it as under torchrun (rank 0 serves)
+            log.warning("robustdist run: no agent-served store for this attempt (%s: %s)", type(e).__name__,
+                        str(e)[:200])
 
     def close(self) -> None:
         """End the spare, if one is waiting (the launcher's end; the spare also ends when its input closes)."""
+        self.attempt.close()
         spare, self._spare = self._spare, None
         if self._ready is not None:
             os.close(self._ready)
@@ -191,6 +204,18 @@ class Replacer:
             self._client = None
             return False
 
+    def _outlives_rank0(self, group: Any) -> bool:
+        """Whether rank 0's published state says its generations live in the store this agent serves (not in one
+        its own process served, as with ``init_method`` ``tcp://``)."""
+        try:
+            raw = self._store(group).get(STATE_KEY)
+            state = json.loads(raw[:8192]) if len(raw) <= 8192 else None
+        except SignalException:
+            raise
+        except Exception:  # no state, or not JSON: not replaced alone
+            return False
+        return isinstance(state, dict) and state.get("outlives_rank0") is True
+
     def _tend_spare(self, agent: Any, group: Any) -> None:
         """Keep one warm spare while the run can take a replacement (looking at most every :data:`SPARE_LOOK_S`)."""
         spare = self._spare
@@ -276,9 +301,12 @@ class Replacer:
         if exited:
             return restart, ("A worker that exits with a code asked for it (an exception, or its in-process recovery "
                              "escalated): only a worker killed by a signal is started again alone.")
-        if any(group.workers[lr].global_rank == 0 for lr in dead):
-            return restart, ("Rank 0 is not replaced alone (its process serves the job's store): the restart "
-                             "resumes from the in-memory tier.")
+        if any(group.workers[lr].global_rank == 0 for lr in dead) and not (self.attempt.serves
+                                                                           and self._outlives_rank0(group)):
+            return restart, ("Rank 0 is replaced alone only where this agent serves the attempt's store (c10d "
+                             "rendezvous, the agent's store shared, --max-restarts > 0, init_method env://) and the "
+                             "run keeps its generations there; here rank 0's process served it. The restart resumes "
+                             "from the in-memory tier.")
         if any(c == 0 for c in codes.values()):
             return restart, "A worker has already finished: the run is ending, so nothing is replaced."
         if not self._in_process(group):

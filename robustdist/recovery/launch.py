@@ -48,12 +48,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not logging_configured():  # the launcher's own news (a worker replaced, the spare ready) to stderr, at INFO
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
-        agent_log = logging.getLogger("robustdist.recovery.agent")
-        agent_log.addHandler(handler)
-        agent_log.setLevel(logging.INFO)
+        for name in ("robustdist.recovery.agent", "robustdist.recovery.attempt_store"):
+            agent_log = logging.getLogger(name)
+            agent_log.addHandler(handler)
+            agent_log.setLevel(logging.INFO)
     replacer = Replacer(spares=args.spares)
     try:
-        with _torch_compat.launcher_agent(_torch_compat.elastic_agent_class(replacer)):
+        with _torch_compat.launcher_agent(_torch_compat.elastic_agent_class(replacer, replacer.starting)):
             record(torch_run.run)(args)
     finally:
         replacer.close()

@@ -34,13 +34,14 @@ from typing import Any
 import torch.distributed as dist
 
 from robustdist.health import watchdog as _watchdog
+from robustdist.init import elastic_store as _elastic_store
 from robustdist.init import process_group as _process_group
 from robustdist.init import reach as _reach
 from robustdist.init import rendezvous as _rendezvous
 from robustdist.recovery import handover
 from robustdist.recovery.faults import SCOPE, declare_found
 from robustdist.runtime import _torch_compat
-from robustdist.runtime.errors import RecoveryError
+from robustdist.runtime.errors import InitError, RecoveryError
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 from robustdist.runtime.replacing import REPLACES_ENV, RUN_ENV, STATE_KEY
@@ -88,8 +89,14 @@ def publish(store: Any, scope: str, generation: int, world: int, fingerprint: st
     host, port = getattr(inner, "host", None), getattr(inner, "port", None)
     if not host or not port:
         return
+    try:  # the store this generation lives in is the one robustdist run's agent serves: it outlives rank 0
+        served = _elastic_store.served_by_agent(0)
+    except InitError:  # already refused at init: not this process's store then
+        served = None
+    kept = served is not None and (served["addr"], served["port"]) == (host, int(port))
     state = json.dumps({"scope": scope, "generation": generation, "world": world, "host": host, "port": int(port),
-                        "counters": counters(), "fingerprint": fingerprint, "pid": os.getpid(), "wall": time.time()})
+                        "counters": counters(), "fingerprint": fingerprint, "pid": os.getpid(), "wall": time.time(),
+                        "outlives_rank0": kept})
 
     def put() -> None:  # a connection per call: under TORCH_DISABLE_SHARE_RDZV_TCP_STORE rank 0's own process serves
         # the job's port, a new server each generation

@@ -272,13 +272,20 @@ def reader_checking_slices(base: type, check: Callable[[Any, Any, Any], None]) -
 # ------------------------------------------------------------------------------------------- torchelastic agent
 
 
-def elastic_agent_class(on_monitor: Callable[[Any, Any, Callable[[Any], Any]], Any]) -> type:
-    """A ``LocalElasticAgent`` whose ``_monitor_workers(group)`` is ``on_monitor(agent, group, torch's own)``."""
+def elastic_agent_class(on_monitor: Callable[[Any, Any, Callable[[Any], Any]], Any],
+                        on_start: Callable[[Any], Any] | None = None) -> type:
+    """A ``LocalElasticAgent`` whose ``_monitor_workers(group)`` is ``on_monitor(agent, group, torch's own)``, and
+    which calls ``on_start(group)`` after each rendezvous, just before it starts the group's workers."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class Agent(LocalElasticAgent):  # type: ignore[misc]
         def _monitor_workers(self, worker_group: Any) -> Any:
             return on_monitor(self, worker_group, super()._monitor_workers)
+
+        def _start_workers(self, worker_group: Any) -> Any:
+            if on_start is not None:
+                on_start(worker_group)
+            return super()._start_workers(worker_group)
 
     return Agent
 

@@ -4,7 +4,11 @@ are peers)."""
 
 from __future__ import annotations
 
-__all__ = ["REPLACES_ENV", "RUN_ENV", "STATE_KEY"]
+import json
+import re
+from typing import Any
+
+__all__ = ["ATTEMPT_STORE_ENV", "ATTEMPT_STORE_KEY", "ATTEMPT_TOKEN_KEY", "attempt_store_info", "REPLACES_ENV", "RUN_ENV", "STATE_KEY"]
 
 RUN_ENV = "ROBUSTDIST_RUN"
 """Set to ``"1"`` by ``robustdist run`` for its workers: rank 0 then publishes its in-process recovery state."""
@@ -17,3 +21,35 @@ STATE_KEY = "robustdist/launcher/state"
 """In the agent's store (the job's lifetime): rank 0's current in-process recovery generation, as JSON
 (:func:`robustdist.recovery.replacement.publish`). Present only while a run that can take a replacement trains:
 the agent replaces a dead worker only then."""
+
+ATTEMPT_STORE_ENV = "ROBUSTDIST_ATTEMPT_STORE"
+"""Set by ``robustdist run``'s agents for every worker of an attempt, where torchrun shares its store with the workers
+and can restart them (c10d rendezvous, ``--max-restarts`` > 0): JSON ``{"addr", "port", "token"}`` of the attempt's
+store, which the agent of node 0 serves (:mod:`robustdist.recovery.attempt_store`) in place of rank 0's process, so
+the store outlives a killed rank 0. Its key ``token`` is the token's value in that store."""
+
+ATTEMPT_STORE_KEY = "robustdist/launcher/attempt_store"
+"""In the round's rendezvous store (fresh each round): the agent of node 0 publishes ``ATTEMPT_STORE_ENV``'s value
+there for the other agents."""
+
+ATTEMPT_TOKEN_KEY = "robustdist/attempt_token"
+"""In an attempt's store (whoever serves it): the token its address was published with; a store on a reused port has
+another, or none."""
+
+_ADDR_RE = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,253}")  # a host name (underscores too), IPv4, IPv6 (with a zone)
+_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def attempt_store_info(raw: str) -> dict[str, Any] | None:
+    """``{"addr", "port", "token"}`` from :data:`ATTEMPT_STORE_ENV`'s value, or None when it is anything else (it is
+    input: both the agents, which pass it on, and the workers, which connect to it, check it)."""
+    if len(raw) > 1024:
+        return None
+    try:
+        info = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    ok = (isinstance(info, dict) and isinstance(info.get("addr"), str) and _ADDR_RE.fullmatch(info["addr"]) is not None
+          and isinstance(info.get("port"), int) and not isinstance(info["port"], bool) and 0 < info["port"] < 65536
+          and isinstance(info.get("token"), str) and _TOKEN_RE.fullmatch(info["token"]) is not None)
+    return {"addr": info["addr"], "port": info["port"], "token": info["token"]} if ok else None

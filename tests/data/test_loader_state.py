@@ -179,6 +179,56 @@ def test_a_checkpoint_after_an_abandoned_iteration_replays_that_epoch():
     assert restored.sampler.epoch == 2  # epoch 1 ran out: the next iteration is epoch 2
 
 
+@pytest.mark.parametrize("set_epoch", [True, False])
+def test_a_peek_at_the_last_batch_of_a_restored_epoch_does_not_end_it(set_epoch):
+    """The DDP tutorial's loop (a batch-size peek, then set_epoch(epoch), then the epoch) resumed one batch before an
+    epoch ends: the peek takes that batch and is abandoned; the loop then trains on it, and only it (regression: the
+    peek counted as the epoch's last batch, and the loop ran the whole epoch again)."""
+    straight = _epoch_loader()
+    reference = [[b.tolist() for (b,) in straight] for _ in range(2)]  # epochs 0 and 1, 14 batches each
+    loader = _epoch_loader()
+    list(loader)
+    it = iter(loader)
+    for _ in range(13):  # epoch 1, one batch left
+        next(it)
+    state = loader.state_dict()
+    restored = _epoch_loader()
+    restored.load_state_dict(state)
+    assert next(iter(restored))[0].tolist() == reference[1][13]  # the peek: abandoned
+    assert restored.state_dict()["batches"] == 13  # still the restored position
+    if set_epoch:
+        restored.sampler.set_epoch(1)  # the tutorial's own epoch counter: step // len(loader) == 1
+    assert [b.tolist() for (b,) in restored] == [reference[1][13]]
+    assert restored.sampler.epoch == 1
+    next(iter(restored))
+    assert restored.sampler.epoch == 2  # then the next epoch, as after any epoch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_save_after_the_last_batch_of_a_restored_epoch_resumes_in_the_next(num_workers):
+    """The loop's own save after the restored epoch's one remaining batch (before the loop asks for the next): the
+    epoch has ended, so a resume from that save starts the next epoch, not an empty replay of this one."""
+    def make():
+        sampler = DistributedSampler(DATA, num_replicas=1, rank=0, shuffle=True, seed=2)
+        return safe_dataloader(DataLoader(DATA, batch_size=3, sampler=sampler, num_workers=num_workers))
+    reference = make()
+    epochs = [[b.tolist() for (b,) in reference] for _ in range(3)]
+    loader = make()
+    list(loader)
+    it = iter(loader)
+    for _ in range(13):
+        next(it)
+    restored = make()
+    restored.load_state_dict(loader.state_dict())
+    for (b,) in restored:  # one batch: the loop saves after it, still inside the loop
+        assert b.tolist() == epochs[1][13]
+        state = restored.state_dict()
+    assert (state["epoch"], state["in_flight"], state["batches"]) == (1, False, 0)
+    again = make()
+    again.load_state_dict(state)
+    assert [b.tolist() for (b,) in again] == epochs[2]
+
+
 def test_set_epoch_to_another_epoch_after_a_resume_starts_that_epoch_whole():
     loader = _epoch_loader()
     it = iter(loader)

@@ -1,9 +1,10 @@
 """``robustdist run`` across two lab nodes (network namespaces, one agent each, a private in-memory directory per
 node), with the DDP-tutorial-shaped client (``tests/clients/ddp_tutorial_inprocess.py``), issue #35:
 
-* two ranks on two nodes SIGKILLed at once (2 nodes x 2 ranks): each node's agent starts its dead worker again
-  alone, both replacements join the survivors' next generation, the survivors' processes stay, and the result is
-  bitwise that of an uninterrupted torchrun run;
+* two ranks on two nodes SIGKILLed at once (2 nodes x 2 ranks), rank 0 one of them: each node's agent starts its dead
+  worker again alone (node 0's agent serves the attempt's store, which outlives rank 0's process), both replacements
+  join the survivors' next generation, the survivors' processes stay, and the result is bitwise that of an
+  uninterrupted torchrun run;
 * a whole node lost (its agent and its worker killed, its in-memory directory emptied) and a fresh agent started
   there: the agent's death takes torchrun's whole-node path (every worker restarted, as a membership change: torch
   counts no restart for it, so ``TORCHELASTIC_RESTART_COUNT`` stays 0; the dead node's rank restored from the replica
@@ -26,7 +27,8 @@ from tests.multinode._lab import FAST_RDZV, finish, logs, wait_for
 pytestmark = pytest.mark.timeout(480)
 CLIENT = str(ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py")
 RUN = ("robustdist", "run")
-ENV = {"PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torch 2.13: a new agent can rejoin
+SHARED = {"PYTHONPATH": str(ROOT)}  # the agent's store shared with the workers (torchrun's default)
+ENV = {**SHARED, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torch 2.13: a new agent can rejoin
 
 
 def _events(work: Path, tag: str, rank: int) -> list[dict]:
@@ -50,14 +52,14 @@ def _same(straight: list, work: Path, tag: str, ranks: int) -> list:
 
 
 def _at_step_12(node_lab, tmp_path: Path, tag: str, shape: tuple[str, ...], *, nproc: int, launcher: tuple[str, ...],
-                rdzv_conf: dict | None = None):
+                rdzv_conf: dict | None = None, env: dict | None = None):
     """Two lab nodes running the client under ``launcher`` (nproc ranks each), once rank 0 has done step 12."""
     lab = node_lab(2, local_disk=tmp_path / "node-local")
     work = tmp_path / "lab"
     work.mkdir()
     argv = ["--workdir", str(work), "--tag", tag, "--local-dir", str(tmp_path / "node-local" / "tier"), "--log-steps",
             *shape]
-    agents = [lab.torchrun(i, CLIENT, argv, nproc=nproc, max_restarts=2, env=ENV, rdzv_conf=rdzv_conf,
+    agents = [lab.torchrun(i, CLIENT, argv, nproc=nproc, max_restarts=2, env=env or ENV, rdzv_conf=rdzv_conf,
                            launcher=launcher) for i in range(2)]
     wait_for(lambda: [e for e in _events(work, tag, 0) if e["event"] == "step" and e["step"] >= 12], 180,
              "step 12", lab=lab, procs=agents)
@@ -68,23 +70,24 @@ def test_two_ranks_on_two_nodes_killed_at_once_are_each_replaced_alone(node_lab,
     shape = ("--epochs", "8", "--step-sleep", "0.15")  # 4 ranks: 4 steps an epoch, 32 steps
     straight = _straight(tmp_path, 4, *shape)
     lab, work, argv, agents = _at_step_12(node_lab, tmp_path, "two", shape, nproc=2,
-                                          launcher=(*RUN, "--spares", "0"))
-    doomed = {r: [e for e in _events(work, "two", r) if e["event"] == "start"][-1]["pid"] for r in (1, 3)}
+                                          launcher=(*RUN, "--spares", "0"), env=SHARED)
+    doomed = {r: [e for e in _events(work, "two", r) if e["event"] == "start"][-1]["pid"] for r in (0, 3)}
     for pid in doomed.values():  # the same moment on both nodes (pids are the host's: the lab shares them)
         os.kill(pid, signal.SIGKILL)
     assert finish(agents, 300, lab) == [0, 0], logs(lab)
     ends = _same(straight, work, "two", 4)
-    for rank in (0, 2):  # the survivors: one process throughout, generations 0 and 1
+    for rank in (1, 2):  # the survivors: one process throughout, generations 0 and 1
         starts = [e for e in _events(work, "two", rank) if e["event"] == "start"]
         assert {e["pid"] for e in starts} == {ends[rank][0]["pid"]} and [e["generation"] for e in starts] == [0, 1]
-    for rank in (1, 3):
+    for rank in (0, 3):
         assert ends[rank][0]["pid"] != doomed[rank] and ends[rank][0]["attempt"] == 0
         starts = [e for e in _events(work, "two", rank) if e["event"] == "start"]
         assert starts[-1]["generation"] == 1 and starts[-1]["pid"] == ends[rank][0]["pid"], starts
-    for node, rank in ((0, 1), (1, 3)):
+    assert "this attempt's store is served by this agent" in lab.log("agent-n0"), logs(lab)
+    for node, rank in ((0, 0), (1, 3)):
         log = lab.log(f"agent-n{node}")
-        assert f"rank {rank} (local rank 1, pid {doomed[rank]}) died (signal 9 (SIGKILL)); started it again alone" \
-            in log, logs(lab)
+        said = f"rank {rank} (local rank {rank % 2}, pid {doomed[rank]}) died (signal 9 (SIGKILL)); started it again"
+        assert said + " alone" in log, logs(lab)
         assert "will restart worker group" not in log, logs(lab)
 
 

@@ -74,10 +74,12 @@ def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_rank_0_and_a_run_without_in_process_recovery_restart_every_worker(tmp_path):
-    """What is not replaced alone takes torchrun's path, and says why: rank 0 killed (in-process run), and a kill in
-    the demo, which does not recover in process. Both still end as torchrun's restart makes them end (the demo
-    checks its own result bitwise against a straight run and exits 1 otherwise)."""
+def test_a_killed_rank_0_is_replaced_alone_where_the_agent_serves_the_store(tmp_path):
+    """Rank 0 killed mid-run: robustdist run's agent serves each attempt's store (not rank 0's process), so rank 0 is
+    started again alone like any rank (rank 1 keeps one process), bitwise. With the agent's store not shared
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, rank 0's process serves the job's port) and in the demo (no in-process
+    recovery), torchrun's path, saying why. Every run ends as torchrun's restart makes it end (the demo checks its own
+    result bitwise against a straight run and exits 1 otherwise)."""
     demo = ROOT / "examples" / "resilient_training.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
@@ -86,20 +88,36 @@ def test_a_killed_rank_0_and_a_run_without_in_process_recovery_restart_every_wor
         "straight": launch(CLIENT, tmp_path / "straight", "straight"),
         "rank0": launch(CLIENT, tmp_path / "rank0", "rank0", "--kill", "0:5", launcher=RUN,
                         env=_tmp_env(tmp_path / "tmp-rank0")),
+        "own": launch(CLIENT, tmp_path / "own", "own", "--kill", "0:5", launcher=RUN,
+                      env={**_tmp_env(tmp_path / "tmp-own"), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
         "demo": subprocess.Popen([sys.executable, "-m", "robustdist", "run", "--standalone", "--nproc_per_node=2",
                                   "--max-restarts=1", str(demo), "--workdir", str(tmp_path / "demo"), "--steps", "30",
                                   "--every", "5", "--kill-step", "17"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)}
     logs = succeeded(finish(procs, TIMEOUT))
+    straight = results(tmp_path / "straight", "straight")
     out = logs["rank0"]
-    assert "rank 0 (local rank 0) ended with signal 9 (SIGKILL); every worker is stopped and started again" in out
-    assert "Rank 0 is not replaced alone" in out
-    events = _events(tmp_path / "rank0", "rank0", 0)
-    assert len({e["pid"] for e in events}) == 2 and max(e["attempt"] for e in events) == 1
-    straight, killed = results(tmp_path / "straight", "straight"), results(tmp_path / "rank0", "rank0")
+    assert "rank 0 (local rank 0, pid" in out, out[-3000:]
+    assert "died (signal 9 (SIGKILL)); started it again alone" in out, out[-3000:]
+    assert "every worker is stopped and started again" not in out, out[-3000:]
+    killed = results(tmp_path / "rank0", "rank0")
+    survivor, replaced = _events(tmp_path / "rank0", "rank0", 1), _events(tmp_path / "rank0", "rank0", 0)
+    assert {e["pid"] for e in survivor} == {killed[1][0]["pid"]}, survivor  # rank 1: one process throughout
+    assert len({e["pid"] for e in replaced}) == 2 and replaced[-1]["pid"] == killed[0][0]["pid"], replaced
+    assert max(e["attempt"] for e in replaced + survivor) == 0  # no torchrun restart
+    assert [e["generation"] for e in replaced if e["event"] == "start"][-1] == 1
     for r in range(2):
         _same(straight[r][1], killed[r][1])
         assert killed[r][0]["end"] == 24
+    own = logs["own"]
+    assert "rank 0 (local rank 0) ended with signal 9 (SIGKILL); every worker is stopped and started again" in own
+    assert "Rank 0 is replaced alone only where this agent serves the attempt's store" in own, own[-3000:]
+    events = _events(tmp_path / "own", "own", 0)
+    assert len({e["pid"] for e in events}) == 2 and max(e["attempt"] for e in events) == 1
+    restarted = results(tmp_path / "own", "own")
+    for r in range(2):
+        _same(straight[r][1], restarted[r][1])
+        assert restarted[r][0]["end"] == 24
     assert "rank 1 (local rank 1) ended with signal 9 (SIGKILL); every worker is stopped" in logs["demo"]
     assert "The run takes no replacement (it does not recover in process" in logs["demo"], logs["demo"][-3000:]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from robustdist.recovery import faults, replacement
 from robustdist.runtime.errors import RecoveryError
-from robustdist.runtime.replacing import REPLACES_ENV, RUN_ENV, STATE_KEY
+from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, RUN_ENV, STATE_KEY
 
 PACKAGE = Path(replacement.__file__).resolve().parents[1]
 SCOPE = f"{faults.SCOPE}/1"  # the script's first h.run: the only one a replacement can stand in for
@@ -93,6 +93,13 @@ def test_publish_writes_what_join_reads(server, monkeypatch):
     state = replacement._state(server.get(STATE_KEY), 2, 1)
     assert (state["scope"], state["generation"], state["port"]) == (SCOPE, 4, server.port)
     assert state["counters"] == replacement.counters()
+    assert state["outlives_rank0"] is False  # no agent-served store: the generation's dies with rank 0
+    monkeypatch.setenv(ATTEMPT_STORE_ENV, json.dumps({"addr": "127.0.0.1", "port": server.port, "token": "a" * 32}))
+    replacement.publish(server, SCOPE, 5, 2, "f00d")
+    assert json.loads(server.get(STATE_KEY))["outlives_rank0"] is True  # the generation lives in the agent's
+    monkeypatch.setenv(ATTEMPT_STORE_ENV, json.dumps({"addr": "127.0.0.1", "port": 1, "token": "a" * 32}))
+    replacement.publish(server, SCOPE, 6, 2, "f00d")
+    assert json.loads(server.get(STATE_KEY))["outlives_rank0"] is False  # served, but not the store it uses
     replacement.withdraw()
     assert not server.check([STATE_KEY])
 
