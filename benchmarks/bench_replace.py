@@ -17,7 +17,8 @@ torchrun's store with the workers (torchrun's default; P9 turns it off so that a
 so ``robustdist run``'s agent on node 0 serves each attempt's store and a killed rank 0 is replaced alone too. Per
 fault: SIGKILL -> first new step (a step beyond the last done before the kill,
 on every rank), split into kill -> the loop running again and replay (``bench_inprocess.per_fault``). Goodput = steps x
-the baseline step time right before the variant / wall time from the first step to the last. Then, without faults,
+the baseline step time right before the variant / wall time from the first step to the last, and where the wall
+time beyond it went (:func:`breakdown`). Then, without faults,
 the job's start under ``robustdist run`` against torchrun's (the same in-process job, launch -> first step on every
 rank), alternating, ``--pairs`` times; the difference is taken per pair (median reported).
 

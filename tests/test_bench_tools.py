@@ -106,3 +106,27 @@ def test_p10_takes_each_fault_s_phases_from_the_slowest_rank_and_detection_from_
     assert abs(fault["to_loop"] - 0.75) < 1e-9 and abs(fault["recovery"] - (7.0 + 1.1 - 6.05)) < 1e-9
     phases[0]["from_process"] = False
     assert bench_inprocess.per_fault(events)[0]["from_process"] is False
+
+
+def test_p11_breakdown_puts_each_gap_where_it_belongs():
+    import bench_replace
+
+    step = 0.1
+    gaps = [step] * 300
+    gaps[10] += 0.05  # in the job's first 6 s
+    gaps[100] += 0.3  # an ordinary step, late
+    gaps[150] += 0.2  # the step after a save (of step 151)
+    gaps[200] += 1.0  # inside a kill's window: only the window counts
+    times, t = [], 0.0
+    for g in gaps:
+        times.append(t)
+        t += g
+    events: list[dict] = [{"event": "step", "rank": 0, "pid": 1, "t": times[i], "step": i + 1} for i in range(300)]
+    events.append({"event": "save", "rank": 0, "pid": 1, "t": times[150], "step": 151, "save_s": 0.0})
+    events.append({"event": "step", "rank": 1, "pid": 2, "t": 1.0, "step": 5})  # another rank: not rank 0's clock
+    fault = {"t": times[200] + 0.01, "recovery": 2.0}
+    out = bench_replace.breakdown(events, [fault], step)
+    assert abs(out["recovery"] - 2.0) < 1e-9
+    assert abs(out["job_start"] - 0.05) < 1e-6 and abs(out["save_steps"] - 0.2) < 1e-6
+    assert abs(out["other_steps"] - 0.3) < 1e-6 and out["new_process"] == 0.0
+    assert abs(out["other_step_ratio"] - 1.0) < 1e-6
