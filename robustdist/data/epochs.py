@@ -17,7 +17,8 @@ loop that breaks after the last batch). A new ``iter(loader)``:
   Restored one batch before its end, an epoch is not ended by an abandoned iteration that took that one batch: that
   is a peek, and the next iteration yields that batch again (a loop that breaks right after the last batch, then
   iterates again, meets it twice: a batch-size peek is the common case). A loop still in the iteration (a
-  ``state_dict()`` after that batch) has ended the epoch.
+  ``state_dict()`` after that batch) has ended the epoch: a checkpoint taken there resumes in the next epoch, though
+  the live loader, if that loop then breaks and iterates again, replays the batch.
 
 A sampler without ``set_epoch`` (a single process's ``RandomSampler``) draws its order at each ``iter()``, as
 with a plain ``DataLoader``.

@@ -129,9 +129,15 @@ def count_in_group_store(store: Any) -> int:
         return -1
 
 
-def attempt_of(store: Any) -> int:
-    """The attempt number rank 0 wrote into this attempt's store (see the module docstring)."""
-    return int(store.get(_ATTEMPT))
+def attempt_of(store: Any, rank: int | None = None) -> int:
+    """The attempt number rank 0 wrote into this attempt's store (see the module docstring); store content is input,
+    so anything but a count is an InitError."""
+    raw = store.get(_ATTEMPT)
+    text = raw[:24].decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)[:24]
+    if not text.isdigit() or int(text) >= 2**31:
+        raise InitError(f"this attempt's store holds {text!r} as the attempt number; expected the count rank 0 writes "
+                        f"there ({_ATTEMPT}). Fix: nothing else may write that key in the job's store.", rank=rank)
+    return int(text)
 
 
 def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float, *,
@@ -184,17 +190,25 @@ def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: f
 
 
 def served_by_agent(rank: int) -> dict[str, Any] | None:
-    """``{"addr", "port", "token"}`` of the attempt's store where ``robustdist run``'s agent serves it
-    (:data:`~robustdist.runtime.replacing.ATTEMPT_STORE_ENV`, only under :data:`~robustdist.runtime.replacing.RUN_ENV`),
-    else None (rank 0 serves it). The environment is input: anything but what the agent sets is an InitError."""
+    """``{"addr", "port", "token", "master", "run"}`` of the attempt's store where ``robustdist run``'s agent serves
+    it (:data:`~robustdist.runtime.replacing.ATTEMPT_STORE_ENV`, only under :data:`~robustdist.runtime.replacing.RUN_ENV`),
+    else None (rank 0 serves it). The environment is input: anything but what the agent sets is an InitError. A value
+    made for another job (``master``/``run`` not this worker's ``MASTER_ADDR:MASTER_PORT`` and
+    ``TORCHELASTIC_RUN_ID``: a torchrun started inside a worker inherits it) is not this job's: None."""
     raw = os.environ.get(ATTEMPT_STORE_ENV)
     if raw is None or os.environ.get(RUN_ENV) != "1":
         return None
     info = attempt_store_info(raw)
     if info is None:
         raise InitError(f"{ATTEMPT_STORE_ENV}={raw[:200]!r}; expected the JSON robustdist run's agent sets "
-                        '({"addr": host, "port": 1-65535, "token": 32 hex digits}). Fix: unset it (only the launcher '
-                        "sets it).", rank=rank)
+                        '({"addr": host, "port": 1-65535, "token": 32 hex digits, "master": "host:port", "run": '
+                        'run id}). Fix: unset it (only the launcher sets it).', rank=rank)
+    mine = (f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}",
+            os.environ.get("TORCHELASTIC_RUN_ID", ""))
+    if (info["master"], info["run"]) != mine:
+        log.debug("%s names the job at %s (run %r), not this one: not used", ATTEMPT_STORE_ENV, info["master"],
+                  info["run"])
+        return None
     return info
 
 
@@ -231,7 +245,7 @@ def _agent_served(info: dict[str, Any], addr: str, port: int, rank: int, world_s
                 serving="torchrun's agent on the master node")
             if not store.check([_ATTEMPT]):  # a replacement of rank 0 finds the count already there
                 store.set(_ATTEMPT, str(count_attempt(agent)))
-            agent.set(key, json.dumps({"addr": host, "port": served, "token": info["token"]}))
+            agent.set(key, json.dumps({"addr": host, "port": served, "token": info["token"]}))  # (rank 0's record form)
         elif rank != 0:
             store.wait([_ATTEMPT], timedelta(seconds=max(0.1, deadline - time.monotonic())))
     except InitError:

@@ -76,7 +76,7 @@ def rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int,
             generation = _rendezvous.next_generation()  # a re-init in this process publishes a store of its own
             store = _elastic_store.attempt_store(ep.host, ep.port, topo.rank, topo.world_size, dcfg.init_timeout,
                                                  generation=generation)
-            attempt, share = _elastic_store.attempt_of(store), False
+            attempt, share = _elastic_store.attempt_of(store, topo.rank), False
             serves = topo.rank == 0 and _elastic_store.served_by_agent(topo.rank) is None
             where[0] = f"this attempt's store, published in torchrun's agent store at {ep.host}:{ep.port}"
             _rendezvous.wait_for_arrivals(store, topo.rank, topo, deadline, where=where[0],

@@ -46,7 +46,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from robustdist.recovery import spare as _spare
 from robustdist.recovery.attempt_store import AttemptStore
 from robustdist.runtime import _torch_compat
-from robustdist.runtime.replacing import REPLACES_ENV, STATE_KEY
+from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info
 
 __all__ = ["SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
 
@@ -92,6 +92,10 @@ class Replacer:
         except Exception as e:  # the workers then make it as under torchrun (rank 0 serves)
             log.warning("robustdist run: no agent-served store for this attempt (%s: %s)", type(e).__name__,
                         str(e)[:200])
+
+    def stopped(self, group: Any) -> None:
+        """The agent's hook once it has stopped the workers: their attempt's store goes with them."""
+        self.attempt.close()
 
     def close(self) -> None:
         """End the spare, if one is waiting (the launcher's end; the spare also ends when its input closes)."""
@@ -214,7 +218,9 @@ class Replacer:
             raise
         except Exception:  # no state, or not JSON: not replaced alone
             return False
-        return isinstance(state, dict) and state.get("outlives_rank0") is True
+        served = attempt_store_info(os.environ.get(ATTEMPT_STORE_ENV, ""))
+        return (isinstance(state, dict) and state.get("outlives_rank0") is True and served is not None
+                and (state.get("host"), state.get("port")) == (served["addr"], served["port"]))
 
     def _tend_spare(self, agent: Any, group: Any) -> None:
         """Keep one warm spare while the run can take a replacement (looking at most every :data:`SPARE_LOOK_S`)."""

@@ -65,7 +65,7 @@ class AttemptStore:
         rounds = group.store  # the round's own keys (torch's c10d rendezvous prefixes them with the round)
         try:
             if group.group_rank == 0:
-                value = self._serve(spec)
+                value = self._serve(spec, f"{group.master_addr}:{group.master_port}", handler.get_run_id())
                 rounds.set(ATTEMPT_STORE_KEY, value)
             else:
                 value = self._read(rounds)
@@ -97,9 +97,10 @@ class AttemptStore:
             time.sleep(0.1)
         return str(rounds.get(ATTEMPT_STORE_KEY).decode("utf-8", "replace"))
 
-    def _serve(self, spec: Any) -> str:
+    def _serve(self, spec: Any, master: str, run: str) -> str:
         host = getattr(spec, "local_addr", None) or socket.getfqdn()
-        if attempt_store_info(json.dumps({"addr": host, "port": 1, "token": "0" * 32})) is None:
+        if attempt_store_info(json.dumps({"addr": host, "port": 1, "token": "0" * 32, "master": master,
+                                          "run": run})) is None:
             return json.dumps({"none": f"this node's address {host[:100]!r} is not a host name or IP address"})
         try:
             self._server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
@@ -113,9 +114,11 @@ class AttemptStore:
             self.close()
             return json.dumps({"none": f"could not serve on {host}: {type(e).__name__}: {str(e)[:200]}"})
         log.info("robustdist run: this attempt's store is served by this agent at %s:%d", host, self._server.port)
-        return json.dumps({"addr": host, "port": int(self._server.port), "token": token})
+        return json.dumps({"addr": host, "port": int(self._server.port), "token": token, "master": master, "run": run})
 
     def close(self) -> None:
-        """Stop serving the store (its attempt's workers are gone): the server stops with the last reference to it,
+        """Stop serving the store (its attempt's workers are gone: called when the agent stops them, before the next
+        attempt starts and at the end, so no worker of a later attempt can find it through an old record): the server
+        stops with the last reference to it,
         which is this one (a master ``TCPStore`` is not multi-tenant and nothing else here holds it)."""
         self._server, self.serves = None, False

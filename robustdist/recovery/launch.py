@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             agent_log.setLevel(logging.INFO)
     replacer = Replacer(spares=args.spares)
     try:
-        with _torch_compat.launcher_agent(_torch_compat.elastic_agent_class(replacer, replacer.starting)):
+        with _torch_compat.launcher_agent(_torch_compat.elastic_agent_class(replacer, replacer.starting, replacer.stopped)):
             record(torch_run.run)(args)
     finally:
         replacer.close()

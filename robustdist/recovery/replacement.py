@@ -237,6 +237,11 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float,
                             " expected \"recover\" (they escalated, or gave up waiting: distributed.init_timeout). The "
                             "launcher's restart takes over. Fix: see rank 0's log.", rank=rank)
     state = value[0]
+    if rank == 0:  # as a living rank 0 does at a "recover" verdict: a death while the next generation is built is not
+        # replaced from this generation's state (every other replacement of this death read it before deciding)
+        end = time.monotonic() + 5.0
+        _rendezvous.bounded(lambda: _connect(*endpoint, end, "the agent's store", 0).delete_key(STATE_KEY), end,
+                            "replacement-withdraw", ends_by=end + 15)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 serves the store on the job's port: as the
         # survivors do, wait until the generation's server there is a new one (its rendezvous would lose the old one)
         host, port = state["host"], state["port"]

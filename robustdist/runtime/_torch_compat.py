@@ -273,9 +273,11 @@ def reader_checking_slices(base: type, check: Callable[[Any, Any, Any], None]) -
 
 
 def elastic_agent_class(on_monitor: Callable[[Any, Any, Callable[[Any], Any]], Any],
-                        on_start: Callable[[Any], Any] | None = None) -> type:
+                        on_start: Callable[[Any], Any] | None = None, on_stop: Callable[[Any], Any] | None = None
+                        ) -> type:
     """A ``LocalElasticAgent`` whose ``_monitor_workers(group)`` is ``on_monitor(agent, group, torch's own)``, and
-    which calls ``on_start(group)`` after each rendezvous, just before it starts the group's workers."""
+    which calls ``on_start(group)`` after each rendezvous, just before it starts the group's workers, and
+    ``on_stop(group)`` once it has stopped them."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class Agent(LocalElasticAgent):  # type: ignore[misc]
@@ -286,6 +288,13 @@ def elastic_agent_class(on_monitor: Callable[[Any, Any, Callable[[Any], Any]], A
             if on_start is not None:
                 on_start(worker_group)
             return super()._start_workers(worker_group)
+
+        def _stop_workers(self, worker_group: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super()._stop_workers(worker_group, *args, **kwargs)
+            finally:
+                if on_stop is not None:
+                    on_stop(worker_group)
 
     return Agent
 

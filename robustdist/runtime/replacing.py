@@ -24,8 +24,9 @@ the agent replaces a dead worker only then."""
 
 ATTEMPT_STORE_ENV = "ROBUSTDIST_ATTEMPT_STORE"
 """Set by ``robustdist run``'s agents for every worker of an attempt, where torchrun shares its store with the workers
-and can restart them (c10d rendezvous, ``--max-restarts`` > 0): JSON ``{"addr", "port", "token"}`` of the attempt's
-store, which the agent of node 0 serves (:mod:`robustdist.recovery.attempt_store`) in place of rank 0's process, so
+and can restart them (c10d rendezvous, ``--max-restarts`` > 0): JSON ``{"addr", "port", "token", "master", "run"}``
+of the attempt's store (``master`` and ``run``: the job's ``MASTER_ADDR:MASTER_PORT`` and run id, which a worker
+compares with its own), which the agent of node 0 serves (:mod:`robustdist.recovery.attempt_store`) in place of rank 0's process, so
 the store outlives a killed rank 0. Its key ``token`` is the token's value in that store."""
 
 ATTEMPT_STORE_KEY = "robustdist/launcher/attempt_store"
@@ -41,7 +42,7 @@ _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
 
 def attempt_store_info(raw: str) -> dict[str, Any] | None:
-    """``{"addr", "port", "token"}`` from :data:`ATTEMPT_STORE_ENV`'s value, or None when it is anything else (it is
+    """``{"addr", "port", "token", "master", "run"}`` from :data:`ATTEMPT_STORE_ENV`'s value, or None when it is anything else (it is
     input: both the agents, which pass it on, and the workers, which connect to it, check it)."""
     if len(raw) > 1024:
         return None
@@ -51,5 +52,6 @@ def attempt_store_info(raw: str) -> dict[str, Any] | None:
         return None
     ok = (isinstance(info, dict) and isinstance(info.get("addr"), str) and _ADDR_RE.fullmatch(info["addr"]) is not None
           and isinstance(info.get("port"), int) and not isinstance(info["port"], bool) and 0 < info["port"] < 65536
-          and isinstance(info.get("token"), str) and _TOKEN_RE.fullmatch(info["token"]) is not None)
-    return {"addr": info["addr"], "port": info["port"], "token": info["token"]} if ok else None
+          and isinstance(info.get("token"), str) and _TOKEN_RE.fullmatch(info["token"]) is not None
+          and all(isinstance(info.get(k), str) and len(info[k]) <= 300 for k in ("master", "run")))
+    return {k: info[k] for k in ("addr", "port", "token", "master", "run")} if ok else None

@@ -94,12 +94,18 @@ def test_publish_writes_what_join_reads(server, monkeypatch):
     assert (state["scope"], state["generation"], state["port"]) == (SCOPE, 4, server.port)
     assert state["counters"] == replacement.counters()
     assert state["outlives_rank0"] is False  # no agent-served store: the generation's dies with rank 0
-    monkeypatch.setenv(ATTEMPT_STORE_ENV, json.dumps({"addr": "127.0.0.1", "port": server.port, "token": "a" * 32}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    served = {"addr": "127.0.0.1", "port": server.port, "token": "a" * 32, "master": f"127.0.0.1:{server.port}",
+              "run": "job"}
+    monkeypatch.setenv(ATTEMPT_STORE_ENV, json.dumps(served))
     replacement.publish(server, SCOPE, 5, 2, "f00d")
     assert json.loads(server.get(STATE_KEY))["outlives_rank0"] is True  # the generation lives in the agent's
-    monkeypatch.setenv(ATTEMPT_STORE_ENV, json.dumps({"addr": "127.0.0.1", "port": 1, "token": "a" * 32}))
+    monkeypatch.setenv(ATTEMPT_STORE_ENV, json.dumps({**served, "port": 1}))
     replacement.publish(server, SCOPE, 6, 2, "f00d")
     assert json.loads(server.get(STATE_KEY))["outlives_rank0"] is False  # served, but not the store it uses
+    monkeypatch.setenv(ATTEMPT_STORE_ENV, json.dumps({**served, "run": "outer-job"}))
+    replacement.publish(server, SCOPE, 7, 2, "f00d")
+    assert json.loads(server.get(STATE_KEY))["outlives_rank0"] is False  # another job's (inherited): not used
     replacement.withdraw()
     assert not server.check([STATE_KEY])
 
@@ -109,14 +115,33 @@ def test_a_replacement_joins_the_survivors_next_generation(server, monkeypatch):
     server.set(STATE_KEY, json.dumps(_state(server)))
     stop = threading.Event()
     _rank0(server, "recover", stop)
-    assert replacement.join(in_process=True, rank=1, world=2, init_timeout=10, fingerprint="f00d") == (1, 5)
+    assert replacement.join(in_process=True, rank=1, world=2, init_timeout=15, fingerprint="f00d") == (1, 5)
     assert replacement.counters() == {"rendezvous": 6, "reach": 6, "barrier": 6, "watchdog": 5}
     fault = faults.read_fault(server, generation=4, world_size=2, scope=SCOPE)
     assert fault is not None and fault.count == 1 and fault.why[1]["by"] == -1
     assert "pid 4242" in fault.why[1]["what"] and "SIGKILL" in fault.why[1]["what"]
     assert server.get(f"{SCOPE}/4/decision/1") == b"recover" and server.check([f"{SCOPE}/4/left/1"])
-    assert replacement.join(in_process=True, rank=1, world=2, init_timeout=10) is None  # once per process
+    assert replacement.join(in_process=True, rank=1, world=2, init_timeout=15) is None  # once per process
+    assert server.check([STATE_KEY])  # a replacement of rank 1 leaves rank 0's state to rank 0
     stop.set()
+
+
+def test_a_replacement_of_rank_0_withdraws_the_generations_state_at_the_verdict(server, monkeypatch):
+    """As a living rank 0 does: a second death while the next generation is built is not replaced from it."""
+    _replacing(monkeypatch, rank=0)
+    server.set(STATE_KEY, json.dumps(_state(server)))
+    stop = threading.Event()
+
+    def survivors() -> None:
+        while not stop.is_set() and not server.check([f"{SCOPE}/4/decision/0"]):
+            time.sleep(0.02)
+        server.compare_set(f"{SCOPE}/4/verdict", "", "recover")
+    threading.Thread(target=survivors, daemon=True).start()
+    try:
+        assert replacement.join(in_process=True, rank=0, world=2, init_timeout=15, fingerprint="f00d") == (1, 5)
+        assert not server.check([STATE_KEY])
+    finally:
+        stop.set()
 
 
 def test_survivors_that_escalated_send_the_replacement_to_the_restart(server, monkeypatch):
@@ -125,20 +150,21 @@ def test_survivors_that_escalated_send_the_replacement_to_the_restart(server, mo
     stop = threading.Event()
     _rank0(server, "escalate", stop)
     with pytest.raises(RecoveryError, match=r"verdict 'escalate'.*expected \"recover\".*launcher's restart"):
-        replacement.join(in_process=True, rank=1, world=2, init_timeout=10)
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=15)
     stop.set()
 
 
 def test_no_state_and_no_verdict_end_within_the_init_timeout(server, monkeypatch):
     _replacing(monkeypatch)
     start = time.monotonic()
-    with pytest.raises(RecoveryError, match=r"\[rank 1\].*no in-process state .* within 1 s.*Fix"):
-        replacement.join(in_process=True, rank=1, world=2, init_timeout=1)
+    # (6 s: an in-process TCPStore handshake here takes 5 s now and then, torch's own; seen 4-12 in 150)
+    with pytest.raises(RecoveryError, match=r"\[rank 1\].*no in-process state .* within 6 s.*Fix"):
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=6)
     monkeypatch.setattr(replacement, "_published", {})
     server.set(STATE_KEY, json.dumps(_state(server)))  # published, but nobody decides
     with pytest.raises(RecoveryError, match="verdict missing|verdict 'none'"):
-        replacement.join(in_process=True, rank=1, world=2, init_timeout=1)
-    assert time.monotonic() - start < 10
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=6)
+    assert time.monotonic() - start < 40
 
 
 @pytest.mark.parametrize("raw, found", [
@@ -159,7 +185,7 @@ def test_a_hostile_state_is_a_named_error(server, monkeypatch, raw, found):
             "counters": {"counters": {"rendezvous": 2**40, "reach": 1, "barrier": 1, "watchdog": 1}}}.get(found, {})
     server.set(STATE_KEY, raw if raw is not None else json.dumps(_state(server, **over)))
     with pytest.raises(RecoveryError, match=rf"\[rank 1\].*{found}.*expected the JSON rank 0 publishes.*Fix"):
-        replacement.join(in_process=True, rank=1, world=2, init_timeout=5)
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=15)
     assert replacement.counters() != {"rendezvous": 2**40, "reach": 1, "barrier": 1, "watchdog": 1}
 
 
@@ -167,16 +193,16 @@ def test_a_hostile_state_is_a_named_error(server, monkeypatch, raw, found):
 def test_a_hostile_environment_is_a_named_error(server, monkeypatch, value):
     monkeypatch.setenv(REPLACES_ENV, value)
     with pytest.raises(RecoveryError, match=rf"\[rank 1\] {REPLACES_ENV}=.*expected the JSON robustdist run sets.*Fix"):
-        replacement.join(in_process=True, rank=1, world=2, init_timeout=5)
+        replacement.join(in_process=True, rank=1, world=2, init_timeout=15)
 
 
 def test_a_replacement_without_in_process_recovery_says_so(server, monkeypatch):
     _replacing(monkeypatch)
     with pytest.raises(RecoveryError, match="recovery.in_process off; expected the configuration the other ranks"):
-        replacement.join(in_process=False, rank=1, world=2, init_timeout=5)
+        replacement.join(in_process=False, rank=1, world=2, init_timeout=15)
     monkeypatch.delenv(REPLACES_ENV)
     monkeypatch.setattr(replacement, "_published", {})
-    assert replacement.join(in_process=False, rank=1, world=2, init_timeout=5) is None
+    assert replacement.join(in_process=False, rank=1, world=2, init_timeout=15) is None
 
 
 def test_another_configuration_and_a_decision_the_dead_rank_gave_are_respected(server, monkeypatch):
