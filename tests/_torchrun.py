@@ -26,10 +26,12 @@ def launch(client: Path, workdir: Path, tag: str, *args: str, max_restarts: int 
            ) -> subprocess.Popen:
     """Start ``client --workdir workdir --tag tag *args`` on ``nproc`` ranks, ``max_restarts`` restarts allowed, in a session
     of its own, by ``python -m <launcher>`` (torchrun; ``("robustdist", "run")`` for robustdist's)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    workdir.mkdir(parents=True, exist_ok=True)
+    own_tmp = workdir.parent / f"tmp-{tag}"  # torchrun's own temporary log directory goes here, not in /tmp, where
+    own_tmp.mkdir(exist_ok=True)  # torchrun leaves it behind (the caller's TMPDIR wins)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(own_tmp), **(env or {})}
     for var in _LAUNCHER_VARS:
         env.pop(var, None)
-    workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", *launcher, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
            str(client), "--workdir", str(workdir), "--tag", tag, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
