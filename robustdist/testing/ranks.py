@@ -38,7 +38,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from typing import Any
 
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import RanksFailed, RanksTimeout, ranks_phrase
+from robustdist.testing import ports as _ports
 
 __all__ = ["free_port", "run_ranks", "use_forkserver"]
 
@@ -67,29 +67,9 @@ def use_forkserver(preload: Sequence[str] = ("torch", "torch.distributed")) -> N
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it before you bind it:
-    :func:`run_ranks` holds its port reserved instead, see ``_reserve_port``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _reserve_port() -> tuple[socket.socket, int]:
-    """A free port on 127.0.0.1 kept bound (not listening, ``SO_REUSEADDR``) by this process.
-
-    While the socket stays open the kernel hands the port to no other ``bind(0)`` and to no outgoing
-    connection, so nothing can take it in the seconds a rank needs to start; rank 0's ``TCPStore`` (which
-    sets ``SO_REUSEADDR`` too) still binds and listens on it. A port that was merely free a moment ago
-    (:func:`free_port`) was taken that way under a parallel test run: rank 0 failed with ``EADDRINUSE``.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-    except BaseException:
-        sock.close()
-        raise
-    return sock, int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free now and that no other test on this machine is handed meanwhile
+    (:func:`robustdist.testing.ports.free_port`); :func:`run_ranks` keeps its own port bound as well."""
+    return _ports.free_port()
 
 
 TIMEOUT_SCALE_ENV = "ROBUSTDIST_TEST_TIMEOUT_SCALE"
@@ -152,7 +132,7 @@ def run_ranks(
     forked = _start["method"] == "forkserver"
     if forked:
         ctx.set_forkserver_preload(list(_start["preload"]))
-    reservation, port = _reserve_port()
+    reservation, port = _ports.reserve_port()
     dump_dir = tempfile.mkdtemp(prefix="robustdist-ranks-")
     procs: list[Any] = []
     conns: list[Any] = []

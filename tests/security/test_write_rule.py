@@ -37,6 +37,7 @@ LEGIT = {
     "runtime/_torch_compat.py": 2,  # a replaced worker's output files torchrun chose (appended)
     "testing/nodelab.py": 8,  # the test harness
     "testing/ranks.py": 4,
+    "testing/ports.py": 3,  # /proc/sys/net/ipv4/ip_local_port_range, the port registry (its directory, its file)
 }
 
 
