@@ -4,7 +4,10 @@ Autouse, per test:
 * the environment is restored exactly (code under test may set env vars);
 * a leftover default process group is destroyed;
 * a test that leaves child processes behind fails, and the children are killed;
-* a test that leaves a node-lab network namespace behind fails, and the namespace is deleted.
+* a test that leaves a node-lab network namespace behind fails, and the namespace is deleted;
+* child processes get a ``TMPDIR`` of the test's own (torchrun leaves its log directory, ``torchelastic_*``, in
+  ``TMPDIR``: no longer in /tmp); Ray keeps the directory it had (``RAY_TMPDIR``: its socket paths have a length
+  limit), and this process's own ``tempfile`` keeps its directory.
 
 ``fsdp_cpu``: skips a test that trains FSDP2 on the CPU where this torch's gloo cannot average (torch 2.8).
 
@@ -67,6 +70,14 @@ def _restore_environ():
     if dict(os.environ) != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _children_tmpdir(tmp_path_factory, monkeypatch):
+    import tempfile
+
+    monkeypatch.setenv("RAY_TMPDIR", os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
 
 
 @pytest.fixture(autouse=True)

@@ -3,19 +3,26 @@ and waits to become a worker (``robustdist run --spares 1``, the default; issue 
 
 ``robustdist run``'s agent (:mod:`.agent`) starts ``python -u -m robustdist.recovery.spare`` once the run can take a
 replacement. The spare imports torch, torch.distributed, DDP and DCP, and the modules ``robustdist.harden`` imports,
-and, on a build without CUDA, runs one DDP step on a one-rank gloo group of its own (an in-memory store: no port, no file), which loads what a
-DDP constructor and its first backward load (sympy, the compiler's modules), then destroys that group.
+and, on a build without CUDA, runs one DDP step on a one-rank gloo group of its own (an in-memory store: no port, no
+file), which loads what a DDP constructor and its first backward load (sympy, the compiler's modules), then destroys
+that group. It does this at the lowest CPU priority (:mod:`.idle`: a thread at ``SCHED_IDLE``, the session's
+autogroup at nice 19; on a host whose cores the ranks fill, a warm-up at their priority slowed every step while it
+lasted), then puts every thread of the process back at the workers' policy; where the process could not come back
+(no ``CAP_SYS_NICE``, ``RLIMIT_NICE`` below ``20 - nice``: :func:`idle_possible`) it warms at the workers' priority.
+It says which on the agent's pipe.
+
 It then reads one line from its standard input: the worker's order, JSON ``{"env", "args", "cwd", "stdout",
 "stderr"}``. Its environment becomes the worker's (exactly: the order's, nothing of its own kept), its output goes
-where the worker's would (appended to the file torchrun redirects it to, which --tee follows), and it runs the worker's command, ``[-u] SCRIPT ARGS``
-or ``[-u] -m MODULE ARGS``, as ``python`` would (``runpy``, as ``__main__``, ``sys.argv`` and ``sys.path[0]`` set). An
-end of input (the agent gone, or the launcher ending) ends it, quietly.
+where the worker's would (appended to the file torchrun redirects it to, which --tee follows), and it runs the
+worker's command, ``[-u] SCRIPT ARGS`` or ``[-u] -m MODULE ARGS``, as ``python`` would (``runpy``, as ``__main__``,
+``sys.argv`` and ``sys.path[0]`` set). An end of input (the agent gone, or the launcher ending) ends it, quietly.
 
 On a build with CUDA the spare only imports (a backward can count the GPUs, which fixes ``CUDA_VISIBLE_DEVICES``
 before the worker's script sets its own). The spare starts in ``/`` (nothing there shadows its imports) and moves to
-the worker's directory. What a spare cannot undo: modules already imported are not imported again (a script that sets an environment
-variable a module reads at import, before importing it, sees that module as imported with the launcher's
-environment: torch reads ``OMP_NUM_THREADS`` and the like at import). ``--spares 0`` starts every replacement cold.
+the worker's directory. What a spare cannot undo: modules already imported are not imported again (a script that sets
+an environment variable a module reads at import, before importing it, sees that module as imported with the
+launcher's environment: torch reads ``OMP_NUM_THREADS`` and the like at import). ``--spares 0`` starts every
+replacement cold.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import runpy
 import sys
 from typing import Any
 
-__all__ = ["READY_FD_ENV", "become", "main", "warm", "usable"]
+from robustdist.recovery import idle as _idle
+
+__all__ = ["READY", "READY_FD_ENV", "READY_IDLE", "become", "idle_possible", "main", "warm", "usable"]
 
 _MAX_ORDER = 1 << 20  # bytes of an order (the environment and the arguments)
 
@@ -58,6 +67,11 @@ def warm() -> None:
         del model
     finally:
         dist.destroy_process_group()
+
+
+def idle_possible() -> bool:
+    """Whether this spare warms at idle priority (:func:`robustdist.recovery.idle.possible`)."""
+    return _idle.possible()
 
 
 def usable(args: list[str]) -> bool:
@@ -103,15 +117,21 @@ def become(order: dict[str, Any]) -> None:
 
 
 READY_FD_ENV = "ROBUSTDIST_SPARE_READY_FD"
-"""The agent's pipe (a file descriptor number) on which the spare writes one byte once warm."""
+"""The agent's pipe (a file descriptor number) on which the spare writes one byte once warm: :data:`READY_IDLE`
+(it warmed at ``SCHED_IDLE``) or :data:`READY` (at the workers' priority)."""
+READY, READY_IDLE = b"1", b"2"
 
 
 def main() -> int:
-    warm()
+    idle = idle_possible()
+    if idle:
+        _idle.run(warm)
+    else:
+        warm()
     ready = os.environ.pop(READY_FD_ENV, "")
     if ready.isdigit():
         try:
-            os.write(int(ready), b"1")
+            os.write(int(ready), READY_IDLE if idle else READY)
             os.close(int(ready))
         except OSError:  # the agent stopped listening: it still sends the order
             pass

@@ -33,11 +33,12 @@ LEGIT = {
     "health/watchdog.py": 3,  # the stack-dump file in health.dump_dir, which the user names
     "ray/actor.py": 3,  # sysfs (NUMA node, CPU list), /proc/self/statm
     "recovery/launch.py": 2,  # robustdist run's own temporary log directory (made, and removed when left empty)
+    "recovery/idle.py": 2,  # /proc/self/autogroup (read, and written: the spare's own session, lowered and put back)
     "recovery/spare.py": 2,  # /dev/null, and the worker's output file torchrun chose (appended)
     "runtime/_torch_compat.py": 2,  # a replaced worker's output files torchrun chose (appended)
     "testing/nodelab.py": 8,  # the test harness
     "testing/ranks.py": 4,
-    "testing/ports.py": 3,  # /proc/sys/net/ipv4/ip_local_port_range, the port registry (its directory, its file)
+    "testing/ports.py": 4,  # /proc/sys/net/ipv4/ip_local_port_range, the port registry (its directory, twice; its file)
 }
 
 

@@ -1,13 +1,15 @@
-"""robustdist.testing.ports: ports below the ephemeral range, each handed out once across processes; a
-registry that is not this user's private file is not trusted (the old way is used)."""
+"""robustdist.testing.ports: ports below the ephemeral range, each handed out once across processes; a port anything
+holds (IPv4 or IPv6) is skipped; a registry that is not this user's private file, or whose lock is held too long, is
+not used (the old way is, with a warning); a malformed one is read as what it validly says."""
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,10 +26,9 @@ print(" ".join(str(ports.free_port()) for _ in range(int(sys.argv[1]))))
 
 @pytest.fixture
 def registry(tmp_path, monkeypatch) -> Path:
-    """A registry of this test's own (``TMPDIR`` for child processes too)."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    return tmp_path / f"robustdist-ports-{os.getuid()}" / "handed"
+    """A registry of this test's own (for its child processes too)."""
+    monkeypatch.setenv(ports.DIR_ENV, str(tmp_path / "ports"))
+    return tmp_path / "ports" / "handed"
 
 
 def _ephemeral_low() -> int:
@@ -95,6 +96,7 @@ def test_reserve_port_keeps_the_port_bound_and_a_store_still_serves_it(registry)
     b"not a registry\n\x00\xff\n-1 5\n70000 1\n1 2 3\n",
     b"25000 99999999999\n",  # a time in the future is not trusted
     b"9" * (2 << 20),  # larger than is ever read
+    b"9" * 5000 + b" 1\n" + b"25000 " + b"9" * 5000 + b"\n",  # numbers longer than int() takes
 ])
 def test_a_malformed_registry_is_read_as_what_it_validly_says(registry, content):
     registry.parent.mkdir(mode=0o700)
@@ -114,11 +116,14 @@ def test_a_fresh_entry_is_honoured_and_an_expired_one_is_dropped(registry, monke
     assert {int(line.split()[0]) for line in registry.read_text().splitlines()} == {25000, 25001}
 
 
-def test_a_registry_that_is_not_private_is_not_used(registry, tmp_path):
+def test_a_registry_that_is_not_private_is_not_used(registry, tmp_path, caplog):
     evil = tmp_path / "elsewhere"
     evil.mkdir()
     registry.parent.symlink_to(evil)  # the directory is someone's link
-    assert ports.free_port() >= _ephemeral_low()
+    with caplog.at_level(logging.WARNING, "robustdist.testing.ports"):
+        assert ports.free_port() >= _ephemeral_low()
+    assert "no registry of the ports handed out (see the debug log); drawing a port from the kernel (bind to port " \
+           "0): another process may take it before it is bound" in caplog.text
     assert list(evil.iterdir()) == []
     registry.parent.unlink()
     registry.parent.mkdir(mode=0o755)  # readable by others
@@ -132,3 +137,31 @@ def test_a_registry_that_is_not_private_is_not_used(registry, tmp_path):
     sock.close()
     assert port >= _ephemeral_low()
     assert target.read_text() == ""
+
+
+def test_a_port_held_on_ipv6_only_is_skipped(registry, monkeypatch):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    with socket.socket(socket.AF_INET6) as held:
+        try:
+            held.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            held.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback here")
+        taken = held.getsockname()[1]
+        held.listen()
+        monkeypatch.setattr(ports, "_span", lambda: (taken, taken + 2))
+        got = [ports.free_port(), ports.free_port()]  # the range's other port, then the kernel's: never `taken`
+    assert taken not in got, got  # an IPv4 probe alone finds the port free
+    assert f"{taken} " not in registry.read_text()
+
+
+def test_a_lock_held_too_long_falls_back_to_the_kernel(registry, monkeypatch, caplog):
+    assert ports.free_port() < _ephemeral_low()  # makes the registry
+    monkeypatch.setattr(ports, "_LOCK_S", 0.2)
+    with open(registry, "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # another holder (a process stopped in a debugger)
+        with caplog.at_level(logging.WARNING, "robustdist.testing.ports"):
+            assert ports.free_port() >= _ephemeral_low()
+    assert "drawing a port from the kernel" in caplog.text
+    assert ports.free_port() < _ephemeral_low()  # the lock let go: the registry again

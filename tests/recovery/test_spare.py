@@ -1,0 +1,242 @@
+"""The warm spare's warm-up priority (robustdist.recovery.idle): at SCHED_IDLE with its session's autogroup at nice 19
+where the process can come back (every thread and the autogroup back before it says it is warm, and the worker it
+becomes runs at the workers' policy), at the workers' priority where it cannot (no CAP_SYS_NICE: a root container's
+default), and what it says on the agent's pipe in each case. Real processes, each in a session of its own (as the
+agent starts a spare: the autogroup is the session's); capabilities dropped with capsh. (RLIMIT_NICE >= 20 - nice
+also lets a process come back; this machine cannot raise it: no CAP_SYS_RESOURCE.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from robustdist.recovery import spare
+
+SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
+
+WORKER = """
+import json, os, sys
+import torch
+x = torch.randn(512, 512)
+for _ in range(20):
+    x = torch.tanh(x @ x)  # the intra-op pool, if any, is started here
+policies = {}
+for tid in os.listdir("/proc/self/task"):
+    try:
+        policies[tid] = os.sched_getscheduler(int(tid))
+    except OSError:
+        pass
+json.dump({"main": os.sched_getscheduler(0), "threads": policies, "argv": sys.argv,
+           "autogroup": open("/proc/self/autogroup").read()}, open(sys.argv[1], "w"))
+"""
+
+AUTOGROUP = Path("/proc/self/autogroup")
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
+
+
+def _policies(pid: int) -> dict[int, int]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = os.sched_getscheduler(int(tid))
+        except OSError:
+            continue
+    return out
+
+
+def _spare(shell: str | None) -> tuple[subprocess.Popen[bytes], int]:
+    """The spare, as the agent starts it; under ``capsh --drop=cap_sys_nice`` after ``shell`` where given."""
+    ready_r, ready_w = os.pipe()
+    env = {**os.environ, spare.READY_FD_ENV: str(ready_w), "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-u", "-m", "robustdist.recovery.spare"]
+    if shell is not None:
+        cmd = [_capsh(), "--drop=cap_sys_nice", "--", "-c", f"{shell}; exec {' '.join(cmd)}"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(ready_w,), env=env, cwd="/",
+                            start_new_session=True)
+    os.close(ready_w)
+    return proc, ready_r
+
+
+def _autogroup_nice(pid: int | str) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _run(tmp_path: Path, shell: str | None = None) -> tuple[bytes, set[int], dict]:
+    """Start a spare, watch its threads' policies and its autogroup until it says it is warm, check them then, order
+    it to run WORKER; returns what it said, the policies and autogroup nice values seen while warming (the nice
+    values as 100 + nice), and what the worker found."""
+    proc, ready = _spare(shell)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not select.select([ready], [], [], 0.02)[0]:
+            assert proc.poll() is None, f"the spare ended with {proc.returncode} before it was warm"
+            assert time.monotonic() < deadline, "the spare was not warm within 120 s"
+            try:
+                seen |= set(_policies(proc.pid).values())
+            except FileNotFoundError:
+                pass
+            nice = _autogroup_nice(proc.pid)
+            if nice is not None:
+                seen.add(100 + nice)
+        said = os.read(ready, 1)
+        assert set(_policies(proc.pid).values()) == {os.SCHED_OTHER}, "a thread still idles once the spare is warm"
+        assert _autogroup_nice(proc.pid) in (None, 0), "the autogroup stays lowered once the spare is warm"
+        script, out = tmp_path / "worker.py", tmp_path / "out.json"
+        script.write_text(WORKER)
+        order = {"env": dict(os.environ), "args": ["-u", str(script), str(out)], "cwd": str(tmp_path),
+                 "stdout": str(tmp_path / "stdout"), "stderr": str(tmp_path / "stderr")}
+        proc.communicate(json.dumps(order).encode() + b"\n", timeout=120)
+        assert proc.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
+        return said, seen, json.loads(out.read_text())
+    finally:
+        os.close(ready)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _capsh() -> str:
+    path = shutil.which("capsh")
+    if path is None or os.geteuid() != 0:
+        pytest.skip("needs capsh and root to drop CAP_SYS_NICE")
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_the_spare_warms_at_idle_priority_and_the_worker_it_becomes_does_not(tmp_path):
+    if not spare.idle_possible():
+        pytest.skip("this process cannot return from SCHED_IDLE (no CAP_SYS_NICE): the next tests cover it")
+    said, seen, worker = _run(tmp_path)
+    assert said == spare.READY_IDLE
+    assert SCHED_IDLE in seen, f"no thread of the spare was seen at SCHED_IDLE while it warmed: {seen}"
+    if AUTOGROUP.exists():
+        assert 119 in seen, f"the spare's autogroup was not seen at nice 19 while it warmed: {seen}"
+        assert worker["autogroup"].split()[-1] == "0"
+    assert worker["main"] == os.SCHED_OTHER
+    assert set(worker["threads"].values()) == {os.SCHED_OTHER}, worker
+    assert worker["argv"][0].endswith("worker.py")
+
+
+@pytest.mark.timeout(300)
+def test_without_cap_sys_nice_the_spare_warms_at_the_workers_priority(tmp_path):
+    """A root container without CAP_SYS_NICE (and RLIMIT_NICE 0) could go to SCHED_IDLE but never come back: the spare
+    does not go there at all."""
+    said, seen, worker = _run(tmp_path, "ulimit -e 0")
+    assert said == spare.READY
+    assert seen - {100} == {os.SCHED_OTHER}  # never idle, the autogroup never lowered
+    assert set(worker["threads"].values()) == {os.SCHED_OTHER}
+
+
+def test_a_thread_that_already_idles_does_not_probe():
+    import threading
+
+    found = []
+
+    def idle_then_probe():
+        os.sched_setscheduler(0, SCHED_IDLE, os.sched_param(0))
+        found.append(spare.idle_possible())
+
+    if not spare.idle_possible():
+        pytest.skip("this process cannot return from SCHED_IDLE")
+    t = threading.Thread(target=idle_then_probe)
+    t.start()
+    t.join()
+    assert found == [False]  # the whole job idles: the spare has nothing to come back to
+
+
+IDLE_RUN = """
+import json, os, sys, threading
+from robustdist.recovery import idle
+
+def nice():
+    try:
+        return int(open("/proc/self/autogroup").read().split()[-1])
+    except OSError:
+        return None
+
+seen, stop, lingering = {}, threading.Event(), []
+
+def work():
+    seen["policy"], seen["nice"] = os.sched_getscheduler(0), nice()
+    t = threading.Thread(target=stop.wait, daemon=True)  # a pool the work leaves behind
+    t.start()
+    lingering.append(t)
+    if sys.argv[1] == "raise":
+        raise KeyError("the work failed")
+
+out = {"possible": idle.possible(), "nice_before": nice()}
+try:
+    idle.run(work)
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+out.update(seen, main=os.sched_getscheduler(0), nice_after=nice(),
+           lingering=os.sched_getscheduler(lingering[0].native_id) if lingering else None)
+stop.set()
+print(json.dumps(out))
+"""
+
+
+def _idle_run(mode: str, shell: str | None = None) -> dict:
+    cmd = [sys.executable, "-c", IDLE_RUN, mode]
+    if shell is not None:
+        cmd = [_capsh(), "--drop=cap_sys_nice", "--", "-c", f'{shell}; exec "$0" "$@"', *cmd]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, start_new_session=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["ok", "raise"])
+def test_idle_run_lowers_only_the_work_and_puts_everything_back(mode):
+    out = _idle_run(mode)
+    if not out["possible"]:
+        pytest.skip("this process cannot return from SCHED_IDLE (no CAP_SYS_NICE)")
+    assert out["policy"] == SCHED_IDLE and out["main"] == os.SCHED_OTHER
+    assert out["lingering"] == os.SCHED_OTHER  # started at SCHED_IDLE inside the work, put back after it
+    if out["nice_before"] is not None:
+        assert (out["nice_before"], out["nice"], out["nice_after"]) == (0, 19, 0)
+    if mode == "raise":
+        assert out["error"] == "KeyError: 'the work failed'"
+    else:
+        assert "error" not in out
+
+
+def test_idle_run_where_threads_cannot_come_back_names_them_and_the_fix():
+    """Called where possible() says no (a bug in a caller): the work runs, the autogroup comes back, and the error
+    says which thread stays idle, what was expected and what to do."""
+    out = _idle_run("ok", "ulimit -e 0")
+    assert out["possible"] is False
+    assert out["policy"] == SCHED_IDLE and out["lingering"] == SCHED_IDLE
+    assert out["error"].startswith("RuntimeError: pid ")
+    assert "after the work at idle priority, thread " in out["error"]
+    assert "could not be read or set (Operation not permitted); expected every thread back at the calling " \
+           "thread's policy and the autogroup back at its nice value. Fix: none needed where a fallback exists" \
+           in out["error"]
+    if out["nice_before"] is not None:
+        assert out["nice_after"] == out["nice_before"] == 0
+
+
+def test_possible_is_false_off_linux_and_where_the_calls_are_refused(monkeypatch):
+    from robustdist.recovery import idle
+
+    def refused(*_):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "sched_getscheduler", refused)  # musl's stub, a sandbox
+    assert idle.possible() is False
+    monkeypatch.undo()
+    monkeypatch.delattr(os, "SCHED_IDLE")  # not Linux
+    assert idle.possible() is False
