@@ -116,7 +116,9 @@ class Nodes:
               base_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Node ``node``'s agent, by ``python -m <launcher>`` (torchrun; ``("robustdist", "run", ...)``: P11), with
         ``base_env`` in place of :data:`ENV` where given."""
-        env = {**(ENV if base_env is None else base_env), "P9_LOCAL_DIR": self.local_dir(sub)}
+        (self.work / "tmp").mkdir(exist_ok=True)  # torchrun's log directories (torchelastic_*), removed with the rest
+        env = {**(ENV if base_env is None else base_env), "P9_LOCAL_DIR": self.local_dir(sub),
+               "TMPDIR": str(self.work / "tmp")}
         if self.lab is not None:
             proc = self.lab.torchrun(node, JOB, args, nproc=1, max_restarts=MAX_RESTARTS, env=env, name=name,
                                      rdzv_id=rdzv_id, rdzv_conf=RDZV, launcher=launcher)

@@ -17,8 +17,10 @@ torchrun's store with the workers (torchrun's default; P9 turns it off so that a
 so ``robustdist run``'s agent on node 0 serves each attempt's store and a killed rank 0 is replaced alone too. Per
 fault: SIGKILL -> first new step (a step beyond the last done before the kill,
 on every rank), split into kill -> the loop running again and replay (``bench_inprocess.per_fault``). Goodput = steps x
-the baseline step time right before the variant / wall time from the first step to the last, and where the wall
-time beyond it went (:func:`breakdown`). Then, without faults,
+the baseline step time (the plain job's, run right before the variant and right after it: the mean of both; their
+ratio is reported as the machine's drift over the run) / wall time from the first step to the last, and where the
+wall time beyond it went (:func:`breakdown`); also the same against the run's own ordinary step (``goodput_own_step``:
+on a host whose speed drifts by several percent between minutes, the steadier of the two). Then, without faults,
 the job's start under ``robustdist run`` against torchrun's (the same in-process job, launch -> first step on every
 rank), alternating, ``--pairs`` times; the difference is taken per pair (median reported).
 
@@ -158,17 +160,21 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {}
     walls: dict[str, float] = {}
     lost: dict[str, dict[str, float]] = {}
+    drift: dict[str, float] = {}
     starts: list[float] = []
     try:
         nodes = p9.Nodes(work, use_lab)
         try:
             for variant in [v for v in a.variants.split(",") if v]:
-                ideal[variant] = p9.baseline_run(nodes, work, a, variant)
-                step = statistics.mean(ideal[variant])
+                before = p9.baseline_run(nodes, work, a, variant)
                 if a.steps is None:
+                    step = statistics.mean(before)
                     a.steps = round(a.ideal_seconds / step)
                     a.every = a.local_every * max(1, round(a.durable_seconds / step / a.local_every))
                 events, kills, _ = kill_run(nodes, work, variant, a, faults=True, tag=variant)
+                after = p9.baseline_run(nodes, work, a, f"{variant}-after")
+                ideal[variant], drift[variant] = before + after, statistics.mean(after) / statistics.mean(before)
+                step = statistics.mean(ideal[variant])
                 rank0 = sorted(t for pr in p9.processes(events).values() if pr.rank == 0 for t, _ in pr.steps)
                 walls[variant] = rank0[-1] - rank0[0] + step
                 runs[variant] = p10.per_fault(events, kills)
@@ -187,17 +193,19 @@ def main() -> None:
         raise
     finally:
         p9.tidy(work, a.keep)
-    report(a, use_lab, why, ideal, runs, walls, lost, starts, time.time() - began, (load0, os.getloadavg()[0]))
+    report(a, use_lab, why, ideal, runs, walls, lost, drift, starts, time.time() - began,
+           (load0, os.getloadavg()[0]))
 
 
 def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]], runs: dict[str, list[dict[str, Any]]],
-           walls: dict[str, float], lost: dict[str, dict[str, float]], starts: list[float], seconds: float,
-           load: tuple[float, float]) -> None:
+           walls: dict[str, float], lost: dict[str, dict[str, float]], drift: dict[str, float], starts: list[float],
+           seconds: float, load: tuple[float, float]) -> None:
     times: dict[str, list[float]] = {}
     metrics: dict[str, float] = {"lab": float(use_lab)}
     for v, kills in runs.items():
         lone = [f for f in kills if not f["overlapped"]]
-        times[f"{v}: baseline step right before (no checkpoint, no fault)"] = ideal[v]
+        times[f"{v}: baseline step right before and right after (no checkpoint, no fault)"] = ideal[v]
+        metrics[f"baseline_drift_{v}"] = drift[v]
         times[f"{v}: SIGKILL to first new step"] = [f["recovery"] for f in lone]
         metrics[f"goodput_{v}"] = a.steps * statistics.mean(ideal[v]) / walls[v]
         metrics[f"kills_{v}"] = float(len(kills))
@@ -229,6 +237,9 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
               + f"; the other steps' median / baseline {parts['other_step_ratio']:.2f}" for v, parts in lost.items()]
     for v, parts in lost.items():
         metrics[f"other_step_ratio_{v}"] = parts["other_step_ratio"]
+        # the same goodput against the run's own ordinary step (the median of the steps with no save, no kill, no
+        # start nearby): blind to a steady per-step cost, but not to the machine's drift between baseline and run
+        metrics[f"goodput_own_step_{v}"] = metrics[f"goodput_{v}"] * parts["other_step_ratio"]
     metrics = {k: v for k, v in metrics.items() if v == v}  # NaN: not measured
     h.emit(a, "P11", "a killed rank replaced alone (robustdist run) vs torchrun's restart of every worker", times,
            metrics, setup=setup, notes=notes)

@@ -78,6 +78,10 @@ TARGETS: list[tuple[str, str, str, float | None, str]] = [
     ("P11", "recovery_seconds_restart", "report", None, "torchrun restarting every worker: the same kill, median"),
     ("P11", "spare_saves_seconds", "report", None, "what the warm spare saves per kill (cold - spare, medians)"),
     ("P11", "goodput_restart", "report", None, "torchrun's restarts: goodput under the same kills"),
+    ("P11", "goodput_own_step_spare", "report", None,
+     "goodput_spare against the run's own median ordinary step (no save, kill or start nearby) instead of the baseline"),
+    ("P11", "baseline_drift_spare", "report", None,
+     "the plain job's step right after the spare variant's run / right before it (the machine's drift over the run)"),
     ("P11", "other_step_ratio_spare", "report", None,
      "warm spare: median step outside kills, saves, starts and the 16 s after a recovery / the plain job's step"),
 ]

@@ -10,8 +10,7 @@ tier. Each replacement uses one of ``--max-restarts``, as a restart of the group
 
 **A warm spare** (``--spares 1``, the default): while the run can take a replacement, the agent keeps one process per
 node that has done a worker's slow start (:mod:`.spare`), and turns it into the replacement (its environment, command
-and output become the worker's); another is started :data:`SPARE_IDLE_PAUSE_S` later (:data:`SPARE_PAUSE_S` where the
-spare warms at the workers' priority, which would slow the replacement's start). Without one (``--spares 0``, a
+and output become the worker's); another is started :data:`SPARE_PAUSE_S` later. Without one (``--spares 0``, a
 spare that died, a worker command a spare cannot run, NUMA binding) the replacement starts cold, as torchrun starts a
 worker.
 
@@ -49,12 +48,13 @@ from robustdist.recovery.attempt_store import AttemptStore
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info
 
-__all__ = ["SPARE_IDLE_PAUSE_S", "SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
+__all__ = ["SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
 
 log = logging.getLogger(__name__)  # the launcher is no rank: no rank prefix
 SPARE_LOOK_S = 2.0  # without a spare: how often the agent asks whether the run can take a replacement
-SPARE_PAUSE_S = 10.0  # after a spare became a worker: no new one before this (its imports would slow the new worker)
-SPARE_IDLE_PAUSE_S = 1.0  # the same where the last spare warmed at SCHED_IDLE (it takes no CPU time the worker wants)
+# after a spare became a worker: no new one before this (its imports would slow the new worker; even at idle priority
+# they share the caches and the memory bandwidth with it)
+SPARE_PAUSE_S = 10.0
 SPARE_TRIES = 3  # spares in a row that end before they are warm: then no more (replacements start cold)
 
 
@@ -80,7 +80,6 @@ class Replacer:
         self._spare_after = 0.0  # time.monotonic() before which no spare is started (a look, or a pause)
         self._ready: int | None = None  # the read end of the spare's "warm" pipe, until it has said so
         self._warm = False  # the spare has said it is warm
-        self._idle = False  # the last spare warmed at SCHED_IDLE
         self._started = 0.0
         self._failures = 0  # spares in a row that ended before they were warm
         self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
@@ -270,9 +269,9 @@ class Replacer:
         self._ready = None
         self._warm = said in (_spare.READY, _spare.READY_IDLE)
         if self._warm and self._spare is not None:
-            self._failures, self._idle = 0, said == _spare.READY_IDLE
+            self._failures = 0
             log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s (%s)", self._spare.pid,
-                     time.monotonic() - self._started, "warmed at idle priority" if self._idle else
+                     time.monotonic() - self._started, "warmed at idle priority" if said == _spare.READY_IDLE else
                      "warmed at the workers' priority: it could not return from SCHED_IDLE (without CAP_SYS_NICE, "
                      "RLIMIT_NICE must be at least 20 - nice)")
         elif said and self._spare is not None:
@@ -297,8 +296,7 @@ class Replacer:
         except OSError as e:  # it died meanwhile
             log.info("robustdist run: the warm spare could not take the order (%s); starting the worker cold", e)
             return None
-        pause = SPARE_IDLE_PAUSE_S if self._idle else SPARE_PAUSE_S
-        self._spare, self._warm, self._spare_after = None, False, time.monotonic() + pause
+        self._spare, self._warm, self._spare_after = None, False, time.monotonic() + SPARE_PAUSE_S
         if self._ready is not None:
             os.close(self._ready)
             self._ready = None
