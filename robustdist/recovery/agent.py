@@ -267,17 +267,20 @@ class Replacer:
         said = os.read(self._ready, 1)
         os.close(self._ready)
         self._ready = None
-        self._warm = said in (_spare.READY, _spare.READY_IDLE)
+        how = {_spare.READY_IDLE: "warmed at idle priority",
+               _spare.READY_LATE: f"warmed at idle priority, then at the workers' priority after "
+                                  f"{_spare.IDLE_PATIENCE_S:g} s: the host had little idle CPU time",
+               _spare.READY: "warmed at the workers' priority: it could not return from SCHED_IDLE (without "
+                             "CAP_SYS_NICE, RLIMIT_NICE must be at least 20 - nice)"}
+        self._warm = said in how
         if self._warm and self._spare is not None:
             self._failures = 0
             log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s (%s)", self._spare.pid,
-                     time.monotonic() - self._started, "warmed at idle priority" if said == _spare.READY_IDLE else
-                     "warmed at the workers' priority: it could not return from SCHED_IDLE (without CAP_SYS_NICE, "
-                     "RLIMIT_NICE must be at least 20 - nice)")
+                     time.monotonic() - self._started, how[said])
         elif said and self._spare is not None:
-            log.warning("robustdist run: the warm spare (pid %d) said %r on its pipe; expected %r or %r. It is not "
-                        "used: replacements start cold until it ends", self._spare.pid, said, _spare.READY,
-                        _spare.READY_IDLE)
+            log.warning("robustdist run: the warm spare (pid %d) said %r on its pipe; expected one of %s. It is not "
+                        "used: replacements start cold until it ends", self._spare.pid, said,
+                        ", ".join(repr(k) for k in how))
 
     def _from_spare(self, agent: Any, worker: Any, extra: dict[str, str]) -> int | None:
         """Turn the warm spare into ``worker`` (None where there is none, or it cannot run the worker's command)."""

@@ -57,9 +57,11 @@ def possible() -> bool:
     return ok == [True]
 
 
-def run(fn: Callable[[], object]) -> None:
+def run(fn: Callable[[], object], patience_s: float | None = None) -> bool:
     """``fn()`` in a thread at ``SCHED_IDLE`` (the session's autogroup at nice 19 meanwhile), then every thread of the
     process back at the calling thread's policy and the autogroup back; ``fn``'s exception is raised here after that.
+    ``patience_s``: where ``fn`` has not returned by then (a host with little idle CPU time starves it), everything is
+    put back at once and ``fn`` finishes at the calling thread's priority. Returns whether ``fn`` ran idle to its end.
     Raises ``RuntimeError`` when a thread or the autogroup cannot be put back. Call only where :func:`possible`."""
     idle, back, param = os.SCHED_IDLE, os.sched_getscheduler(0), os.sched_getparam(0)
     group = _autogroup_nice()  # lowered only from 0 up: coming back below 0 would need CAP_SYS_NICE
@@ -75,13 +77,18 @@ def run(fn: Callable[[], object]) -> None:
 
     thread = threading.Thread(target=body, name="robustdist-idle", daemon=True)
     thread.start()
-    thread.join()
-    problems = _threads_back(idle, back, param)
-    if lowered:
+    thread.join(patience_s)
+    idle_to_the_end = not thread.is_alive()
+    problems: list[str] = []
+    if lowered:  # first, so that threads put back find their group's weight back too
         assert group is not None
         problem = _autogroup_to(group, _AUTOGROUP_BACK_S)
         if problem:
             problems.append(f"the session's autogroup could not be set back to nice {group} ({problem})")
+    problems += _threads_back(idle, back, param)
+    if not idle_to_the_end:
+        thread.join()
+        problems += _threads_back(idle, back, param)  # a thread it started while the first round ran
     if failed:
         raise failed[0]
     if problems:
@@ -89,6 +96,7 @@ def run(fn: Callable[[], object]) -> None:
                            "thread back at the calling thread's policy and the autogroup back at its nice value. Fix: "
                            "none needed where a fallback exists (a spare that fails so is replaced, then replacements "
                            "start cold); a bug if seen: report it")
+    return idle_to_the_end
 
 
 def _threads_back(idle: int, back: int, param: os.sched_param) -> list[str]:

@@ -8,8 +8,9 @@ file), which loads what a DDP constructor and its first backward load (sympy, th
 that group. It does this at the lowest CPU priority (:mod:`.idle`: a thread at ``SCHED_IDLE``, the session's
 autogroup at nice 19; on a host whose cores the ranks fill, a warm-up at their priority slowed every step while it
 lasted), then puts every thread of the process back at the workers' policy; where the process could not come back
-(no ``CAP_SYS_NICE``, ``RLIMIT_NICE`` below ``20 - nice``: :func:`idle_possible`) it warms at the workers' priority.
-It says which on the agent's pipe.
+(no ``CAP_SYS_NICE``, ``RLIMIT_NICE`` below ``20 - nice``: :func:`idle_possible`) it warms at the workers' priority,
+and a warm-up not done at idle priority within :data:`IDLE_PATIENCE_S` finishes at theirs. It says which on the
+agent's pipe.
 
 It then reads one line from its standard input: the worker's order, JSON ``{"env", "args", "cwd", "stdout",
 "stderr"}``. Its environment becomes the worker's (exactly: the order's, nothing of its own kept), its output goes
@@ -36,7 +37,8 @@ from typing import Any
 
 from robustdist.recovery import idle as _idle
 
-__all__ = ["READY", "READY_FD_ENV", "READY_IDLE", "become", "idle_possible", "main", "warm", "usable"]
+__all__ = ["IDLE_PATIENCE_S", "READY", "READY_FD_ENV", "READY_IDLE", "READY_LATE", "become", "idle_possible", "main",
+           "warm", "usable"]
 
 _MAX_ORDER = 1 << 20  # bytes of an order (the environment and the arguments)
 
@@ -118,20 +120,24 @@ def become(order: dict[str, Any]) -> None:
 
 READY_FD_ENV = "ROBUSTDIST_SPARE_READY_FD"
 """The agent's pipe (a file descriptor number) on which the spare writes one byte once warm: :data:`READY_IDLE`
-(it warmed at ``SCHED_IDLE``) or :data:`READY` (at the workers' priority)."""
-READY, READY_IDLE = b"1", b"2"
+(it warmed at ``SCHED_IDLE``), :data:`READY_LATE` (it began so, and finished at the workers' priority after
+:data:`IDLE_PATIENCE_S`) or :data:`READY` (at the workers' priority throughout)."""
+READY, READY_IDLE, READY_LATE = b"1", b"2", b"3"
+IDLE_PATIENCE_S = 30.0
+"""A warm-up at idle priority not done by then finishes at the workers' priority (:data:`READY_LATE`): a host with
+little idle CPU time would starve it, and the spare would never be ready."""
 
 
 def main() -> int:
-    idle = idle_possible()
-    if idle:
-        _idle.run(warm)
+    said = READY
+    if idle_possible():
+        said = READY_IDLE if _idle.run(warm, patience_s=IDLE_PATIENCE_S) else READY_LATE
     else:
         warm()
     ready = os.environ.pop(READY_FD_ENV, "")
     if ready.isdigit():
         try:
-            os.write(int(ready), READY_IDLE if idle else READY)
+            os.write(int(ready), said)
             os.close(int(ready))
         except OSError:  # the agent stopped listening: it still sends the order
             pass

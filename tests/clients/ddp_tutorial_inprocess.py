@@ -12,7 +12,8 @@ event per step) and ``--local-every`` (the in-memory tier's interval, 1) shape a
 waits in the save's arrival check), in generation 0 of attempt 0 only, or with ``--always`` in every generation of
 every attempt (a deterministic fault). ``--kill RANK:STEP`` SIGKILLs that rank there instead, in its first process
 only (not in a replacement ``robustdist run`` started), or with ``--always`` in every process; ``--kill-in-save`` right after that step's ``save()``
-returns (its background part under way). Each rank writes ``events-<tag>-rank<r>.jsonl`` (every start of the
+returns (its background part under way). ``--hold FILE:STEP``: every rank waits after step STEP's save while FILE
+exists (a test acts meanwhile; the results are those of a run without it). Each rank writes ``events-<tag>-rank<r>.jsonl`` (every start of the
 training function and the restart-loop guard's stop), and at the end ``result-<tag>-rank<r>.json`` and
 ``final-<tag>-rank<r>.pt`` (the parameters) as ``tests/_torchrun.py`` reads them.
 """
@@ -70,6 +71,7 @@ class Trainer:
         self.epochs, self.step_sleep, self.log_steps = epochs, step_sleep, log_steps
         self.kill: tuple[int, int] | None = None
         self.kill_in_save = False
+        self.hold: tuple[str, int] | None = None
 
     def _run_batch(self, h, source, targets, step: int) -> None:
         self.optimizer.zero_grad()
@@ -97,6 +99,9 @@ class Trainer:
                 self.note(event="kill", step=step)
                 os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer's way: no exception, no exit code
             h.save(step)  # the in-memory tier every --local-every steps (1), the durable one every 4
+            if self.hold is not None and step == self.hold[1]:
+                while os.path.exists(self.hold[0]):  # a pause, the same on every rank: the results are unchanged
+                    time.sleep(0.05)
             if doomed:  # --kill-in-save: while the save's background part (commit, replication) runs
                 self.note(event="kill", step=step)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -126,6 +131,7 @@ def main() -> None:
     p.add_argument("--log-steps", action="store_true")
     p.add_argument("--local-every", type=int, default=1)
     p.add_argument("--local-dir", default=None, help="the in-memory tier's (default: <workdir>/shm-<tag>)")
+    p.add_argument("--hold", default=None, help="FILE:STEP: after step STEP's save, wait while FILE exists")
     a = p.parse_args()
     work, rank = Path(a.workdir), int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -149,6 +155,9 @@ def main() -> None:
                       step_sleep=a.step_sleep, log_steps=a.log_steps)
     trainer.kill = tuple(int(v) for v in a.kill.split(":")) if a.kill else None  # type: ignore[assignment]
     trainer.kill_in_save = a.kill_in_save
+    if a.hold:
+        path, _, at = a.hold.rpartition(":")
+        trainer.hold = (path, int(at))
     try:
         end = h.run(trainer.train, optimizer=optimizer)
     except RestartLoopError as e:

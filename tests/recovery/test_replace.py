@@ -150,8 +150,10 @@ def _await_line(lines: list[str], proc: subprocess.Popen, pattern: str, after: i
             if found := re.search(pattern, line):
                 return found
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"no line matching {pattern!r} within {timeout:g} s:\n{''.join(lines)[-4000:]}")
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"no line matching {pattern!r} within {timeout:g} s:\n{''.join(lines)[-4000:]}")
+    pytest.fail(f"the run ended (exit {proc.returncode}) with no line matching {pattern!r}:\n{''.join(lines)[-4000:]}")
 
 
 @pytest.mark.timeout(400)
@@ -159,21 +161,26 @@ def test_the_warm_spare_becomes_the_killed_worker_and_a_killed_spare_is_replaced
     """The agent's warm spare: killed itself once ready, another is started; then rank 1 is SIGKILLed from outside
     (as the OOM killer does) and the spare becomes rank 1; the run ends bitwise equal to an uninterrupted torchrun run,
     and no spare outlives the launcher."""
-    args = ("--epochs", "6", "--step-sleep", "0.25")  # 48 steps, at least 12 s: time for two spares to warm up
+    args = ("--epochs", "6", "--step-sleep", "0.25")  # 48 steps
+    hold = tmp_path / "hold"  # the spared run waits after step 4 until both spares have warmed (at idle priority, as
+    hold.touch()  # long as the other work on the host makes it)
     straight = launch(CLIENT, tmp_path / "straight", "straight", *args)
-    spared = launch(CLIENT, tmp_path / "spared", "spared", *args, launcher=RUN, env=_tmp_env(tmp_path / "tmp"))
+    spared = launch(CLIENT, tmp_path / "spared", "spared", *args, "--hold", f"{hold}:4", launcher=RUN,
+                    env=_tmp_env(tmp_path / "tmp"))
     lines, reader = _reader(spared)
     try:
-        how = "idle priority" if idle_possible() else "the workers' priority"
+        how = "idle priority" if idle_possible() else "the workers' priority"  # (then theirs after 30 s: a busy host)
         first = _await_line(lines, spared, r"the warm spare \(pid (\d+)\) is ready after [\d.]+ s \(warmed at %s"
                             % how, 0, 120)
         os.kill(int(first.group(1)), signal.SIGKILL)
         _await_line(lines, spared, r"the warm spare \(pid %s\) ended with signal 9 \(SIGKILL\); starting another"
                     % first.group(1), 0, 60)
         second = _await_line(lines, spared, r"the warm spare \(pid (\d+)\) is ready", len(lines) - 1, 120)
+        hold.unlink()
         rank1 = [e for e in _events(tmp_path / "spared", "spared", 1) if e["event"] == "start"][-1]["pid"]
         os.kill(rank1, signal.SIGKILL)
     finally:
+        hold.unlink(missing_ok=True)
         out = _ended(spared, reader, lines)
     assert spared.returncode == 0, out[-4000:]
     succeeded(finish({"straight": straight}, TIMEOUT))

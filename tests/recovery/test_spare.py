@@ -177,9 +177,15 @@ def work():
     if sys.argv[1] == "raise":
         raise KeyError("the work failed")
 
+def slow():  # past the patience: it finishes at the calling thread's priority
+    work()
+    import time
+    time.sleep(1.0)
+    seen["policy_late"], seen["nice_late"] = os.sched_getscheduler(0), nice()
+
 out = {"possible": idle.possible(), "nice_before": nice()}
 try:
-    idle.run(work)
+    out["idle_to_the_end"] = idle.run(slow, patience_s=0.3) if sys.argv[1] == "late" else idle.run(work)
 except Exception as e:
     out["error"] = f"{type(e).__name__}: {e}"
 out.update(seen, main=os.sched_getscheduler(0), nice_after=nice(),
@@ -199,7 +205,7 @@ def _idle_run(mode: str, shell: str | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("mode", ["ok", "raise"])
+@pytest.mark.parametrize("mode", ["ok", "raise", "late"])
 def test_idle_run_lowers_only_the_work_and_puts_everything_back(mode):
     out = _idle_run(mode)
     if not out["possible"]:
@@ -212,6 +218,10 @@ def test_idle_run_lowers_only_the_work_and_puts_everything_back(mode):
         assert out["error"] == "KeyError: 'the work failed'"
     else:
         assert "error" not in out
+        assert out["idle_to_the_end"] is (mode == "ok")
+    if mode == "late":  # the patience ran out: the work went on at the calling thread's policy, the autogroup back
+        assert out["policy_late"] == os.sched_getscheduler(0)
+        assert out["nice_late"] == out["nice_before"]
 
 
 def test_idle_run_where_threads_cannot_come_back_names_them_and_the_fix():
