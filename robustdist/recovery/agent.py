@@ -279,8 +279,9 @@ class Replacer:
                      time.monotonic() - self._started, how[said])
         elif said and self._spare is not None:
             log.warning("robustdist run: the warm spare (pid %d) said %r on its pipe; expected one of %s. It is not "
-                        "used: replacements start cold until it ends", self._spare.pid, said,
-                        ", ".join(repr(k) for k in how))
+                        "used: replacements start cold until it ends. Fix: run the launcher with the same Python and "
+                        "robustdist as the workers (a bug if they are the same: report it)", self._spare.pid, said,
+                        ", ".join(repr(k) for k in sorted(how)))
 
     def _from_spare(self, agent: Any, worker: Any, extra: dict[str, str]) -> int | None:
         """Turn the warm spare into ``worker`` (None where there is none, or it cannot run the worker's command)."""

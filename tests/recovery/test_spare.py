@@ -250,3 +250,27 @@ def test_possible_is_false_off_linux_and_where_the_calls_are_refused(monkeypatch
     monkeypatch.undo()
     monkeypatch.delattr(os, "SCHED_IDLE")  # not Linux
     assert idle.possible() is False
+
+
+@pytest.mark.parametrize("said, used, text", [
+    (spare.READY_IDLE, True, "is ready after"),
+    (spare.READY_LATE, True, "then at the workers' priority after 30 s: the host had little idle CPU time"),
+    (b"x", False, "the warm spare (pid 4242) said b'x' on its pipe; expected one of b'1', b'2', b'3'. It is not "
+                  "used: replacements start cold until it ends. Fix: run the launcher with the same Python and "
+                  "robustdist as the workers"),
+])
+def test_the_agent_reads_what_the_spare_says_and_names_what_it_cannot(said, used, text, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from robustdist.recovery.agent import Replacer
+
+    replacer = Replacer()
+    read, write = os.pipe()
+    os.write(write, said)
+    os.close(write)
+    replacer._ready, replacer._spare, replacer._started = read, SimpleNamespace(pid=4242), time.monotonic()
+    with caplog.at_level(logging.INFO, "robustdist.recovery.agent"):
+        replacer._look_ready()
+    assert replacer._warm is used
+    assert text in caplog.text
