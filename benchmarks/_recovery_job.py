@@ -138,9 +138,12 @@ def train(args: argparse.Namespace, events: Events) -> None:
         def again(h: Any, start: int) -> None:
             from robustdist.recovery import generation, history
 
-            done = history()  # this recovery's phases on this rank (the last record, once one was recovered)
+            # this recovery's phases on this rank (the last record, once one was recovered). A replacement that joined
+            # generation N has recovered nothing itself: its history is empty (an IndexError here used to cost every
+            # replaced rank of P11 a second recovery, found 2026-12-05)
+            done = history()
             phases = {k: getattr(done[-1], k) for k in ("detect_s", "decide_s", "teardown_s", "rebuild_s",
-                                                         "restore_s", "from_process")} if generation() else {}
+                                                         "restore_s", "from_process")} if generation() and done else {}
             events("resumed", step=start, source=h.last_loaded.source if h.last_loaded is not None else None,
                    t0=time.time(), t1=time.time(), phases=phases)
             try:

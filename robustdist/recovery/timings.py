@@ -62,7 +62,8 @@ class Recovery:
 
 
 def history() -> list[Recovery]:
-    """This process's in-process recoveries, oldest first (the last 256)."""
+    """This process's in-process recoveries, oldest first (the last 256). Empty in a replacement process that joined a
+    later generation (``robustdist run``) until it recovers itself: ``generation()`` can be above 0 while this is."""
     return list(_HISTORY)
 
 
