@@ -126,6 +126,16 @@ def breakdown(events: list[dict[str, Any]], faults: list[dict[str, Any]], step: 
     return out
 
 
+def extra_faults(events: list[dict[str, Any]], kills: list[dict[str, Any]]) -> list[str]:
+    """Errors that left a rank's training loop beyond the one each kill causes on each surviving rank: each a fault
+    of its own (a replacement whose first generation failed costs every rank a second recovery; the job's phases
+    logging did so for every replaced rank until 2026-12-05), as ``rank R pid P: error``."""
+    world = len({e["rank"] for e in events})
+    failed = sorted((e["t"], e["rank"], e["pid"], str(e.get("error", ""))) for e in events if e["event"] == "failed")
+    expected = len(kills) * max(world - 1, 0)
+    return [f"rank {r} pid {p}: {err[:120]}" for _, r, p, err in failed[expected:]] if len(failed) > expected else []
+
+
 def started(events: list[dict[str, Any]], launched: float) -> float:
     """Launch -> the first step done on every rank."""
     firsts = {}
@@ -162,6 +172,7 @@ def main() -> None:
     lost: dict[str, dict[str, float]] = {}
     drift: dict[str, float] = {}
     starts: list[float] = []
+    extra: dict[str, list[str]] = {}
     try:
         nodes = p9.Nodes(work, use_lab)
         try:
@@ -179,6 +190,7 @@ def main() -> None:
                 walls[variant] = rank0[-1] - rank0[0] + step
                 runs[variant] = p10.per_fault(events, kills)
                 lost[variant] = breakdown(events, runs[variant], step)
+                extra[variant] = extra_faults(events, kills)
                 print(f"  {variant}: goodput {a.steps * step / walls[variant]:.3f}, kills {runs[variant]}", flush=True)
             for i in range(a.pairs):
                 order = ("torchrun", "robustdist") if i % 2 == 0 else ("robustdist", "torchrun")
@@ -194,12 +206,12 @@ def main() -> None:
     finally:
         p9.tidy(work, a.keep)
     report(a, use_lab, why, ideal, runs, walls, lost, drift, starts, time.time() - began,
-           (load0, os.getloadavg()[0]))
+           (load0, os.getloadavg()[0]), extra)
 
 
 def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]], runs: dict[str, list[dict[str, Any]]],
            walls: dict[str, float], lost: dict[str, dict[str, float]], drift: dict[str, float], starts: list[float],
-           seconds: float, load: tuple[float, float]) -> None:
+           seconds: float, load: tuple[float, float], extra: dict[str, list[str]]) -> None:
     times: dict[str, list[float]] = {}
     metrics: dict[str, float] = {"lab": float(use_lab)}
     for v, kills in runs.items():
@@ -209,6 +221,7 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
         times[f"{v}: SIGKILL to first new step"] = [f["recovery"] for f in lone]
         metrics[f"goodput_{v}"] = a.steps * statistics.mean(ideal[v]) / walls[v]
         metrics[f"kills_{v}"] = float(len(kills))
+        metrics[f"extra_faults_{v}"] = float(len(extra.get(v, [])))
         for part in ("recovery", "to_loop", "replay"):
             metrics[f"{part}_seconds_{v}"] = p9._med([f[part] for f in lone])
     if starts:
@@ -235,6 +248,8 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
               "beyond the baseline step, rank 0: " + ", ".join(f"{k} {x:.1f}" for k, x in parts.items()
                                                               if k != "other_step_ratio")
               + f"; the other steps' median / baseline {parts['other_step_ratio']:.2f}" for v, parts in lost.items()]
+    notes += [f"{v}: {len(lines)} error(s) left the loop beyond one per kill per survivor (each a recovery of its "
+              f"own; a bug if the job's): {'; '.join(lines[:4])}" for v, lines in extra.items() if lines]
     for v, parts in lost.items():
         metrics[f"other_step_ratio_{v}"] = parts["other_step_ratio"]
         # the same goodput against the run's own ordinary step (the median of the steps with no save, no kill, no

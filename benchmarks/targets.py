@@ -82,6 +82,8 @@ TARGETS: list[tuple[str, str, str, float | None, str]] = [
      "goodput_spare against the run's own median ordinary step (no save, kill or start nearby) instead of the baseline"),
     ("P11", "baseline_drift_spare", "report", None,
      "the plain job's step right after the spare variant's run / right before it (the machine's drift over the run)"),
+    ("P11", "extra_faults_spare", "report", None,
+     "warm spare: errors that left the loop beyond one per kill per survivor (each a recovery of its own; expected 0)"),
     ("P11", "other_step_ratio_spare", "report", None,
      "warm spare: median step outside kills, saves, starts and the 16 s after a recovery / the plain job's step"),
 ]

@@ -130,3 +130,18 @@ def test_p11_breakdown_puts_each_gap_where_it_belongs():
     assert abs(out["job_start"] - 0.05) < 1e-6 and abs(out["save_steps"] - 0.2) < 1e-6
     assert abs(out["other_steps"] - 0.3) < 1e-6 and out["new_process"] == 0.0
     assert abs(out["other_step_ratio"] - 1.0) < 1e-6
+
+
+def test_p11_counts_the_errors_beyond_one_per_kill_per_survivor():
+    import bench_replace
+
+    events: list[dict] = [{"event": "step", "rank": r, "pid": 10 + r, "t": 0.0, "step": 1} for r in (0, 1)]
+    kills = [{"t": 5.0, "rank": 1}]
+    events.append({"event": "failed", "rank": 0, "pid": 10, "t": 5.1, "error": "RuntimeError: peer gone"})
+    assert bench_replace.extra_faults(events, kills) == []
+    # the replacement's first generation failed: the survivor's loop is cut a second time (a second recovery; P11's
+    # job did so for every replaced rank)
+    events.append({"event": "failed", "rank": 0, "pid": 10, "t": 5.6, "error": "RuntimeError: Connection closed"})
+    assert bench_replace.extra_faults(events, kills) == ["rank 0 pid 10: RuntimeError: Connection closed"]
+    assert bench_replace.extra_faults(events, []) == ["rank 0 pid 10: RuntimeError: peer gone",
+                                                       "rank 0 pid 10: RuntimeError: Connection closed"]

@@ -9,10 +9,11 @@ survivors' in-process recovery (:mod:`robustdist.recovery.replacement`) and resu
 tier. Each replacement uses one of ``--max-restarts``, as a restart of the group would.
 
 **A warm spare** (``--spares 1``, the default): while the run can take a replacement, the agent keeps one process per
-node that has done a worker's slow start (:mod:`.spare`), and turns it into the replacement (its environment, command
-and output become the worker's); another is started :data:`SPARE_PAUSE_S` later. Without one (``--spares 0``, a
-spare that died, a worker command a spare cannot run, NUMA binding) the replacement starts cold, as torchrun starts a
-worker.
+node that has done a worker's slow start (:mod:`.spare`). Where it can, the spare forks the replacement (its
+environment, command and output become the worker's) and stays warm for the next one (:mod:`.forked`: the agent
+watches the forked worker through the spare); otherwise it becomes the replacement itself, and another is started
+:data:`SPARE_PAUSE_S` later. Without one (``--spares 0``, a spare that died, a worker command a spare cannot run, NUMA
+binding) the replacement starts cold, as torchrun starts a worker.
 
 Everything else is torchrun's own path (every worker stopped and started again, or the job failed when no restart
 is left), and the agent logs why:
@@ -45,6 +46,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from robustdist.recovery import spare as _spare
 from robustdist.recovery.attempt_store import AttemptStore
+from robustdist.recovery.forked import Channel, ForkedWorker
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info
 
@@ -56,6 +58,7 @@ SPARE_LOOK_S = 2.0  # without a spare: how often the agent asks whether the run 
 # they share the caches and the memory bandwidth with it)
 SPARE_PAUSE_S = 10.0
 SPARE_TRIES = 3  # spares in a row that end before they are warm: then no more (replacements start cold)
+FORK_REPLY_S = 5.0  # a forking spare's answer to an order (its pid) within this, or the replacement starts cold
 
 
 def describe_exit(code: int) -> str:
@@ -80,6 +83,7 @@ class Replacer:
         self._spare_after = 0.0  # time.monotonic() before which no spare is started (a look, or a pause)
         self._ready: int | None = None  # the read end of the spare's "warm" pipe, until it has said so
         self._warm = False  # the spare has said it is warm
+        self._channel: Channel | None = None  # what a spare that forks its workers says (its pipe, once warm)
         self._started = 0.0
         self._failures = 0  # spares in a row that ended before they were warm
         self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
@@ -107,7 +111,7 @@ class Replacer:
             os.close(self._ready)
             self._ready = None
         if spare is not None and spare.poll() is None:
-            try:
+            try:  # its session only: the workers it forked lead sessions of their own (torchrun stopped them)
                 os.killpg(spare.pid, signal.SIGKILL)
             except OSError:
                 pass
@@ -115,6 +119,15 @@ class Replacer:
                 spare.wait(timeout=10)
             except subprocess.TimeoutExpired:  # stuck in the kernel: the launcher ends anyway
                 log.warning("robustdist run: the warm spare (pid %d) did not end within 10 s of SIGKILL", spare.pid)
+        self._drop_channel()
+
+    def _drop_channel(self) -> None:
+        """The spare is gone: read what it said last (its forked workers' ends), for the workers that still ask."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.pump()
+            if not channel.closed and (self._spare is None or self._spare.poll() is not None):
+                channel.pump(1.0)
 
     def __call__(self, agent: Any, group: Any, monitor: Callable[[Any], Any]) -> Any:
         try:
@@ -164,10 +177,11 @@ class Replacer:
             self.replaced.append(record)
             self._ids.discard(old)
             self._ids.add(new)
+            how = "" if spare is None else ", from the warm spare" if self._channel is None else \
+                f", forked by the warm spare (pid {self._spare.pid if self._spare is not None else '?'})"
             log.warning("robustdist run: rank %d (local rank %d, pid %s) died (%s); started it again alone as pid %d "
                         "(replacement %d%s); the other workers keep running and take it in at their next in-process "
-                        "recovery generation", worker.global_rank, lr, old, record["died"], new, record["n"],
-                        ", from the warm spare" if spare is not None else "")
+                        "recovery generation", worker.global_rank, lr, old, record["died"], new, record["n"], how)
         return RunResult(state=WorkerState.HEALTHY)
 
     def _forget(self, group: Any) -> None:
@@ -240,6 +254,7 @@ class Replacer:
             if self._ready is not None:
                 os.close(self._ready)
                 self._ready = None
+            self._drop_channel()
         self._spare_after = time.monotonic() + SPARE_LOOK_S
         if self._failures >= SPARE_TRIES or _torch_compat.restarts_left(agent) <= 0 or not self._in_process(group):
             return
@@ -264,9 +279,14 @@ class Replacer:
         """Say when the spare is warm (a byte on its pipe; nothing to wait for: an order waits in its input)."""
         if self._ready is None or not select.select([self._ready], [], [], 0)[0]:
             return
-        said = os.read(self._ready, 1)
-        os.close(self._ready)
-        self._ready = None
+        said = os.read(self._ready, 2)  # the readiness byte, then FORKS from a spare that forks its workers
+        forks = said[1:] == _spare.FORKS and self._spare is not None
+        if forks:
+            assert self._spare is not None
+            self._channel = Channel(self._ready, self._spare.pid)  # the pipe goes on: the forked workers' news
+        else:
+            os.close(self._ready)
+        self._ready, said = None, said[:1]
         how = {_spare.READY_IDLE: "warmed at idle priority",
                _spare.READY_LATE: f"warmed at idle priority, then at the workers' priority after "
                                   f"{_spare.IDLE_PATIENCE_S:g} s: the host had little idle CPU time",
@@ -275,8 +295,9 @@ class Replacer:
         self._warm = said in how
         if self._warm and self._spare is not None:
             self._failures = 0
-            log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s (%s)", self._spare.pid,
-                     time.monotonic() - self._started, how[said])
+            log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s (%s%s)", self._spare.pid,
+                     time.monotonic() - self._started, how[said],
+                     "; it forks each replacement and stays warm" if forks else "")
         elif said and self._spare is not None:
             log.warning("robustdist run: the warm spare (pid %d) said %r on its pipe; expected one of %s. It is not "
                         "used: replacements start cold until it ends. Fix: run the launcher with the same Python and "
@@ -294,6 +315,8 @@ class Replacer:
             return None
         order = {"env": {**os.environ, **launch["env"], **extra}, "args": list(launch["args"]), "cwd": os.getcwd(),
                  "stdout": launch["stdout"], "stderr": launch["stderr"]}
+        if self._channel is not None:
+            return self._fork(agent, worker, spare, order)
         try:
             spare.stdin.write(json.dumps(order).encode() + b"\n")
             spare.stdin.close()
@@ -305,6 +328,22 @@ class Replacer:
             os.close(self._ready)
             self._ready = None
         return _torch_compat.adopt_worker(agent, worker, spare)
+
+    def _fork(self, agent: Any, worker: Any, spare: subprocess.Popen[bytes], order: dict[str, Any]) -> int | None:
+        """The forking spare's child becomes ``worker``; the spare stays warm (None: start the worker cold)."""
+        assert self._channel is not None and spare.stdin is not None
+        try:
+            spare.stdin.write(json.dumps(order).encode() + b"\n")
+            spare.stdin.flush()
+        except OSError as e:  # it died meanwhile
+            log.info("robustdist run: the warm spare could not take the order (%s); starting the worker cold", e)
+            return None
+        got = self._channel.forked(FORK_REPLY_S)
+        if isinstance(got, str):
+            log.warning("robustdist run: the warm spare (pid %d) did not fork rank %d (%s); starting it cold",
+                        spare.pid, worker.global_rank, got[:300])
+            return None
+        return _torch_compat.adopt_worker(agent, worker, ForkedWorker(got, self._channel))
 
     @staticmethod
     def _deaths(group: Any, dead: dict[int, int]) -> str:

@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not logging_configured():  # the launcher's own news (a worker replaced, the spare ready) to stderr, at INFO
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
-        for name in ("robustdist.recovery.agent", "robustdist.recovery.attempt_store"):
+        for name in ("robustdist.recovery.agent", "robustdist.recovery.attempt_store", "robustdist.recovery.forked"):
             agent_log = logging.getLogger(name)
             agent_log.addHandler(handler)
             agent_log.setLevel(logging.INFO)

@@ -12,11 +12,17 @@ lasted), then puts every thread of the process back at the workers' policy; wher
 and a warm-up not done at idle priority within :data:`IDLE_PATIENCE_S` finishes at theirs. It says which on the
 agent's pipe.
 
-It then reads one line from its standard input: the worker's order, JSON ``{"env", "args", "cwd", "stdout",
-"stderr"}``. Its environment becomes the worker's (exactly: the order's, nothing of its own kept), its output goes
-where the worker's would (appended to the file torchrun redirects it to, which --tee follows), and it runs the
-worker's command, ``[-u] SCRIPT ARGS`` or ``[-u] -m MODULE ARGS``, as ``python`` would (``runpy``, as ``__main__``,
-``sys.argv`` and ``sys.path[0]`` set). An end of input (the agent gone, or the launcher ending) ends it, quietly.
+It then reads its standard input, one line per worker: the worker's order, JSON ``{"env", "args", "cwd", "stdout",
+"stderr"}``. Where it can (:func:`forks`: Linux's pidfds, no CUDA initialised), it **forks** for each order and stays
+warm for the next one (:func:`serve`): the child starts a session of its own (as torchrun's workers do) and becomes
+the worker, and the spare says on the agent's pipe ``P <pid>`` for each child and ``E <pid> <code>`` when one ends
+(``Popen.returncode``'s form: ``-9`` for SIGKILL), as only a parent can know it. Each replacement then costs a fork,
+not another warm-up beside the training (measured in benchmarks/findings.md, P11: about as much training time as the
+kill itself). Where it cannot fork it becomes the one worker, as before. Either way the worker's environment becomes
+the order's (exactly: nothing of the spare's kept), its output goes where the worker's would (appended to the file
+torchrun redirects it to, which --tee follows), and it runs the worker's command, ``[-u] SCRIPT ARGS`` or ``[-u] -m
+MODULE ARGS``, as ``python`` would (``runpy``, as ``__main__``, ``sys.argv`` and ``sys.path[0]`` set). An end of
+input (the agent gone, or the launcher ending) ends the spare, quietly, once the workers it forked have ended.
 
 On a build with CUDA the spare only imports (a backward can count the GPUs, which fixes ``CUDA_VISIBLE_DEVICES``
 before the worker's script sets its own). The spare starts in ``/`` (nothing there shadows its imports) and moves to
@@ -28,17 +34,19 @@ replacement cold.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
 import runpy
+import select
 import sys
 from typing import Any
 
 from robustdist.recovery import idle as _idle
 
-__all__ = ["IDLE_PATIENCE_S", "READY", "READY_FD_ENV", "READY_IDLE", "READY_LATE", "become", "idle_possible", "main",
-           "warm", "usable"]
+__all__ = ["FORKS", "IDLE_PATIENCE_S", "READY", "READY_FD_ENV", "READY_IDLE", "READY_LATE", "become", "forks",
+           "idle_possible", "main", "serve", "warm", "usable"]
 
 _MAX_ORDER = 1 << 20  # bytes of an order (the environment and the arguments)
 
@@ -128,6 +136,88 @@ IDLE_PATIENCE_S = 30.0
 little idle CPU time would starve it, and the spare would never be ready."""
 
 
+FORKS = b"F"
+"""Said right after the readiness byte by a spare that forks each worker and stays warm (:func:`serve`); then lines
+``P <pid>`` (forked), ``X <reason>`` (an order it did not run) and ``E <pid> <code>`` (a worker it forked ended)."""
+
+
+def forks() -> bool:
+    """Whether this process can hand out workers by fork: Linux's ``pidfd_open`` (Python 3.9+, Linux 5.3+; each child's
+    end is waited for with it) and no CUDA context in this process (a forked child could not use it)."""
+    if not hasattr(os, "fork") or not hasattr(os, "pidfd_open") or not hasattr(os, "waitstatus_to_exitcode"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:  # an older kernel, or a sandbox refusing the call
+        return False
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return not (cuda is not None and cuda.is_initialized())
+
+
+def _say(fd: int, text: str) -> None:
+    try:
+        os.write(fd, text.encode())
+    except OSError:  # the agent stopped listening; its input's end ends this spare
+        pass
+
+
+def serve(status: int) -> dict[str, Any] | None:
+    """Fork a worker for each order on standard input and report on ``status`` (see :data:`FORKS`); returns the
+    order in the child (which becomes the worker), None in this spare when its input ends (after waiting for every
+    worker it forked: no zombie is left to a reaper)."""
+    children: dict[int, int] = {}  # pid -> pidfd
+    pending = b""
+    # what the warm-up left is shared with every worker forked from here until one writes to it: a collection in a
+    # worker would touch (and so copy) every object's page; frozen, its collections skip them (CPython's advice for
+    # servers that fork without exec)
+    gc.collect()
+    gc.freeze()
+
+    def reap(pid: int) -> None:
+        _, how = os.waitpid(pid, 0)
+        os.close(children.pop(pid))
+        _say(status, f"E {pid} {os.waitstatus_to_exitcode(how)}\n")
+
+    while True:
+        ready = select.select([0, *children.values()], [], [])[0]
+        for pid, fd in list(children.items()):
+            if fd in ready:
+                reap(pid)
+        if 0 not in ready:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            for pid in list(children):
+                reap(pid)
+            return None
+        pending += chunk
+        if b"\n" not in pending and len(pending) > _MAX_ORDER:  # not robustdist run's agent: take no more
+            _say(status, f"X an order longer than {_MAX_ORDER} bytes\n")
+            for pid in list(children):
+                reap(pid)
+            return None
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            try:
+                order = json.loads(line)
+                if not isinstance(order, dict) or not isinstance(order.get("env"), dict) or not isinstance(
+                        order.get("args"), list) or not usable([str(a) for a in order["args"]]):
+                    raise ValueError("not an order of robustdist run's")
+                pid = os.fork()
+            except (ValueError, RecursionError, OSError) as e:  # not JSON, not an order; no process (memory, limits)
+                reason = f"{type(e).__name__}: {str(e)[:200]}".replace("\n", " ")
+                _say(status, f"X {reason}\n")
+                continue
+            if pid == 0:  # the worker: a session of its own, nothing of the spare's pipes
+                os.setsid()
+                for fd in (status, *children.values()):
+                    os.close(fd)
+                return order
+            children[pid] = os.pidfd_open(pid)
+            _say(status, f"P {pid}\n")
+
+
 def main() -> int:
     said = READY
     if idle_possible():
@@ -135,16 +225,21 @@ def main() -> int:
     else:
         warm()
     ready = os.environ.pop(READY_FD_ENV, "")
+    forking = ready.isdigit() and forks()
     if ready.isdigit():
         try:
-            os.write(int(ready), said)
-            os.close(int(ready))
+            os.write(int(ready), said + (FORKS if forking else b""))
+            if not forking:
+                os.close(int(ready))
         except OSError:  # the agent stopped listening: it still sends the order
             pass
-    line = sys.stdin.buffer.readline(_MAX_ORDER)
-    if not line.strip():  # the agent went away (or ended the spare): nothing to become
+    if forking:
+        order = serve(int(ready))
+    else:
+        line = sys.stdin.buffer.readline(_MAX_ORDER)
+        order = json.loads(line) if line.strip() else None  # none: the agent went away (or ended the spare)
+    if order is None:
         return 0
-    order = json.loads(line)
     devnull = os.open(os.devnull, os.O_RDONLY)  # the agent's pipe is done with: the worker reads nothing from it
     os.dup2(devnull, 0)
     os.close(devnull)

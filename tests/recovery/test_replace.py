@@ -157,16 +157,17 @@ def _await_line(lines: list[str], proc: subprocess.Popen, pattern: str, after: i
 
 
 @pytest.mark.timeout(400)
-def test_the_warm_spare_becomes_the_killed_worker_and_a_killed_spare_is_replaced(tmp_path):
+def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(tmp_path):
     """The agent's warm spare: killed itself once ready, another is started; then rank 1 is SIGKILLed from outside
-    (as the OOM killer does) and the spare becomes rank 1; the run ends bitwise equal to an uninterrupted torchrun run,
-    and no spare outlives the launcher."""
+    (as the OOM killer does) and the spare forks its replacement, staying warm: the replacement, killed in turn once it
+    trains, is forked by the same spare. The run ends bitwise equal to an uninterrupted torchrun run, and no spare or
+    forked worker outlives the launcher."""
     args = ("--epochs", "6", "--step-sleep", "0.25")  # 48 steps
     hold = tmp_path / "hold"  # the spared run waits after step 4 until both spares have warmed (at idle priority, as
     hold.touch()  # long as the other work on the host makes it)
     straight = launch(CLIENT, tmp_path / "straight", "straight", *args)
     spared = launch(CLIENT, tmp_path / "spared", "spared", *args, "--hold", f"{hold}:4", launcher=RUN,
-                    env=_tmp_env(tmp_path / "tmp"))
+                    env=_tmp_env(tmp_path / "tmp"), max_restarts=2)  # one per replacement
     lines, reader = _reader(spared)
     try:
         how = "idle priority" if idle_possible() else "the workers' priority"  # (then theirs after 30 s: a busy host)
@@ -179,17 +180,26 @@ def test_the_warm_spare_becomes_the_killed_worker_and_a_killed_spare_is_replaced
         hold.unlink()
         rank1 = [e for e in _events(tmp_path / "spared", "spared", 1) if e["event"] == "start"][-1]["pid"]
         os.kill(rank1, signal.SIGKILL)
+        forked = r"rank 1 \(local rank 1, pid %d\) died \(signal 9 \(SIGKILL\)\); started it again alone as pid (\d+) " \
+            r"\(replacement %d, forked by the warm spare \(pid %s\)\)"
+        one = _await_line(lines, spared, forked % (rank1, 1, second.group(1)), 0, 60)
+        deadline = time.monotonic() + 60  # the replacement trains (its own start), then it is killed too
+        while not [e for e in _events(tmp_path / "spared", "spared", 1) if e["pid"] == int(one.group(1))
+                   and e["event"] == "start"]:
+            assert time.monotonic() < deadline and spared.poll() is None, "the replacement never started training"
+            time.sleep(0.05)
+        os.kill(int(one.group(1)), signal.SIGKILL)
+        two = _await_line(lines, spared, forked % (int(one.group(1)), 2, second.group(1)), 0, 60)
     finally:
         hold.unlink(missing_ok=True)
         out = _ended(spared, reader, lines)
     assert spared.returncode == 0, out[-4000:]
     succeeded(finish({"straight": straight}, TIMEOUT))
-    assert f"died (signal 9 (SIGKILL)); started it again alone as pid {second.group(1)} (replacement 1, from the " \
-           "warm spare)" in out, out[-4000:]
     ends = {tag: results(tmp_path / tag, tag) for tag in ("straight", "spared")}
     for r in range(2):
         _same(ends["straight"][r][1], ends["spared"][r][1])
-    assert ends["spared"][1][0]["pid"] == int(second.group(1))
+    assert len({second.group(1), one.group(1), two.group(1)}) == 3  # two forks; the spare itself was no worker
+    assert ends["spared"][1][0]["pid"] == int(two.group(1))
     assert {e["pid"] for e in _events(tmp_path / "spared", "spared", 0)} == {ends["spared"][0][0]["pid"]}
     mine = str(tmp_path / "tmp")
     left = []

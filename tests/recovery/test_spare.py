@@ -254,6 +254,7 @@ def test_possible_is_false_off_linux_and_where_the_calls_are_refused(monkeypatch
 
 @pytest.mark.parametrize("said, used, text", [
     (spare.READY_IDLE, True, "is ready after"),
+    (spare.READY_IDLE + spare.FORKS, True, "(warmed at idle priority; it forks each replacement and stays warm)"),
     (spare.READY_LATE, True, "then at the workers' priority after 30 s: the host had little idle CPU time"),
     (b"x", False, "the warm spare (pid 4242) said b'x' on its pipe; expected one of b'1', b'2', b'3'. It is not "
                   "used: replacements start cold until it ends. Fix: run the launcher with the same Python and "
@@ -274,3 +275,6 @@ def test_the_agent_reads_what_the_spare_says_and_names_what_it_cannot(said, used
         replacer._look_ready()
     assert replacer._warm is used
     assert text in caplog.text
+    assert (replacer._channel is not None) is said.endswith(spare.FORKS)  # the pipe then stays: the workers' news
+    if replacer._channel is not None:
+        replacer._channel.close()
