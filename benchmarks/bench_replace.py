@@ -9,7 +9,7 @@ the lab cannot run, and the record says so), durable and in-memory checkpoints. 
 * ``cold``: ``robustdist run --spares 0``, the ``inprocess`` job (``recovery.in_process``, ``h.run``): the dead
   rank's agent starts it again alone, cold (a new Python, ``import torch``, the script from the top); the survivor
   recovers in its own process and takes it in.
-* ``spare``: ``robustdist run`` (one warm spare per node): the dead rank's agent turns its spare into the worker.
+* ``spare``: ``robustdist run`` (one warm spare per node): the dead rank's spare forks the worker and stays warm.
 
 The faults: P9's schedule without its replaced node: a rank SIGKILLed at P9's intervals (21 to 28 s apart from the
 first step on), rank 1 then rank 0 alternately, the same for every variant, until the job ends. The agents share
@@ -250,6 +250,9 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
               + f"; the other steps' median / baseline {parts['other_step_ratio']:.2f}" for v, parts in lost.items()]
     notes += [f"{v}: {len(lines)} error(s) left the loop beyond one per kill per survivor (each a recovery of its "
               f"own; a bug if the job's): {'; '.join(lines[:4])}" for v, lines in extra.items() if lines]
+    notes += [f"{v}: the baseline steps' median / mean {skew:.3f} (a steady run's goodput against its own median "
+              "step is at most this)" for v, skew in ((v, statistics.median(s) / statistics.mean(s))
+                                                             for v, s in ideal.items())]
     for v, parts in lost.items():
         metrics[f"other_step_ratio_{v}"] = parts["other_step_ratio"]
         # the same goodput against the run's own ordinary step (the median of the steps with no save, no kill, no

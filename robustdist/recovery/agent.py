@@ -46,7 +46,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from robustdist.recovery import spare as _spare
 from robustdist.recovery.attempt_store import AttemptStore
-from robustdist.recovery.forked import Channel, ForkedWorker
+from robustdist.recovery.forked import Channel, ForkedWorker, NoAnswer, readable
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info
 
@@ -84,6 +84,7 @@ class Replacer:
         self._ready: int | None = None  # the read end of the spare's "warm" pipe, until it has said so
         self._warm = False  # the spare has said it is warm
         self._channel: Channel | None = None  # what a spare that forks its workers says (its pipe, once warm)
+        self._orders = 0  # orders sent to forking spares (their ids)
         self._started = 0.0
         self._failures = 0  # spares in a row that ended before they were warm
         self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
@@ -277,7 +278,7 @@ class Replacer:
 
     def _look_ready(self) -> None:
         """Say when the spare is warm (a byte on its pipe; nothing to wait for: an order waits in its input)."""
-        if self._ready is None or not select.select([self._ready], [], [], 0)[0]:
+        if self._ready is None or not readable(self._ready):
             return
         said = os.read(self._ready, 2)  # the readiness byte, then FORKS from a spare that forks its workers
         forks = said[1:] == _spare.FORKS and self._spare is not None
@@ -297,7 +298,9 @@ class Replacer:
             self._failures = 0
             log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s (%s%s)", self._spare.pid,
                      time.monotonic() - self._started, how[said],
-                     "; it forks each replacement and stays warm" if forks else "")
+                     "; it forks each replacement and stays warm" if forks else
+                     "; it becomes the next replacement itself: it cannot fork here (Linux's pidfd_open missing, or "
+                     "a CUDA driver loaded in it)")
         elif said and self._spare is not None:
             log.warning("robustdist run: the warm spare (pid %d) said %r on its pipe; expected one of %s. It is not "
                         "used: replacements start cold until it ends. Fix: run the launcher with the same Python and "
@@ -330,20 +333,63 @@ class Replacer:
         return _torch_compat.adopt_worker(agent, worker, spare)
 
     def _fork(self, agent: Any, worker: Any, spare: subprocess.Popen[bytes], order: dict[str, Any]) -> int | None:
-        """The forking spare's child becomes ``worker``; the spare stays warm (None: start the worker cold)."""
-        assert self._channel is not None and spare.stdin is not None
-        try:
-            spare.stdin.write(json.dumps(order).encode() + b"\n")
-            spare.stdin.flush()
-        except OSError as e:  # it died meanwhile
-            log.info("robustdist run: the warm spare could not take the order (%s); starting the worker cold", e)
-            return None
-        got = self._channel.forked(FORK_REPLY_S)
+        """The forking spare's child becomes ``worker``; the spare stays warm (None: start the worker cold). The child
+        runs only once the agent has its pid and lets it go; a spare that does not answer in time is ended (with any
+        child it forked late: a child not let go ends when its spare does)."""
+        assert self._channel is not None
+        self._orders += 1
+        oid = str(self._orders)
+        got: int | str = NoAnswer("its input did not take the order")
+        if self._send(spare, {**order, "id": oid}):
+            got = self._channel.forked(oid, FORK_REPLY_S)
+        if isinstance(got, int) and not self._send(spare, {"go": oid}):
+            got = NoAnswer("its input did not take the word to go")
         if isinstance(got, str):
-            log.warning("robustdist run: the warm spare (pid %d) did not fork rank %d (%s); starting it cold",
-                        spare.pid, worker.global_rank, got[:300])
+            silent = isinstance(got, NoAnswer)  # ended, so that a child it forks late never runs
+            log.warning("robustdist run: the warm spare (pid %d) did not fork rank %d (%s); expected the forked "
+                        "worker's pid within %g s. Rank %d starts cold%s. Fix: none needed; if this repeats, see the "
+                        "launcher's stderr for the spare's own error, or run with --spares 0", spare.pid,
+                        worker.global_rank, got[:300], FORK_REPLY_S, worker.global_rank,
+                        "; the spare is ended (another follows)" if silent else "")
+            if silent:
+                self._end_spare(spare)
             return None
-        return _torch_compat.adopt_worker(agent, worker, ForkedWorker(got, self._channel))
+        forked = ForkedWorker(got, self._channel)
+        try:
+            return _torch_compat.adopt_worker(agent, worker, forked)
+        except BaseException:
+            forked.kill()  # never a rank running unwatched beside the one torchrun then starts
+            raise
+
+    def _send(self, spare: subprocess.Popen[bytes], message: dict[str, Any]) -> bool:
+        """One line to the spare within :data:`FORK_REPLY_S` (its input never blocks the agent's monitor)."""
+        if spare.stdin is None:
+            return False
+        data, fd = json.dumps(message).encode() + b"\n", spare.stdin.fileno()
+        deadline = time.monotonic() + FORK_REPLY_S
+        try:
+            os.set_blocking(fd, False)
+            while data:
+                poller = select.poll()
+                poller.register(fd, select.POLLOUT)
+                left = deadline - time.monotonic()
+                if left <= 0 or not poller.poll(int(left * 1000)):
+                    return False
+                try:
+                    data = data[os.write(fd, data):]
+                except BlockingIOError:
+                    continue
+        except OSError:  # it died meanwhile
+            return False
+        return True
+
+    def _end_spare(self, spare: subprocess.Popen[bytes]) -> None:
+        """Stop using (and end) a spare that did not answer: the agent starts another later."""
+        try:
+            os.killpg(spare.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self._spare_after = time.monotonic() + SPARE_PAUSE_S
 
     @staticmethod
     def _deaths(group: Any, dead: dict[int, int]) -> str:

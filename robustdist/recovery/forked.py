@@ -1,10 +1,13 @@
 """The agent's side of a spare that forks its workers (:func:`robustdist.recovery.spare.serve`, issue #35).
 
 A worker forked by the warm spare is the spare's child, not the agent's: only the spare can wait for it and learn how
-it ended. :class:`Channel` reads what the spare says on its pipe (``P <pid>`` for each worker it forked, ``X
-<reason>`` for an order it did not run, ``E <pid> <code>`` when a worker ended); :class:`ForkedWorker` is the
-``Popen`` that torchrun's process context watches and stops in that worker's place (``poll``, ``wait``,
-``send_signal``; torch's handler stops it with ``killpg``: the worker leads a session of its own).
+it ended. :class:`Channel` reads what the spare says on its pipe (``P <id> <pid>`` for the child it forked for order
+``id``, ``X <id> <reason>`` for an order it did not run, ``E <pid> <code>`` when a worker ended; replies are matched to
+orders by id, so a late one is never taken for the next order's); :class:`ForkedWorker` is the ``Popen`` that
+torchrun's process context watches and stops in that worker's place (``poll``, ``wait``, ``send_signal``; torch's
+handler stops it with ``killpg``: the child made its session before the spare said its pid). Descriptors are
+waited on with ``poll(2)``, never ``select(2)``, whose 1024 limit a node-0 agent holding every rank's store
+connection can pass.
 
 Where the spare itself dies before a worker it forked (SIGKILLed, say), that worker's end is still seen, through a
 pidfd the agent opened on it, but not its exit code: it is reported as exit code 1 (torchrun's path then restarts the
@@ -21,12 +24,24 @@ import signal
 import subprocess
 import time
 
-__all__ = ["Channel", "ForkedWorker"]
+__all__ = ["Channel", "ForkedWorker", "NoAnswer", "readable"]
 
 log = logging.getLogger(__name__)  # the launcher is no rank: no rank prefix
 UNKNOWN_EXIT = 1
-_LINE = re.compile(rb"(P) (\d{1,10})|(X) (.{0,400})|(E) (\d{1,10}) (-?\d{1,4})")
+_LINE = re.compile(rb"(P) ([A-Za-z0-9-]{1,40}) (\d{1,10})|(X) ([A-Za-z0-9-]{1,40}) (.{0,400})"
+                   rb"|(E) (\d{1,10}) (-?\d{1,4})")
 _MAX_BUFFER = 8192  # a line is short (a reason is cut at 400 bytes): more without a line end is no spare of ours
+
+
+class NoAnswer(str):
+    """Why there is no worker for an order when the spare gave no answer of its own (it ended, or said nothing)."""
+
+
+def readable(fd: int, timeout: float = 0.0) -> bool:
+    """Whether ``fd`` has something to read (or its writer is gone) within ``timeout`` seconds."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
 
 
 class Channel:
@@ -36,7 +51,7 @@ class Channel:
         self.fd: int | None = fd
         self.spare_pid = spare_pid
         self.ended: dict[int, int] = {}  # pid -> exit code (Popen's form), until its ForkedWorker takes it
-        self._forked: list[int | str] = []  # pids forked, or reasons an order was not run, in order
+        self._replies: dict[str, int | str] = {}  # order id -> the pid forked for it, or why none was
         self._pending = b""
 
     @property
@@ -46,7 +61,7 @@ class Channel:
     def pump(self, timeout: float = 0.0) -> None:
         """Read what the spare has said (waiting at most ``timeout`` for the first bytes); its pipe's end (the spare
         gone) closes the channel, once everything it said before is read."""
-        while self.fd is not None and select.select([self.fd], [], [], timeout)[0]:
+        while self.fd is not None and readable(self.fd, timeout):
             timeout = 0.0
             try:
                 chunk = os.read(self.fd, 4096)
@@ -68,28 +83,28 @@ class Channel:
     def _take(self, line: bytes) -> None:
         m = _LINE.fullmatch(line.strip())
         if m is None:
-            log.warning("robustdist run: the warm spare (pid %d) said %r; expected P <pid>, X <reason> or E <pid> "
-                        "<code>. Ignored. Fix: run the launcher with the same Python and robustdist as the workers",
-                        self.spare_pid, line[:80])
+            log.warning("robustdist run: the warm spare (pid %d) said %r; expected P <id> <pid>, X <id> <reason> or "
+                        "E <pid> <code>. Ignored. Fix: run the launcher with the same Python and robustdist as the "
+                        "workers", self.spare_pid, line[:80])
         elif m.group(1):
-            self._forked.append(int(m.group(2)))
-        elif m.group(3):
-            self._forked.append(m.group(4).decode("utf-8", "replace"))
+            self._replies[m.group(2).decode()] = int(m.group(3))
+        elif m.group(4):
+            self._replies[m.group(5).decode()] = m.group(6).decode("utf-8", "replace")
         else:
-            self.ended[int(m.group(6))] = int(m.group(7))
+            self.ended[int(m.group(8))] = int(m.group(9))
 
-    def forked(self, timeout: float) -> int | str:
-        """The pid of the worker the spare forked for the order just sent, or why there is none (its reason; it said
-        nothing within ``timeout`` s; it ended)."""
+    def forked(self, oid: str, timeout: float) -> int | str:
+        """The pid of the child the spare forked for order ``oid``, or why there is none (its reason; it said nothing
+        within ``timeout`` s; it ended). Replies to other orders are left (and dropped with the spare)."""
         deadline = time.monotonic() + timeout
-        while not self._forked:
+        while oid not in self._replies:
             left = deadline - time.monotonic()
             if self.closed:
-                return "the spare ended"
+                return NoAnswer("the spare ended")
             if left <= 0:
-                return f"the spare said nothing within {timeout:g} s"
+                return NoAnswer(f"the spare said nothing within {timeout:g} s")
             self.pump(left)
-        return self._forked.pop(0)
+        return self._replies.pop(oid)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -127,7 +142,7 @@ class ForkedWorker:
     def _gone(self) -> bool:
         if self._pidfd is None:
             return True
-        return bool(select.select([self._pidfd], [], [], 0)[0])
+        return readable(self._pidfd)
 
     def _set(self, code: int) -> None:
         self.returncode = code

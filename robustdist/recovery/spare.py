@@ -41,12 +41,13 @@ import os
 import runpy
 import select
 import sys
+import warnings
 from typing import Any
 
 from robustdist.recovery import idle as _idle
 
-__all__ = ["FORKS", "IDLE_PATIENCE_S", "READY", "READY_FD_ENV", "READY_IDLE", "READY_LATE", "become", "forks",
-           "idle_possible", "main", "serve", "warm", "usable"]
+__all__ = ["FORKS", "HELD_EXIT", "IDLE_PATIENCE_S", "READY", "READY_FD_ENV", "READY_IDLE", "READY_LATE", "become",
+           "forks", "idle_possible", "main", "serve", "warm", "usable"]
 
 _MAX_ORDER = 1 << 20  # bytes of an order (the environment and the arguments)
 
@@ -70,6 +71,7 @@ def warm() -> None:
 
     if torch.backends.cuda.is_built():  # a backward may count the GPUs, fixing CUDA_VISIBLE_DEVICES before the
         return  # worker's own (a script may set it after `import torch`): imports only
+    fresh = torch.random.get_rng_state()  # the layer's initialisation draws from it: a worker finds it as it was
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = DistributedDataParallel(torch.nn.Linear(2, 1))
@@ -77,6 +79,7 @@ def warm() -> None:
         del model
     finally:
         dist.destroy_process_group()
+        torch.random.set_rng_state(fresh)
 
 
 def idle_possible() -> bool:
@@ -137,22 +140,27 @@ little idle CPU time would starve it, and the spare would never be ready."""
 
 
 FORKS = b"F"
-"""Said right after the readiness byte by a spare that forks each worker and stays warm (:func:`serve`); then lines
-``P <pid>`` (forked), ``X <reason>`` (an order it did not run) and ``E <pid> <code>`` (a worker it forked ended)."""
+"""Said right after the readiness byte by a spare that forks each worker and stays warm (:func:`serve`). Then, per
+order (which carries an ``id``): ``P <id> <pid>`` (forked; the child waits for the agent's ``{"go": id}``, or ends
+at ``{"drop": id}`` or when this spare ends), ``X <id> <reason>`` (not run); and ``E <pid> <code>`` when a worker
+it forked ends (``Popen.returncode``'s form)."""
+HELD_EXIT = 1
+"""How a forked child ends that never became a worker (dropped, or its spare died first): a code, so that the agent
+never takes it for a worker that finished."""
 
 
 def forks() -> bool:
     """Whether this process can hand out workers by fork: Linux's ``pidfd_open`` (Python 3.9+, Linux 5.3+; each child's
-    end is waited for with it) and no CUDA context in this process (a forked child could not use it)."""
+    end is waited for with it) and no CUDA driver in this process (a forked child could not use it; the warm-up never
+    loads it, but a ``sitecustomize`` might)."""
     if not hasattr(os, "fork") or not hasattr(os, "pidfd_open") or not hasattr(os, "waitstatus_to_exitcode"):
         return False
     try:
         os.close(os.pidfd_open(os.getpid()))
-    except OSError:  # an older kernel, or a sandbox refusing the call
+        with open("/proc/self/maps", "rb") as maps:  # noqa: PTH123 - the kernel's own file
+            return b"libcuda.so" not in maps.read(64 << 20)
+    except OSError:  # an older kernel, a sandbox refusing the call, no /proc
         return False
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    return not (cuda is not None and cuda.is_initialized())
 
 
 def _say(fd: int, text: str) -> None:
@@ -162,60 +170,161 @@ def _say(fd: int, text: str) -> None:
         pass
 
 
+def _fork(order: dict[str, Any], keep: list[int]) -> tuple[int, int] | dict[str, Any]:
+    """Fork the worker for ``order``: in this spare, ``(pid, go)`` once the child leads a session of its own (``go``:
+    the pipe on which a byte lets it run; its end, without one, ends it); in the child, once let go, ``order`` (the
+    spare's descriptors, ``keep`` among them, closed)."""
+    go_r, go_w = os.pipe()
+    up_r, up_w = os.pipe()
+    try:
+        with warnings.catch_warnings():  # Python 3.12+: NumPy's OpenBLAS pool is a thread, and it is fork-safe
+            warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
+            pid = os.fork()
+    except OSError:
+        for fd in (go_r, go_w, up_r, up_w):
+            os.close(fd)
+        raise
+    if pid == 0:
+        try:
+            os.close(go_w)
+            os.close(up_r)
+            os.setsid()  # before the agent learns the pid: torch stops a worker with killpg(pid)
+            os.write(up_w, b"s")
+            os.close(up_w)
+            let_go = os.read(go_r, 1) == b"g"
+            os.close(go_r)
+            for fd in keep:
+                os.close(fd)
+        except BaseException:  # noqa: BLE001 - nothing of the spare's may run on in a child
+            os._exit(HELD_EXIT)
+        if not let_go:
+            os._exit(HELD_EXIT)
+        _reseed()
+        return order
+    os.close(go_r)
+    os.close(up_w)
+    up = os.read(up_r, 1)
+    os.close(up_r)
+    if up != b"s":  # it ended before its session was made
+        os.close(go_w)
+        os.waitpid(pid, 0)
+        raise OSError(f"the forked child (pid {pid}) ended at once")
+    return pid, go_w
+
+
+TORCH_FIXED_SEED = 67280421310721  # torch's default generator's seed in a fresh process, on builds that fix it
+
+
+def _reseed() -> None:
+    """A forked worker's random streams as a fresh process has them, not the spare's (which every child shares):
+    NumPy's and torch's default generators drawn afresh, torch's only where a fresh process's is (builds that fix it
+    start from the same seed in every process, which the warm-up kept). Python reseeds ``random`` at a fork itself."""
+    numpy = sys.modules.get("numpy.random")
+    if numpy is not None:
+        numpy.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.initial_seed() != TORCH_FIXED_SEED:
+        torch.seed()
+
+
 def serve(status: int) -> dict[str, Any] | None:
     """Fork a worker for each order on standard input and report on ``status`` (see :data:`FORKS`); returns the
-    order in the child (which becomes the worker), None in this spare when its input ends (after waiting for every
-    worker it forked: no zombie is left to a reaper)."""
+    order in the child that becomes a worker, None in this spare once its input has ended (or held an order it would
+    not take) and every worker it forked has ended: it waits for them, so none is left a zombie."""
     children: dict[int, int] = {}  # pid -> pidfd
-    pending = b""
+    held: dict[str, tuple[int, int]] = {}  # order id -> (pid, go pipe), forked and waiting for the agent's word
+    pending, taking = b"", True
     # what the warm-up left is shared with every worker forked from here until one writes to it: a collection in a
     # worker would touch (and so copy) every object's page; frozen, its collections skip them (CPython's advice for
     # servers that fork without exec)
     gc.collect()
     gc.freeze()
+    poller = select.poll()
+    poller.register(0, select.POLLIN)
+    by_fd: dict[int, int] = {}
 
-    def reap(pid: int) -> None:
-        _, how = os.waitpid(pid, 0)
-        os.close(children.pop(pid))
-        _say(status, f"E {pid} {os.waitstatus_to_exitcode(how)}\n")
+    def release(oid: str, go: bool) -> None:
+        pid, fd = held.pop(oid)
+        try:
+            if go:
+                os.write(fd, b"g")
+        except OSError:  # it ended meanwhile: its E line follows
+            pass
+        os.close(fd)
 
-    while True:
-        ready = select.select([0, *children.values()], [], [])[0]
-        for pid, fd in list(children.items()):
-            if fd in ready:
-                reap(pid)
-        if 0 not in ready:
-            continue
-        chunk = os.read(0, 1 << 16)
-        if not chunk:
-            for pid in list(children):
-                reap(pid)
-            return None
-        pending += chunk
-        if b"\n" not in pending and len(pending) > _MAX_ORDER:  # not robustdist run's agent: take no more
-            _say(status, f"X an order longer than {_MAX_ORDER} bytes\n")
-            for pid in list(children):
-                reap(pid)
-            return None
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            try:
-                order = json.loads(line)
-                if not isinstance(order, dict) or not isinstance(order.get("env"), dict) or not isinstance(
-                        order.get("args"), list) or not usable([str(a) for a in order["args"]]):
-                    raise ValueError("not an order of robustdist run's")
-                pid = os.fork()
-            except (ValueError, RecursionError, OSError) as e:  # not JSON, not an order; no process (memory, limits)
-                reason = f"{type(e).__name__}: {str(e)[:200]}".replace("\n", " ")
-                _say(status, f"X {reason}\n")
+    def stop_taking() -> None:
+        nonlocal taking
+        if taking:
+            taking = False
+            poller.unregister(0)
+            for oid in list(held):
+                release(oid, go=False)
+
+    while taking or children:
+        for fd, _ in poller.poll():
+            if fd != 0:
+                pid = by_fd.pop(fd)
+                poller.unregister(fd)
+                _, how = os.waitpid(pid, 0)
+                os.close(children.pop(pid))
+                _say(status, f"E {pid} {os.waitstatus_to_exitcode(how)}\n")
                 continue
-            if pid == 0:  # the worker: a session of its own, nothing of the spare's pipes
-                os.setsid()
-                for fd in (status, *children.values()):
-                    os.close(fd)
-                return order
-            children[pid] = os.pidfd_open(pid)
-            _say(status, f"P {pid}\n")
+            chunk = os.read(0, 1 << 16)
+            pending += chunk
+            if not chunk or (b"\n" not in pending and len(pending) > _MAX_ORDER):
+                if chunk:  # not robustdist run's agent: take nothing more from it
+                    _say(status, f"X - an order longer than {_MAX_ORDER} bytes; expected robustdist run's agent\n")
+                stop_taking()
+                continue
+            while taking and b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                result = _take(line, status, held, release, [status, *children.values(),
+                                                              *(go for _, go in held.values())])
+                if isinstance(result, dict):
+                    return result  # the child, let go: it becomes the worker
+                if result is not None:
+                    pid, pidfd = result
+                    children[pid], by_fd[pidfd] = pidfd, pid
+                    poller.register(pidfd, select.POLLIN)
+    return None
+
+
+def _take(line: bytes, status: int, held: dict[str, tuple[int, int]], release: Any,
+          keep: list[int]) -> dict[str, Any] | tuple[int, int] | None:
+    """One line from the agent: an order (forked: ``(pid, pidfd)``; in the child, once let go, the order), or the
+    word for a held one (``{"go": id}``, ``{"drop": id}``). Whatever is wrong is said on ``status``."""
+    oid = "-"
+    try:
+        message = json.loads(line)
+        if not isinstance(message, dict):
+            raise ValueError("not a JSON object")
+        word = next((w for w in ("go", "drop") if w in message), None)
+        if word is not None:
+            if str(message[word]) in held:
+                release(str(message[word]), go=word == "go")
+            return None
+        oid = str(message.get("id", "-"))[:40]
+        oid = oid if oid.isalnum() else "-"
+        if oid == "-" or not isinstance(message.get("env"), dict) or not isinstance(
+                message.get("args"), list) or not usable([str(a) for a in message["args"]]):
+            raise ValueError("not an order of robustdist run's (id, env, args [-u] SCRIPT or -m MODULE)")
+        forked = _fork(message, keep)
+        if isinstance(forked, dict):
+            return forked
+        pid, go = forked
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            os.close(go)  # it ends, never having run
+            os.waitpid(pid, 0)
+            raise
+    except (ValueError, RecursionError, OSError) as e:  # not JSON, not an order; no process (memory, limits)
+        reason = f"{type(e).__name__}: {str(e)[:200]}".replace("\n", " ")
+        _say(status, f"X {oid} {reason}\n")
+        return None
+    held[oid] = (pid, go)
+    _say(status, f"P {oid} {pid}\n")
+    return pid, pidfd
 
 
 def main() -> int:

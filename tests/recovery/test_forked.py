@@ -1,12 +1,13 @@
 """The warm spare that forks its workers (robustdist.recovery.spare.serve) and the agent's side of it
 (robustdist.recovery.forked): a real spare process, real forked workers; what the spare says on its pipe, read as
-the agent reads it, hostile lines and orders included."""
+the agent reads it; orders matched to replies by id, a child that runs only once let go, hostile lines and orders."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -17,14 +18,16 @@ from pathlib import Path
 import pytest
 
 from robustdist.recovery import spare
-from robustdist.recovery.forked import UNKNOWN_EXIT, Channel, ForkedWorker
+from robustdist.recovery.forked import UNKNOWN_EXIT, Channel, ForkedWorker, NoAnswer
 
 pytestmark = pytest.mark.skipif(not spare.forks(), reason="forking spares need Linux's pidfd_open")
 
 WORKER = """
 import json, os, sys, time
+import numpy, torch
 json.dump({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "env": dict(os.environ),
-           "argv": sys.argv, "cwd": os.getcwd()}, open(sys.argv[1] + ".tmp", "w"))
+           "argv": sys.argv, "cwd": os.getcwd(), "numpy": numpy.random.rand(), "torch": torch.rand(1).item()},
+          open(sys.argv[1] + ".tmp", "w"))
 os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 time.sleep(float(sys.argv[2]))
 print("worker out", flush=True)
@@ -51,16 +54,28 @@ def _start() -> tuple[subprocess.Popen[bytes], Channel]:
     return proc, Channel(ready_r, proc.pid)
 
 
-def _order(proc: subprocess.Popen[bytes], tmp_path: Path, name: str, sleep: float, code: int) -> dict:
+def _send(proc: subprocess.Popen[bytes], message: object) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write((message if isinstance(message, bytes) else json.dumps(message).encode()) + b"\n")
+    proc.stdin.flush()
+
+
+def _order(proc: subprocess.Popen[bytes], tmp_path: Path, oid: str, sleep: float, code: int) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    order = {"env": {"PATH": os.environ.get("PATH", ""), "ORDER_NAME": name}, "args": ["-u", str(script),
-             str(tmp_path / f"{name}.json"), str(sleep), str(code)], "cwd": str(tmp_path),
-             "stdout": str(tmp_path / f"{name}.out"), "stderr": str(tmp_path / f"{name}.err")}
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps(order).encode() + b"\n")
-    proc.stdin.flush()
-    return order
+    _send(proc, {"id": oid, "env": {"PATH": os.environ.get("PATH", ""), "ORDER": oid, "OMP_NUM_THREADS": "1"},
+                 "args": ["-u", str(script), str(tmp_path / f"{oid}.json"), str(sleep), str(code)],
+                 "cwd": str(tmp_path), "stdout": str(tmp_path / f"{oid}.out"), "stderr": str(tmp_path / f"{oid}.err")})
+
+
+def _worker(proc: subprocess.Popen[bytes], channel: Channel, tmp_path: Path, oid: str, sleep: float,
+            code: int) -> ForkedWorker:
+    """Order a worker, take its pid, let it go."""
+    _order(proc, tmp_path, oid, sleep, code)
+    pid = channel.forked(oid, 30)
+    assert isinstance(pid, int), pid
+    _send(proc, {"go": oid})
+    return ForkedWorker(pid, channel)
 
 
 def _seen(path: Path) -> dict:
@@ -71,7 +86,9 @@ def _seen(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _stop(proc: subprocess.Popen[bytes], channel: Channel) -> None:
+def _stop(proc: subprocess.Popen[bytes], channel: Channel, *workers: ForkedWorker) -> None:
+    for w in workers:
+        w.kill()
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -81,98 +98,149 @@ def _stop(proc: subprocess.Popen[bytes], channel: Channel) -> None:
 @pytest.mark.timeout(240)
 def test_the_spare_forks_each_order_reports_each_end_and_refuses_what_is_no_order(tmp_path):
     proc, channel = _start()
+    workers: list[ForkedWorker] = []
     try:
-        _order(proc, tmp_path, "exits", 0.2, 3)
-        first = channel.forked(10)
-        assert isinstance(first, int), first
-        worker = ForkedWorker(first, channel)
-        assert worker.wait(60) == 3 and worker.poll() == 3
-        seen = _seen(tmp_path / "exits.json")
+        workers.append(first := _worker(proc, channel, tmp_path, "1", 0.2, 3))
+        assert first.wait(60) == 3 and first.poll() == 3
+        seen = _seen(tmp_path / "1.json")
         # the worker: the spare's child, leading a session of its own, with exactly the order's environment
-        assert (seen["pid"], seen["ppid"], seen["sid"]) == (first, proc.pid, first)
-        assert seen["env"]["ORDER_NAME"] == "exits" and spare.READY_FD_ENV not in seen["env"]
-        assert seen["cwd"] == str(tmp_path) and seen["argv"][1:] == [str(tmp_path / "exits.json"), "0.2", "3"]
-        assert (tmp_path / "exits.out").read_text() == "worker out\n"
-        # hostile orders: each refused with its reason; the spare stays warm and forks the next one
-        assert proc.stdin is not None
-        for bad in (b"not json", b'{"env": 1, "args": ["x.py"]}', b'{"env": {}, "args": "x.py"}',
-                    b'{"env": {}, "args": ["--version"]}', b"[" * 100000, b'"\xff\xfe"'):
-            proc.stdin.write(bad + b"\n")
-            proc.stdin.flush()
-            got = channel.forked(10)
-            assert isinstance(got, str) and got.split(":")[0] in ("ValueError", "RecursionError",
-                                                                 "JSONDecodeError", "UnicodeDecodeError"), got
-        _order(proc, tmp_path, "killed", 60, 0)
-        second = channel.forked(10)
-        assert isinstance(second, int) and second != first
-        killed = ForkedWorker(second, channel)
-        _seen(tmp_path / "killed.json")
+        assert (seen["pid"], seen["ppid"], seen["sid"]) == (first.pid, proc.pid, first.pid)
+        assert seen["env"]["ORDER"] == "1" and spare.READY_FD_ENV not in seen["env"] and "HOME" not in seen["env"]
+        assert seen["cwd"] == str(tmp_path) and seen["argv"][1:] == [str(tmp_path / "1.json"), "0.2", "3"]
+        assert (tmp_path / "1.out").read_text() == "worker out\n"
+        fresh = subprocess.run([sys.executable, "-c", "import torch; print(torch.initial_seed(), torch.rand(1).item())"
+                                ], text=True, capture_output=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        fixed = int(fresh.stdout.split()[0]) == spare.TORCH_FIXED_SEED
+        if fixed:  # torch's default generator as in a fresh process (the warm-up's layer drew from it; put back)
+            assert seen["torch"] == float(fresh.stdout.split()[1])
+        # hostile orders: each refused with its reason, under its id where it has one; the spare forks the next one
+        for bad, oid in ((b"not json", "-"), (b'{"id": "7", "env": 1, "args": ["x.py"]}', "7"),
+                         (b'{"id": "8", "env": {}, "args": "x.py"}', "8"),
+                         (b'{"id": "9", "env": {}, "args": ["--version"]}', "9"), (b"[" * 100000, "-"),
+                         (b'"\xff\xfe"', "-"), (b'{"id": "../x", "env": {}, "args": ["x.py"]}', "-")):
+            _send(proc, bad)
+            got = channel.forked(oid, 30)
+            assert isinstance(got, str) and not isinstance(got, NoAnswer), got
+            assert got.split(":")[0] in ("ValueError", "RecursionError", "JSONDecodeError", "UnicodeDecodeError"), got
+        workers.append(killed := _worker(proc, channel, tmp_path, "2", 60, 0))
+        other = _seen(tmp_path / "2.json")
+        assert other["numpy"] != seen["numpy"]  # NumPy reseeded in each child, as a fresh process would draw it
+        assert (other["torch"] == seen["torch"]) is fixed  # torch's too, where a fresh process draws its seed
         assert killed.poll() is None
         killed.send_signal(signal.SIGKILL)  # as the OOM killer would: the spare reads the signal, as a parent can
         assert killed.wait(30) == -signal.SIGKILL
-        _order(proc, tmp_path, "slow", 60, 0)
-        slow = ForkedWorker(channel.forked(10), channel)  # type: ignore[arg-type]
+        workers.append(slow := _worker(proc, channel, tmp_path, "3", 60, 0))
         with pytest.raises(subprocess.TimeoutExpired):
             slow.wait(0.2)
         slow.terminate()
         assert slow.wait(30) == -signal.SIGTERM and proc.poll() is None
     finally:
-        _stop(proc, channel)
+        _stop(proc, channel, *workers)
+
+
+@pytest.mark.timeout(240)
+def test_a_child_runs_only_once_let_go_and_a_late_reply_is_never_the_next_orders(tmp_path):
+    proc, channel = _start()
+    workers: list[ForkedWorker] = []
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)  # a spare stalled past the agent's patience
+        _order(proc, tmp_path, "1", 60, 0)
+        assert channel.forked("1", 0.5) == NoAnswer("the spare said nothing within 0.5 s")
+        os.kill(proc.pid, signal.SIGCONT)
+        workers.append(second := _worker(proc, channel, tmp_path, "2", 60, 0))
+        assert _seen(tmp_path / "2.json")["pid"] == second.pid  # order 2's child, not order 1's late one
+        late = channel.forked("1", 30)
+        assert isinstance(late, int) and late != second.pid
+        time.sleep(0.5)
+        assert not (tmp_path / "1.json").exists()  # forked, never let go: it has not run
+        _send(proc, {"drop": "1"})
+        held = ForkedWorker(late, channel)
+        assert held.wait(30) == spare.HELD_EXIT and not (tmp_path / "1.json").exists()
+        second.kill()
+        assert second.wait(30) == -signal.SIGKILL
+        # a held child whose spare dies never runs either: its go pipe ends with the spare
+        _order(proc, tmp_path, "3", 60, 0)
+        pid = channel.forked("3", 30)
+        assert isinstance(pid, int)
+        orphan = ForkedWorker(pid, channel)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert orphan.wait(30) == UNKNOWN_EXIT and not (tmp_path / "3.json").exists()
+    finally:
+        _stop(proc, channel, *workers)
 
 
 @pytest.mark.timeout(240)
 def test_the_end_of_its_input_waits_for_its_workers_and_a_dead_spare_leaves_them_an_unknown_code(tmp_path, caplog):
     proc, channel = _start()
+    workers: list[ForkedWorker] = []
     try:
-        _order(proc, tmp_path, "last", 1.0, 0)
-        worker = ForkedWorker(channel.forked(10), channel)  # type: ignore[arg-type]
+        workers.append(last := _worker(proc, channel, tmp_path, "1", 20.0, 0))
+        workers.append(killed := _worker(proc, channel, tmp_path, "2", 60, 0))
+        _order(proc, tmp_path, "3", 60, 0)  # held when the input ends: it never runs
+        held = channel.forked("3", 30)
+        assert isinstance(held, int)
         assert proc.stdin is not None
-        proc.stdin.close()  # the agent's end: the spare waits for the worker it forked (no zombie), then ends
-        assert proc.wait(60) == 0
-        assert worker.wait(10) == 0
+        proc.stdin.close()  # the agent's end: the spare waits for the workers it forked (no zombie), then ends
+        _seen(tmp_path / "2.json")
+        killed.kill()  # still reported at once while the spare waits for the others
+        t = time.monotonic()
+        assert killed.wait(15) == -signal.SIGKILL and time.monotonic() - t < 12  # not once worker 1 ends (20 s)
+        assert ForkedWorker(held, channel).wait(10) == spare.HELD_EXIT and not (tmp_path / "3.json").exists()
+        assert proc.wait(60) == 0 and last.wait(10) == 0
     finally:
-        _stop(proc, channel)
+        _stop(proc, channel, *workers)
     proc, channel = _start()
     try:
-        _order(proc, tmp_path, "orphan", 1.5, 0)
-        orphan = ForkedWorker(channel.forked(10), channel)  # type: ignore[arg-type]
-        _seen(tmp_path / "orphan.json")
+        orphan = _worker(proc, channel, tmp_path, "4", 1.5, 0)
+        _seen(tmp_path / "4.json")
         os.killpg(proc.pid, signal.SIGKILL)  # the spare dies first: only a pidfd still sees the worker end
         proc.wait()
         with caplog.at_level(logging.WARNING, "robustdist.recovery.forked"):
             assert orphan.wait(60) == UNKNOWN_EXIT
         assert channel.closed
-        assert f"worker pid {orphan.pid} ended after the warm spare that forked it (pid {proc.pid}); its exit code is " \
-               "unknown" in caplog.text and "Fix:" in caplog.text
+        assert f"worker pid {orphan.pid} ended after the warm spare that forked it (pid {proc.pid}); its exit code " \
+               "is unknown" in caplog.text and "Fix:" in caplog.text
     finally:
         _stop(proc, channel)
 
 
 @pytest.mark.timeout(60)
-def test_the_channel_reads_split_lines_in_order_and_names_what_it_cannot(caplog):
+def test_the_channel_reads_split_lines_by_id_and_names_what_it_cannot(caplog):
     read, write = os.pipe()
     channel = Channel(read, 4242)
     try:
-        os.write(write, b"P 12\nX ValueError: not an ord")
-        assert channel.forked(1) == 12
+        os.write(write, b"P 2 12\nX 1 ValueError: not an ord")
+        assert channel.forked("2", 1) == 12
         os.write(write, b"er\nE 12 -9\nE 13 0\nhello\n")
         with caplog.at_level(logging.WARNING, "robustdist.recovery.forked"):
-            assert channel.forked(1) == "ValueError: not an order"
+            assert channel.forked("1", 1) == "ValueError: not an order"
         assert channel.ended == {12: -9, 13: 0}
-        assert "the warm spare (pid 4242) said b'hello'; expected P <pid>, X <reason> or E <pid> <code>" in caplog.text
-        assert channel.forked(0.1) == "the spare said nothing within 0.1 s"
+        assert "the warm spare (pid 4242) said b'hello'; expected P <id> <pid>, X <id> <reason> or E <pid> <code>" \
+            in caplog.text
+        assert channel.forked("3", 0.1) == NoAnswer("the spare said nothing within 0.1 s")
         os.write(write, b"E 14 " + b"7" * 9000)  # no line end: not the spare's protocol (within the pipe's buffer)
         caplog.clear()
         with caplog.at_level(logging.WARNING, "robustdist.recovery.forked"):
             channel.pump()
         assert channel.closed and "without a line end" in caplog.text
-        assert channel.forked(1) == "the spare ended" and 14 not in channel.ended
+        assert channel.forked("3", 1) == NoAnswer("the spare ended") and 14 not in channel.ended
     finally:
         channel.close()
         os.close(write)
     read, write = os.pipe()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > 1600:  # a descriptor past select()'s 1024, as a busy agent holds
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1600), hard))
+        os.dup2(read, 1500)
+        os.close(read)
+        read = 1500
     channel = Channel(read, 4242)
-    os.write(write, b"E 20 3\n")
-    os.close(write)  # the spare's end: what it said before is still read
-    channel.pump()
-    assert channel.closed and channel.ended == {20: 3}
+    try:
+        os.write(write, b"E 20 3\n")
+        os.close(write)  # the spare's end: what it said before is still read
+        channel.pump()
+        assert channel.closed and channel.ended == {20: 3}
+    finally:
+        channel.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

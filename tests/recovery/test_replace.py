@@ -180,8 +180,8 @@ def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(
         hold.unlink()
         rank1 = [e for e in _events(tmp_path / "spared", "spared", 1) if e["event"] == "start"][-1]["pid"]
         os.kill(rank1, signal.SIGKILL)
-        forked = r"rank 1 \(local rank 1, pid %d\) died \(signal 9 \(SIGKILL\)\); started it again alone as pid (\d+) " \
-            r"\(replacement %d, forked by the warm spare \(pid %s\)\)"
+        forked = r"rank 1 \(local rank 1, pid %d\) died \(signal 9 \(SIGKILL\)\); started it again alone as " \
+            r"pid (\d+) \(replacement %d, forked by the warm spare \(pid %s\)\)"
         one = _await_line(lines, spared, forked % (rank1, 1, second.group(1)), 0, 60)
         deadline = time.monotonic() + 60  # the replacement trains (its own start), then it is killed too
         while not [e for e in _events(tmp_path / "spared", "spared", 1) if e["pid"] == int(one.group(1))

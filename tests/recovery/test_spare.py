@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from robustdist.recovery import spare
+from robustdist.recovery.forked import Channel
 
 SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
 
@@ -53,11 +54,16 @@ def _policies(pid: int) -> dict[int, int]:
     return out
 
 
-def _spare(shell: str | None) -> tuple[subprocess.Popen[bytes], int]:
+# the spare where it cannot fork (no pidfd, a CUDA driver loaded): it becomes the one worker itself
+NO_FORK = "import sys; import robustdist.recovery.spare as s; s.forks = lambda: False; sys.exit(s.main())"
+
+
+def _spare(shell: str | None, forking: bool = True) -> tuple[subprocess.Popen[bytes], int]:
     """The spare, as the agent starts it; under ``capsh --drop=cap_sys_nice`` after ``shell`` where given."""
     ready_r, ready_w = os.pipe()
     env = {**os.environ, spare.READY_FD_ENV: str(ready_w), "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-u", "-m", "robustdist.recovery.spare"]
+    cmd = [sys.executable, "-u", "-m", "robustdist.recovery.spare"] if forking else [sys.executable, "-u", "-c",
+                                                                                      NO_FORK]
     if shell is not None:
         cmd = [_capsh(), "--drop=cap_sys_nice", "--", "-c", f"{shell}; exec {' '.join(cmd)}"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(ready_w,), env=env, cwd="/",
@@ -73,11 +79,11 @@ def _autogroup_nice(pid: int | str) -> int | None:
         return None
 
 
-def _run(tmp_path: Path, shell: str | None = None) -> tuple[bytes, set[int], dict]:
+def _run(tmp_path: Path, shell: str | None = None, forking: bool = True) -> tuple[bytes, set[int], dict]:
     """Start a spare, watch its threads' policies and its autogroup until it says it is warm, check them then, order
     it to run WORKER; returns what it said, the policies and autogroup nice values seen while warming (the nice
     values as 100 + nice), and what the worker found."""
-    proc, ready = _spare(shell)
+    proc, ready = _spare(shell, forking)
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -91,18 +97,33 @@ def _run(tmp_path: Path, shell: str | None = None) -> tuple[bytes, set[int], dic
             nice = _autogroup_nice(proc.pid)
             if nice is not None:
                 seen.add(100 + nice)
-        said = os.read(ready, 1)
+        said = os.read(ready, 2)
+        assert (said[1:] == spare.FORKS) is (forking and spare.forks()), said
         assert set(_policies(proc.pid).values()) == {os.SCHED_OTHER}, "a thread still idles once the spare is warm"
         assert _autogroup_nice(proc.pid) in (None, 0), "the autogroup stays lowered once the spare is warm"
         script, out = tmp_path / "worker.py", tmp_path / "out.json"
         script.write_text(WORKER)
         order = {"env": dict(os.environ), "args": ["-u", str(script), str(out)], "cwd": str(tmp_path),
                  "stdout": str(tmp_path / "stdout"), "stderr": str(tmp_path / "stderr")}
-        proc.communicate(json.dumps(order).encode() + b"\n", timeout=120)
+        if said[1:] == spare.FORKS:  # it forks the worker (its child), lets it go, and ends once the worker has
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps({**order, "id": "1"}).encode() + b"\n")
+            proc.stdin.flush()
+            channel, ready = Channel(ready, proc.pid), -1
+            try:
+                assert isinstance(channel.forked("1", 60), int)
+                proc.stdin.write(b'{"go": "1"}\n')
+                proc.stdin.close()
+                proc.wait(120)
+            finally:
+                channel.close()
+        else:
+            proc.communicate(json.dumps(order).encode() + b"\n", timeout=120)
         assert proc.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
-        return said, seen, json.loads(out.read_text())
+        return said[:1], seen, json.loads(out.read_text())
     finally:
-        os.close(ready)
+        if ready >= 0:
+            os.close(ready)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -116,10 +137,11 @@ def _capsh() -> str:
 
 
 @pytest.mark.timeout(300)
-def test_the_spare_warms_at_idle_priority_and_the_worker_it_becomes_does_not(tmp_path):
+@pytest.mark.parametrize("forking", [True, False], ids=["forks", "becomes"])
+def test_the_spare_warms_at_idle_priority_and_the_worker_it_becomes_does_not(tmp_path, forking):
     if not spare.idle_possible():
         pytest.skip("this process cannot return from SCHED_IDLE (no CAP_SYS_NICE): the next tests cover it")
-    said, seen, worker = _run(tmp_path)
+    said, seen, worker = _run(tmp_path, forking=forking)
     assert said == spare.READY_IDLE
     assert SCHED_IDLE in seen, f"no thread of the spare was seen at SCHED_IDLE while it warmed: {seen}"
     if AUTOGROUP.exists():
@@ -253,7 +275,8 @@ def test_possible_is_false_off_linux_and_where_the_calls_are_refused(monkeypatch
 
 
 @pytest.mark.parametrize("said, used, text", [
-    (spare.READY_IDLE, True, "is ready after"),
+    (spare.READY_IDLE, True, " s (warmed at idle priority; it becomes the next replacement itself: "
+                             "it cannot fork here"),
     (spare.READY_IDLE + spare.FORKS, True, "(warmed at idle priority; it forks each replacement and stays warm)"),
     (spare.READY_LATE, True, "then at the workers' priority after 30 s: the host had little idle CPU time"),
     (b"x", False, "the warm spare (pid 4242) said b'x' on its pipe; expected one of b'1', b'2', b'3'. It is not "

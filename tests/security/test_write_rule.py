@@ -34,7 +34,7 @@ LEGIT = {
     "ray/actor.py": 3,  # sysfs (NUMA node, CPU list), /proc/self/statm
     "recovery/launch.py": 2,  # robustdist run's own temporary log directory (made, and removed when left empty)
     "recovery/idle.py": 2,  # /proc/self/autogroup (read, and written: the spare's own session, lowered and put back)
-    "recovery/spare.py": 2,  # /dev/null, and the worker's output file torchrun chose (appended)
+    "recovery/spare.py": 3,  # /dev/null, the worker's output file torchrun chose (appended), /proc/self/maps (read)
     "runtime/_torch_compat.py": 2,  # a replaced worker's output files torchrun chose (appended)
     "testing/nodelab.py": 8,  # the test harness
     "testing/ranks.py": 4,
