@@ -273,7 +273,7 @@ class Replacer:
         finally:
             os.close(ready_w)
         self._ready, self._started = ready_r, time.monotonic()
-        log.info("robustdist run: started a warm spare (pid %d): it becomes the next worker killed on this node",
+        log.info("robustdist run: started a warm spare (pid %d): it starts the next worker killed on this node",
                  self._spare.pid)
 
     def _look_ready(self) -> None:

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           + (parser.description or ""))
     parser.add_argument("--spares", type=int, choices=(0, 1), default=1,
                         help="robustdist: warm spare processes per node (torch and robustdist imported, DDP's first "
-                             "use done), each becoming the next worker killed there (default 1; 0: a replacement starts "
+                             "use done), each forking the next worker killed there (default 1; 0: a replacement starts "
                              "cold). Started only while the run can take a replacement.")
     args = parser.parse_args(list(argv) if argv is not None else None)
     os.environ[RUN_ENV] = "1"  # this process is the launcher: its workers inherit it
