@@ -108,8 +108,9 @@ def test_the_spare_forks_each_order_reports_each_end_and_refuses_what_is_no_orde
         assert seen["env"]["ORDER"] == "1" and spare.READY_FD_ENV not in seen["env"] and "HOME" not in seen["env"]
         assert seen["cwd"] == str(tmp_path) and seen["argv"][1:] == [str(tmp_path / "1.json"), "0.2", "3"]
         assert (tmp_path / "1.out").read_text() == "worker out\n"
-        fresh = subprocess.run([sys.executable, "-c", "import torch; print(torch.initial_seed(), torch.rand(1).item())"
-                                ], text=True, capture_output=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        probe = "import torch; print(torch.initial_seed(), torch.rand(1).item())"
+        fresh = subprocess.run([sys.executable, "-c", probe], text=True, capture_output=True, check=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         fixed = int(fresh.stdout.split()[0]) == spare.TORCH_FIXED_SEED
         if fixed:  # torch's default generator as in a fresh process (the warm-up's layer drew from it; put back)
             assert seen["torch"] == float(fresh.stdout.split()[1])
@@ -244,3 +245,32 @@ def test_the_channel_reads_split_lines_by_id_and_names_what_it_cannot(caplog):
     finally:
         channel.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_that_does_not_answer_is_ended_and_the_rank_starts_cold(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from robustdist.recovery import agent
+
+    replacer = agent.Replacer()
+    order_r, order_w = os.pipe()
+    said_r, said_w = os.pipe()
+    ended: list[int] = []
+    monkeypatch.setattr(agent, "FORK_REPLY_S", 0.2)
+    monkeypatch.setattr(replacer, "_end_spare", lambda s: ended.append(s.pid))
+    replacer._channel = Channel(said_r, 4242)
+    stalled = SimpleNamespace(pid=4242, stdin=os.fdopen(order_w, "wb"))
+    try:
+        with caplog.at_level(logging.WARNING, "robustdist.recovery.agent"):
+            got = replacer._fork(None, SimpleNamespace(global_rank=1), stalled, {"env": {}, "args": ["x.py"]})
+        assert got is None and ended == [4242]
+        assert json.loads(os.read(order_r, 4096).splitlines()[0])["id"] == "1"  # the order went, with its id
+        assert "the warm spare (pid 4242) did not fork rank 1 (the spare said nothing within 0.2 s); expected the " \
+               "forked worker's pid within 0.2 s. Rank 1 starts cold; the spare is ended (another follows). Fix:" \
+               in caplog.text
+    finally:
+        stalled.stdin.close()
+        replacer._channel.close()
+        for fd in (order_r, said_w):
+            os.close(fd)
