@@ -46,6 +46,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from robustdist.recovery import spare as _spare
 from robustdist.recovery.attempt_store import AttemptStore
+from robustdist.recovery.deaths import DeathWatch
 from robustdist.recovery.forked import Channel, ForkedWorker, NoAnswer, readable
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info
@@ -89,6 +90,7 @@ class Replacer:
         self._failures = 0  # spares in a row that ended before they were warm
         self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
         self.attempt = AttemptStore()  # each attempt's store, served here on node 0 (outlives rank 0's process)
+        self._death_watch = DeathWatch()
 
     def starting(self, group: Any) -> None:
         """The agent's hook after each rendezvous, before it starts the workers: this attempt's store."""
@@ -104,9 +106,21 @@ class Replacer:
         """The agent's hook once it has stopped the workers: their attempt's store goes with them."""
         self.attempt.close()
 
+    def wait(self, agent: Any, interval: float) -> None:
+        """The agent's wait before each look at its workers: until one ends, at most ``interval`` (its
+        ``--monitor-interval``; :mod:`.deaths`)."""
+        try:
+            self._death_watch.wait(_torch_compat.worker_processes(agent).values(), interval)
+        except SignalException:
+            raise
+        except Exception as e:  # the look after it still sees every death, an interval late as under torchrun
+            log.debug("robustdist run: the wait for a worker's end failed (%s: %s)", type(e).__name__, e)
+            time.sleep(interval)
+
     def close(self) -> None:
         """End the spare, if one is waiting (the launcher's end; the spare also ends when its input closes)."""
         self.attempt.close()
+        self._death_watch.close()
         spare, self._spare = self._spare, None
         if self._ready is not None:
             os.close(self._ready)

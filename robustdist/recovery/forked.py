@@ -139,6 +139,13 @@ class ForkedWorker:
             self._set(UNKNOWN_EXIT)
         return self.returncode
 
+    def end_fd(self) -> int | None:
+        """What to wait on for this worker's end (:class:`~robustdist.recovery.deaths.DeathWatch`), once :meth:`poll`
+        said it runs: its pidfd while it runs, then the spare's pipe, until the spare says how it ended."""
+        if self._pidfd is not None and not readable(self._pidfd):
+            return self._pidfd
+        return self._channel.fd
+
     def _gone(self) -> bool:
         if self._pidfd is None:
             return True

@@ -3,9 +3,10 @@
 Every torchrun flag is torchrun's own: the command line is parsed by ``torch.distributed.run``'s parser and the job is
 launched by its ``run`` (rendezvous, ``--max-restarts``, ``--nnodes``, ``--rdzv_*``, logs and error files alike);
 only the agent differs (:class:`robustdist.recovery.agent.Replacer`). Without in-process recovery in the training
-script, or when the agent itself dies, it behaves exactly as torchrun, but for one thing: without ``--log-dir``,
-torchrun leaves its temporary ``torchelastic_*`` directory behind; ``robustdist run`` removes it at the end unless a
-file was written there (a failed worker's error file, a redirected log). The launcher's own process sets
+script, or when the agent itself dies, it behaves exactly as torchrun, but for two things: the agent wakes at a
+worker's end instead of at its next ``--monitor-interval`` look (:mod:`.deaths`); and without ``--log-dir``, torchrun
+leaves its temporary ``torchelastic_*`` directory behind, which ``robustdist run`` removes at the end unless a file
+was written there (a failed worker's error file, a redirected log). The launcher's own process sets
 :data:`~robustdist.runtime.replacing.RUN_ENV` for its workers.
 """
 
@@ -54,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             agent_log.setLevel(logging.INFO)
     replacer = Replacer(spares=args.spares)
     try:
-        with _torch_compat.launcher_agent(_torch_compat.elastic_agent_class(replacer, replacer.starting, replacer.stopped)):
+        agent = _torch_compat.elastic_agent_class(replacer, replacer.starting, replacer.stopped, replacer.wait)
+        with _torch_compat.launcher_agent(agent):
             record(torch_run.run)(args)
     finally:
         replacer.close()

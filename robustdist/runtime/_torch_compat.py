@@ -273,15 +273,30 @@ def reader_checking_slices(base: type, check: Callable[[Any, Any, Any], None]) -
 
 
 def elastic_agent_class(on_monitor: Callable[[Any, Any, Callable[[Any], Any]], Any],
-                        on_start: Callable[[Any], Any] | None = None, on_stop: Callable[[Any], Any] | None = None
-                        ) -> type:
+                        on_start: Callable[[Any], Any] | None = None, on_stop: Callable[[Any], Any] | None = None,
+                        on_wait: Callable[[Any, float], Any] | None = None) -> type:
     """A ``LocalElasticAgent`` whose ``_monitor_workers(group)`` is ``on_monitor(agent, group, torch's own)``, and
     which calls ``on_start(group)`` after each rendezvous, just before it starts the group's workers, and
-    ``on_stop(group)`` once it has stopped them."""
+    ``on_stop(group)`` once it has stopped them. With ``on_wait``, the agent calls ``on_wait(agent, interval)``
+    before each look instead of sleeping its ``monitor_interval`` (``on_wait`` may return early)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class Agent(LocalElasticAgent):  # type: ignore[misc]
+        _rd_interval: float | None = None
+
+        def _invoke_run(self, *args: Any, **kwargs: Any) -> Any:
+            spec = self._worker_group.spec  # torch's loop sleeps spec.monitor_interval (read once) before each look
+            if on_wait is None or self._rd_interval is not None:
+                return super()._invoke_run(*args, **kwargs)
+            self._rd_interval, spec.monitor_interval = spec.monitor_interval, 0.0
+            try:
+                return super()._invoke_run(*args, **kwargs)
+            finally:
+                spec.monitor_interval, self._rd_interval = self._rd_interval, None
+
         def _monitor_workers(self, worker_group: Any) -> Any:
+            if on_wait is not None and self._rd_interval is not None:
+                on_wait(self, self._rd_interval)
             return on_monitor(self, worker_group, super()._monitor_workers)
 
         def _start_workers(self, worker_group: Any) -> Any:
@@ -397,6 +412,7 @@ def _probe_agent() -> Any:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     return (_attr(LocalElasticAgent, "_monitor_workers") and _attr(LocalElasticAgent, "_start_workers")
+            and _attr(LocalElasticAgent, "_invoke_run")
             and _attr(api, "LocalElasticAgent") and _attr(SubprocessContext, "_start")
             and _attr(SubprocessHandler, "close")) or None
 
@@ -557,7 +573,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.distributed.checkpoint.FileSystemReader._slice_file", "torch",
                "checking every slice of a sharded data file before DCP unpickles it (untrusted checkpoints)",
                _VERIFIED, _probe_dcp_slice),
-    PrivateAPI("torch.distributed.elastic LocalElasticAgent._monitor_workers/_pcontext/_remaining_restarts, "
+    PrivateAPI("torch.distributed.elastic LocalElasticAgent._monitor_workers/_invoke_run/_pcontext/_remaining_restarts"
+               ", WorkerSpec.monitor_interval (read once by _invoke_run), "
                "SubprocessContext.subprocess_handlers/_numa_options, SubprocessHandler._stdout/_stderr, "
                "launcher.api.LocalElasticAgent", "torch",
                "robustdist run starts one dead worker again and leaves the others running (torchrun's agent stops "

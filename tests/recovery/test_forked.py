@@ -12,12 +12,14 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from robustdist.recovery import spare
+from robustdist.recovery.deaths import DeathWatch
 from robustdist.recovery.forked import UNKNOWN_EXIT, Channel, ForkedWorker, NoAnswer
 
 pytestmark = pytest.mark.skipif(not spare.forks(), reason="forking spares need Linux's pidfd_open")
@@ -274,3 +276,25 @@ def test_a_spare_that_does_not_answer_is_ended_and_the_rank_starts_cold(monkeypa
         replacer._channel.close()
         for fd in (order_r, said_w):
             os.close(fd)
+
+
+@pytest.mark.timeout(240)
+def test_the_agents_wait_wakes_at_a_forked_workers_end_then_at_the_spares_word_of_it(tmp_path):
+    """recovery.deaths: the agent's wait before each look ends when a forked worker dies (its pidfd), and, where the
+    spare has not yet said how it ended, when the spare says it (its pipe): never the whole interval."""
+    proc, channel = _start()
+    watch, workers = DeathWatch(), []
+    try:
+        workers.append(worker := _worker(proc, channel, tmp_path, "1", 60, 0))
+        _seen(tmp_path / "1.json")
+        threading.Timer(0.3, worker.send_signal, (signal.SIGKILL,)).start()
+        start = time.monotonic()
+        waits = 0
+        while worker.poll() is None:
+            assert waits < 1000, "the wait returned at once without the worker's end seen: a busy loop"
+            watch.wait([worker], 60.0)
+            waits += 1
+        assert time.monotonic() - start < 30 and worker.poll() == -signal.SIGKILL
+    finally:
+        _stop(proc, channel, *workers)
+        watch.close()

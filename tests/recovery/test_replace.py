@@ -23,6 +23,7 @@ from tests._torchrun import ROOT, finish, launch, results, succeeded
 CLIENT = ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py"
 RUN = ("robustdist", "run")
 TIMEOUT = 240.0  # three 2-rank jobs side by side on 2 cores: each ends in about 10 s alone
+LONG_LOOK = 60.0  # a --monitor-interval no look of the agent's may wait for: it wakes at a worker's end
 
 
 def _events(workdir: Path, tag: str, rank: int) -> list[dict]:
@@ -44,11 +45,13 @@ def _tmp_env(path: Path) -> dict[str, str]:
 def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path):
     """SIGKILL of rank 1 mid-run, no spare: rank 0's process keeps running (one pid throughout), rank 1 is a new process that
     joins generation 1, nothing is restarted by torchrun (attempt 0 throughout), and the parameters are bitwise those
-    of an uninterrupted torchrun run and of an uninterrupted robustdist run."""
+    of an uninterrupted torchrun run and of an uninterrupted robustdist run. The agent looks every 60 s, and still
+    starts the replacement at once: it waits for its workers' ends, not for its next look."""
     where = {tag: tmp_path / tag for tag in ("torchrun", "plain", "killed")}
     procs = {"torchrun": launch(CLIENT, where["torchrun"], "torchrun", env=_tmp_env(tmp_path / "tmp-torchrun")),
              "plain": launch(CLIENT, where["plain"], "plain", launcher=RUN, env=_tmp_env(tmp_path / "tmp-plain")),
-             "killed": launch(CLIENT, where["killed"], "killed", "--kill", "1:5", launcher=(*RUN, "--spares", "0"),
+             "killed": launch(CLIENT, where["killed"], "killed", "--kill", "1:5",
+                              launcher=(*RUN, "--spares", "0", f"--monitor-interval={LONG_LOOK}"),
                               env=_tmp_env(tmp_path / "tmp-killed"))}
     logs = succeeded(finish(procs, TIMEOUT))
     final = {tag: results(w, tag) for tag, w in where.items()}
@@ -62,6 +65,9 @@ def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path):
     new = [e for e in replaced if e["pid"] != replaced[0]["pid"]]
     assert [e["event"] for e in new] == ["start", "done"] and new[0]["generation"] == 1, replaced
     assert new[0]["pid"] == final["killed"][1][0]["pid"]
+    # the agent woke at the death, not at its next look (--monitor-interval 60 s): the cold replacement ran at once
+    took = new[0]["time"] - next(e["time"] for e in replaced if e["event"] == "kill")
+    assert took < LONG_LOOK / 2, f"the replacement began {took:.1f} s after the kill; expected well within the interval"
     assert [e["generation"] for e in survivor if e["event"] == "start"] == [0, 1]
     assert {e["attempt"] for e in survivor + replaced} == {0}  # no torchrun restart
     out = logs["killed"]
