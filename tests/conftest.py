@@ -81,6 +81,21 @@ def _children_tmpdir(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _torchrun_dirs_in_tmp():
+    """torchrun's ``torchelastic_*`` log directories that appeared in /tmp during the test (one whose child escaped
+    the test's ``TMPDIR``) are reported as a warning naming the test (with two xdist workers, possibly the test
+    beside it): seen after a CI run, not yet traced."""
+    import glob
+    import warnings
+
+    before = set(glob.glob("/tmp/torchelastic_*"))
+    yield
+    new = sorted(set(glob.glob("/tmp/torchelastic_*")) - before)
+    if new:
+        warnings.warn(f"torchrun log directories appeared in /tmp during this test: {new}", stacklevel=1)
+
+
+@pytest.fixture(autouse=True)
 def _destroy_leftover_process_group():
     yield
     import torch.distributed as dist

@@ -86,6 +86,43 @@ def torch_save_code() -> frozenset[Any]:
                      if f is not None)
 
 
+def save_without_record_crcs(obj: Any, buffer: Any) -> None:
+    """``torch.save(obj, buffer)`` without the CRC-32 of each zip record (most of the save's time for large tensors),
+    for a caller that checksums the whole buffer itself. torch's reader does not check them (a file saved with
+    ``torch.utils.serialization.config.save.compute_crc32 = False`` loads); that global setting is not touched: the
+    writer is made here. Where this torch's writer or ``_save`` differ, plain ``torch.save``."""
+    import pickle
+
+    import torch.serialization as ser
+
+    align = getattr(ser, "_get_storage_alignment", None)
+    try:
+        writer = torch._C.PyTorchFileWriter(buffer, False, align()) if align is not None and _save_args() else None
+    except TypeError:  # another constructor
+        writer = None
+    if writer is None:
+        torch.save(obj, buffer)
+        return
+    ser._save(obj, writer, pickle, ser.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+    buffer.flush()
+
+
+@functools.cache
+def _save_args() -> bool:
+    """Whether ``torch.serialization._save`` takes ``(obj, zip_file, pickle_module, pickle_protocol,
+    _disable_byteorder_record)``, as torch 2.13's does (any other: plain torch.save)."""
+    import inspect
+
+    import torch.serialization as ser
+
+    try:
+        names = list(inspect.signature(ser._save).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return names == ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
+
+
 def non_finite_check_and_unscale_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> bool:
     """``torch._amp_foreach_non_finite_check_and_unscale_`` (GradScaler's fused check); False where this torch
     has no such op, so the caller takes its slower public path."""
@@ -535,6 +572,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.serialization._save", "torch",
                "the bf16 pickling patch leaves torch.save's own format untouched", _VERIFIED,
                lambda: _attr(torch.serialization, "_save")),
+    PrivateAPI("torch._C.PyTorchFileWriter(buffer, compute_crc32, alignment), torch.serialization._save/"
+               "_get_storage_alignment", "torch",
+               "the in-memory checkpoint tier serialises without the zip records' CRC-32s (it checksums each blob); "
+               "without them torch.save computes them", _VERIFIED,
+               lambda: _attr(torch.serialization, "_get_storage_alignment") and _attr(torch.serialization, "_save")),
     PrivateAPI("torch._amp_foreach_non_finite_check_and_unscale_", "torch",
                "the step guard's fused finite check; without it a slower per-dtype sum is used", _VERIFIED,
                lambda: _attr(torch, "_amp_foreach_non_finite_check_and_unscale_")),

@@ -566,3 +566,28 @@ def test_a_replication_wait_is_given_up_at_once_when_a_recovery_interrupts_it(tm
         message
     assert "Fix: none; the recovery resumes from the newest complete step" in message
     assert elapsed < 30, f"waited {elapsed:.1f} s: the wait ran toward its 60 s timeout instead of giving up"
+
+
+def test_blobs_are_torch_files_without_record_crcs_and_torch_save_is_left_alone():
+    """The in-memory tier serialises without the zip records' CRC-32s (each blob is checksummed whole): torch loads
+    it, every record's CRC field is 0, and torch.save's global setting (and so a user's own torch.save) is untouched."""
+    import io
+    import zipfile
+
+    import torch.utils.serialization as ser
+
+    from robustdist.checkpoint.local.wire import serialise
+
+    state = {"w": torch.randn(1000), "step": 3, "nested": {"b": torch.arange(10)}}
+    blob = bytes(serialise(state))
+    loaded = torch.load(io.BytesIO(blob), weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    assert torch.equal(loaded["nested"]["b"], state["nested"]["b"])
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        records = [m for m in z.infolist() if "/data/" in m.filename]
+        assert records and all(m.CRC == 0 for m in records)
+    assert ser.config.save.compute_crc32 is True
+    own = io.BytesIO()
+    torch.save(state, own)
+    with zipfile.ZipFile(own) as z:
+        assert z.testzip() is None  # a user's torch.save still writes (correct) CRCs

@@ -8,9 +8,11 @@ the live objects restored exactly as a plain durable load restores them.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import struct
 import warnings
 import zipfile
 import zlib
@@ -88,16 +90,12 @@ def _rewrite(copy: Path, name: str, data: bytes) -> None:
 
 
 def _torch_file(obj: Any) -> bytes:
-    import io
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
 def _zip_bomb() -> bytes:
-    import io
-
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
         z.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
@@ -115,6 +113,15 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
         data = bytearray(payload.read_bytes())
         data[len(data) // 2] ^= 0xFF
         payload.write_bytes(bytes(data))
+    elif kind == "flipped_tensor":  # inside a tensor's record, which has no zip CRC-32 of its own (not written)
+        replicated = copy / "replicated.pt"
+        data = bytearray(replicated.read_bytes())
+        with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:
+            record = next(m for m in z.infolist() if "/data/" in m.filename and m.file_size)
+            assert record.CRC == 0  # robustdist writes none: the blob's own checksum must catch this
+        name_len, extra_len = struct.unpack_from("<HH", data, record.header_offset + 26)
+        data[record.header_offset + 30 + name_len + extra_len] ^= 0x01
+        replicated.write_bytes(bytes(data))
     elif kind == "truncated":
         payload.write_bytes(payload.read_bytes()[:100])
     elif kind == "symlink_file":
@@ -179,7 +186,8 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
         raise AssertionError(kind)
 
 
-KINDS = ["code", "code_replicated", "flipped", "truncated", "symlink_file", "fifo", "symlink_step", "symlink_owner",
+KINDS = ["code", "code_replicated", "flipped", "flipped_tensor", "truncated", "symlink_file", "fifo", "symlink_step",
+         "symlink_owner",
          "meta_huge", "meta_escape", "meta_types", "meta_other_step", "zip_bomb", "wrong_shape", "other_model",
          "optimizer_mismatch", "sparse", "sparse_crc", "sparse_beyond_ram"]
 
