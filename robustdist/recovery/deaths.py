@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from robustdist.recovery.forked import readable
+
 __all__ = ["DeathWatch"]
 
 log = logging.getLogger(__name__)  # the launcher is no rank: no rank prefix
@@ -42,7 +44,7 @@ class DeathWatch:
             fd = proc.end_fd() if hasattr(proc, "end_fd") else self._pidfd(proc)
             if fd is not None and not hasattr(proc, "end_fd"):
                 watched.add(proc.pid)
-                if _readable(fd):  # ended, yet its parent cannot reap it (a debugger attached): not waited on, or
+                if readable(fd):  # ended, yet its parent cannot reap it (a debugger attached): not waited on, or
                     continue  # the wait would end at once every time
             if fd is not None:
                 fds.append(fd)
@@ -84,9 +86,3 @@ class DeathWatch:
         for _, fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def _readable(fd: int) -> bool:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
