@@ -5,6 +5,8 @@ Autouse, per test:
 * a leftover default process group is destroyed;
 * a test that leaves child processes behind fails, and the children are killed;
 * a test that leaves a node-lab network namespace behind fails, and the namespace is deleted;
+* a torchrun log directory (``torchelastic_*``) that appears in /tmp is named in a warning, and the run fails at its
+  end for any left there;
 * child processes get a ``TMPDIR`` of the test's own (torchrun leaves its log directory, ``torchelastic_*``, in
   ``TMPDIR``: no longer in /tmp); Ray keeps the directory it had (``RAY_TMPDIR``: its socket paths have a length
   limit), and this process's own ``tempfile`` keeps its directory.
@@ -22,13 +24,19 @@ processes they started, not on a core. Every test that uses ``ray_cluster`` goes
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import time
+import warnings
 
 import pytest
 from hypothesis import settings
 
 from tests import _procs
+
+TORCHRUN_DIRS = "/tmp/torchelastic_*"  # where torchrun leaves its log directory when TMPDIR is not set
+_TORCHRUN_DIRS_BEFORE = pytest.StashKey[set]()
 
 # The machine is shared and noisy: property tests check behaviour, never per-example speed.
 settings.register_profile("robustdist", deadline=None)
@@ -82,17 +90,39 @@ def _children_tmpdir(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _torchrun_dirs_in_tmp():
-    """torchrun's ``torchelastic_*`` log directories that appeared in /tmp during the test (one whose child escaped
+    """torchrun's ``torchelastic_*`` log directories that appeared in /tmp during the test (a torchrun that escaped
     the test's ``TMPDIR``) are reported as a warning naming the test (with two xdist workers, possibly the test
-    beside it): seen after a CI run, not yet traced."""
-    import glob
-    import warnings
-
-    before = set(glob.glob("/tmp/torchelastic_*"))
+    beside it; a module fixture's runs fall outside every test). The run fails for them at its end (below)."""
+    before = set(glob.glob(TORCHRUN_DIRS))
     yield
-    new = sorted(set(glob.glob("/tmp/torchelastic_*")) - before)
+    new = sorted(set(glob.glob(TORCHRUN_DIRS)) - before)
     if new:
         warnings.warn(f"torchrun log directories appeared in /tmp during this test: {new}", stacklevel=1)
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or the only process)
+        session.config.stash[_TORCHRUN_DIRS_BEFORE] = set(glob.glob(TORCHRUN_DIRS))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that left torchrun log directories in /tmp fails, naming them (then removes them)."""
+    before = session.config.stash.get(_TORCHRUN_DIRS_BEFORE, None)
+    if before is None:
+        return
+    new = sorted(set(glob.glob(TORCHRUN_DIRS)) - before)
+    if not new:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(f"FAILED: the run left torchrun log directories in /tmp (now removed): {new}; expected "
+                            "none. Fix: give the torchrun that made them a TMPDIR of the test's own (see the "
+                            "warnings naming tests)", red=True)
+    for path in new:
+        shutil.rmtree(path, ignore_errors=True)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

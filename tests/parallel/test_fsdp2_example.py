@@ -24,7 +24,9 @@ STEPS, STOP = 6, 3
 
 
 def _launch(workdir: Path, tag: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    own_tmp = workdir.parent / f"tmp-{tag}"  # torchrun's log directory (torchelastic_*), which it leaves behind: here,
+    own_tmp.mkdir(parents=True, exist_ok=True)  # not in /tmp (a module fixture runs before the tests' own TMPDIR)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(own_tmp)}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
