@@ -1,13 +1,15 @@
-# The two commands the README opens with: `make demo` (the main job) and `make test` (the full suite).
+# The two commands the README opens with: `make demo` (the main job) and `make test` (the full suite);
+# `make test-fast` is the edit loop's tier: the tests that start no process.
 # Both create or refresh the project-local .venv first (scripts/ensure-venv.sh; a no-op when up to date).
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # Two pytest-xdist workers: most tests wait on the processes they start. Ray tests share one worker (conftest.py).
+# The run ends with its 20 slowest tests.
 PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 
-.PHONY: demo demo-multinode test test-matrix bench bench-peers bench-check venv clean
+.PHONY: demo demo-multinode test test-fast test-matrix bench bench-peers bench-check venv clean
 
 venv:
 	@VENV=$(VENV) bash scripts/ensure-venv.sh
@@ -27,8 +29,17 @@ demo: venv
 demo-multinode: venv
 	$(PY) scripts/demo_multinode.py --workdir .demo-multinode
 
+# Byte-compiled once here: a shell with PYTHONDONTWRITEBYTECODE set would have every process the suite starts
+# compile robustdist again.
 test: venv
-	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	@$(PY) -m compileall -q robustdist tests benchmarks examples > /dev/null
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=20 $(PYTEST_ARGS)
+
+# The tests that start no process (no rank, subprocess, torchrun, Ray or node lab), on the same two xdist workers:
+# about 3 minutes. A test that starts one without its `processes` marker fails here, naming the marker
+# (tests/_process_guard.py). `make test` runs them too.
+test-fast: venv
+	ROBUSTDIST_TEST_NO_PROCESSES=1 $(PY) -m pytest $(PYTEST_PARALLEL) -m "not processes" $(PYTEST_ARGS)
 
 # The version matrix: the whole suite once per (Python, torch, Ray) lane, each in its own venv under .matrix/,
 # then the rendered table (docs/status.md) and data (robustdist/runtime/tested_versions.json). Not part of make

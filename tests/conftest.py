@@ -1,20 +1,29 @@
-"""Shared fixtures: every test leaves the process as it found it.
+"""Shared fixtures: every test leaves the process as it found it, and the suite judges only what it made.
+
+The run (controller, once): a temporary directory of its own (``robustdist-tests-*``), the ``TMPDIR`` and
+``RAY_TMPDIR`` of everything the suite starts, removed at the end. Nothing outside it is looked at or removed: a
+torchrun job or a Ray cluster of someone else's beside the suite neither fails it nor loses its files.
 
 Autouse, per test:
 * the environment is restored exactly (code under test may set env vars);
+* logger levels and handlers, and the process's signal handlers, are as they were: a test that changes them
+  fails (they are put back first), so the next test on the same worker does not inherit them;
 * a leftover default process group is destroyed;
-* a test that leaves child processes behind fails, and the children are killed;
-* a test that leaves a node-lab network namespace behind fails, and the namespace is deleted;
-* a torchrun log directory (``torchelastic_*``) that appears in /tmp is named in a warning, and the run fails at its
-  end for any left there;
+* a test that leaves child processes behind fails, and the children are killed (only this process's
+  descendants are looked at);
+* a test that leaves a node-lab network namespace behind fails, and the namespace is deleted (only namespaces
+  this process created);
 * child processes get a ``TMPDIR`` of the test's own (torchrun leaves its log directory, ``torchelastic_*``, in
-  ``TMPDIR``: no longer in /tmp); Ray keeps the directory it had (``RAY_TMPDIR``: its socket paths have a length
-  limit), and this process's own ``tempfile`` keeps its directory.
+  ``TMPDIR``); a ``torchelastic_*`` directory that appears in the run's own directory instead (a torchrun a
+  module fixture started without a directory of its own) is named in a warning, and the run fails at its end;
+* under ``make test-fast`` (``ROBUSTDIST_TEST_NO_PROCESSES``), a test that starts a process fails, naming the
+  ``processes`` marker it lacks (``tests/_process_guard.py``).
 
 ``fsdp_cpu``: skips a test that trains FSDP2 on the CPU where this torch's gloo cannot average (torch 2.8).
 
-Session: ``ray_cluster``, one local Ray cluster (``num_cpus=2``) shared by every test that asks for it,
-skipped when ray is not installed, shut down (and checked for survivors) at the end of the session.
+Session: ``ray_cluster``, one local Ray cluster (``num_cpus=2``, always a new one: never a cluster found on the
+machine) shared by every test that asks for it, skipped when ray is not installed, shut down (and checked for
+survivors) at the end of the session.
 
 ``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): most tests wait on
 processes they started, not on a core. Every test that uses ``ray_cluster`` goes to one worker (the
@@ -33,10 +42,17 @@ import warnings
 import pytest
 from hypothesis import settings
 
-from tests import _procs
+from tests import _global_state, _procs, _process_guard
 
-TORCHRUN_DIRS = "/tmp/torchelastic_*"  # where torchrun leaves its log directory when TMPDIR is not set
-_TORCHRUN_DIRS_BEFORE = pytest.StashKey[set]()
+RUN_TMP_ENV = "ROBUSTDIST_TEST_RUN_TMP"  # the run's own temporary directory, set by the controller for its workers
+_RUN_TMP_OWNED = pytest.StashKey[str]()  # set in the process that made it (and removes it)
+_STATE_BEFORE = pytest.StashKey[dict]()
+# What run_ranks' forkserver imports once, so that no rank imports it: torch, DCP, what harden() imports (the
+# facade module itself is left to the rank: importing robustdist.harden would shadow the function of that name on
+# the package), and pytest, which the test module a rank takes its function from imports. None starts a thread.
+_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "robustdist.testing.ranks",
+                       "robustdist._hardened", "robustdist.recovery.loop", "robustdist.parallel.fsdp",
+                       "robustdist.checkpoint.local.tier", "robustdist.data.dataloader", "pytest")
 
 # The machine is shared and noisy: property tests check behaviour, never per-example speed.
 settings.register_profile("robustdist", deadline=None)
@@ -44,6 +60,10 @@ settings.load_profile("robustdist")
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", _process_guard.MARKER_HELP)
+    if not hasattr(config, "workerinput") and not os.environ.get(RUN_TMP_ENV):  # the controller, or the only process
+        _make_run_tmp(config)
+    _process_guard.configure(config)
     # torch.compile compiles in this process: some torch versions (2.8) otherwise keep a pool of compile worker
     # processes alive for the session, which the leftover-children check would report as the test's
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -53,7 +73,7 @@ def pytest_configure(config):
     # Ranks fork from a server that imported torch once, instead of importing it each (the suite's main cost).
     from robustdist.testing.ranks import use_forkserver
 
-    use_forkserver(("torch", "torch.distributed", "robustdist.testing.ranks"))
+    use_forkserver(_FORKSERVER_PRELOAD)
     from robustdist.testing import nodelab
 
     if nodelab.unavailable() is None and not hasattr(config, "workerinput"):  # the controller, once per run
@@ -62,6 +82,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads xdist_group to pick the worker
 def pytest_collection_modifyitems(config, items):
+    _process_guard.mark_by_fixtures(items)
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
@@ -69,6 +90,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif "node_lab" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("multinode"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_STATE_BEFORE] = _global_state.snapshot()  # before any fixture of the test is set up
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After every fixture's tear-down (``monkeypatch``'s included): what the test itself left changed."""
+    result = yield
+    before = item.stash.get(_STATE_BEFORE, None)
+    changes = _global_state.restore(before) if before is not None else []
+    if changes:
+        pytest.fail("the test changed global state it did not restore (now put back): " + "; ".join(changes)
+                    + ". Fix: restore it in the test (a fixture or try/finally), or in the code under test if it "
+                    "should not change it", pytrace=False)
+    return result
 
 
 @pytest.fixture(autouse=True)
@@ -84,45 +124,63 @@ def _restore_environ():
 def _children_tmpdir(tmp_path_factory, monkeypatch):
     import tempfile
 
-    monkeypatch.setenv("RAY_TMPDIR", os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())
+    monkeypatch.setenv("RAY_TMPDIR", os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())  # the run's own
     monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
 
 
+def _make_run_tmp(config) -> None:
+    """The run's own ``TMPDIR`` and ``RAY_TMPDIR`` (inherited by the xdist workers and all they start), so that
+    the suite's checks look only there. ``RAY_TMPDIR`` also keeps the suite's Ray cluster from finding, or being
+    found by, a cluster someone started with ``ray start`` (Ray records the newest one in its temporary
+    directory); ``RAY_ADDRESS`` would point ``ray.init()`` at theirs, so the suite drops it."""
+    import tempfile
+
+    tempfile.gettempdir()  # this process keeps its own (multiprocessing removes its files there after the run's end)
+    path = tempfile.mkdtemp(prefix="robustdist-tests-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    os.makedirs(os.path.join(path, "ray"))
+    config.stash[_RUN_TMP_OWNED] = path
+    os.environ.update({RUN_TMP_ENV: path, "TMPDIR": path, "RAY_TMPDIR": os.path.join(path, "ray")})
+    os.environ.pop("RAY_ADDRESS", None)
+
+
+def escaped_torchrun_dirs(run_tmp: str | None = None) -> list[str]:
+    """torchrun log directories (``torchelastic_*``) in the run's own temporary directory: left by a torchrun the
+    suite started outside any test's ``TMPDIR`` (a module fixture's). Nothing outside the run's directory."""
+    run_tmp = run_tmp if run_tmp is not None else os.environ.get(RUN_TMP_ENV)
+    return sorted(glob.glob(os.path.join(glob.escape(run_tmp), "torchelastic_*"))) if run_tmp else []
+
+
 @pytest.fixture(autouse=True)
-def _torchrun_dirs_in_tmp():
-    """torchrun's ``torchelastic_*`` log directories that appeared in /tmp during the test (a torchrun that escaped
-    the test's ``TMPDIR``) are reported as a warning naming the test (with two xdist workers, possibly the test
-    beside it; a module fixture's runs fall outside every test). The run fails for them at its end (below)."""
-    before = set(glob.glob(TORCHRUN_DIRS))
+def _torchrun_dirs_in_run_tmp():
+    """A ``torchelastic_*`` directory that appears in the run's own directory during the test is named in a
+    warning (with two xdist workers, possibly the test beside it; a module fixture's runs fall outside every
+    test). The run fails for them at its end (below)."""
+    before = set(escaped_torchrun_dirs())
     yield
-    new = sorted(set(glob.glob(TORCHRUN_DIRS)) - before)
+    new = sorted(set(escaped_torchrun_dirs()) - before)
     if new:
-        warnings.warn(f"torchrun log directories appeared in /tmp during this test: {new}", stacklevel=1)
+        warnings.warn(f"torchrun log directories appeared outside the test's TMPDIR during this test: {new}",
+                      stacklevel=1)
 
 
-def pytest_sessionstart(session):
-    if not hasattr(session.config, "workerinput"):  # the controller (or the only process)
-        session.config.stash[_TORCHRUN_DIRS_BEFORE] = set(glob.glob(TORCHRUN_DIRS))
-
-
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has ended its workers
 def pytest_sessionfinish(session, exitstatus):
-    """A run that left torchrun log directories in /tmp fails, naming them (then removes them)."""
-    before = session.config.stash.get(_TORCHRUN_DIRS_BEFORE, None)
-    if before is None:
+    """A run whose torchruns left log directories outside their tests' ``TMPDIR`` fails, naming them; then the
+    run's own temporary directory goes, with all it holds."""
+    run_tmp = session.config.stash.get(_RUN_TMP_OWNED, None)
+    if run_tmp is None:
         return
-    new = sorted(set(glob.glob(TORCHRUN_DIRS)) - before)
-    if not new:
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.ensure_newline()
-        reporter.write_line(f"FAILED: the run left torchrun log directories in /tmp (now removed): {new}; expected "
-                            "none. Fix: give the torchrun that made them a TMPDIR of the test's own (see the "
-                            "warnings naming tests)", red=True)
-    for path in new:
-        shutil.rmtree(path, ignore_errors=True)
-    if session.exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    escaped = escaped_torchrun_dirs(run_tmp)
+    if escaped:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(f"FAILED: torchrun log directories were left outside their tests' TMPDIR (in the run's "
+                                f"own directory, now removed): {escaped}; expected none. Fix: give the torchrun that "
+                                "made them a TMPDIR of the test's own (see the warnings naming tests)", red=True)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(run_tmp, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -213,7 +271,7 @@ def ray_cluster():
     before = _procs.descendants(os.getpid())
     # Every worker installs robustdist's bf16 serializers, as docs/ray.md tells users to (the bf16 tests need it),
     # right after it first imports torch (the hook itself imports no torch: tests/ray/test_ray_hook.py).
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"worker_process_setup_hook": "robustdist.ray.hook.worker_setup"})
     started = _procs.new_descendants(os.getpid(), before)
     try:

@@ -1,9 +1,10 @@
 """`make bench-peers`' tooling (not its timings: timing is not a test).
 
 * One tiny round of each variant (``benchmarks/peers/v_*.py``) through the runner's own launch
-  code (``_suite.measure`` with the smoke size: the step and save columns): both ranks record their events,
+  code (``_suite.measure`` with the smoke steps: the step and save columns): both ranks record their events,
   rank 0 writes ``final.pt``, and the table renders a row for it. Every launch is bounded by the runner
   (``Size.launch_timeout``, ``Size.stall``) and killed with everything it started; the test has its own bound.
+  The rounds run side by side (:func:`rounds`): a round is mostly processes starting and waiting, not computing.
   The Ray Train variant connects to the one Ray head the runner starts for the run (``_launch.ray_cluster``:
   its own port, temporary directory and token), never the suite's session cluster; the head is tested alone too.
 * The table, the stuck-rank report parsing and the results page, on synthetic data (no processes).
@@ -12,10 +13,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -33,32 +36,74 @@ finally:
     sys.path.remove(str(PEERS))
 
 VARIANTS = _launch.VARIANTS
+TORCHRUN_LANES = 2  # torchrun rounds at once, beside the Ray Train round
+# The smoke round's steps, with twice its bounds per launch: here up to three launches run at once, beside the
+# suite's other worker, on two cores. The bounds stay hang guards.
+ROUND = dataclasses.replace(col.SMOKE, launch_timeout=2 * col.SMOKE.launch_timeout, stall=2 * col.SMOKE.stall)
 
 
-@pytest.mark.timeout(240)
+@pytest.fixture(scope="module")
+def rounds(tmp_path_factory) -> tuple[Path, dict[str, Future]]:
+    """One tiny round of every variant that exists (:func:`_round`), all under one root: the Ray Train round in a
+    lane of its own, started first (the longest), the torchrun rounds :data:`TORCHRUN_LANES` at a time beside it.
+    A round spends most of its time starting processes and waiting on them (rendezvous, Ray's actors, polls), so
+    side by side they take about as long as the Ray Train round alone. Every round has ended (or failed: its
+    future holds the error) when this returns. The launches get a ``TMPDIR`` of this fixture's own (torchrun
+    leaves its log directory there)."""
+    root = tmp_path_factory.mktemp("peers")
+    present = sorted((v for v in VARIANTS if _launch.script(v).exists()), key=lambda v: v not in _launch.DRIVERS)
+    driver = ThreadPoolExecutor(1, thread_name_prefix="peers-ray")
+    others = ThreadPoolExecutor(TORCHRUN_LANES, thread_name_prefix="peers-torchrun")
+    with pytest.MonkeyPatch.context() as env, driver, others:
+        env.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
+        futures = {v: (driver if v in _launch.DRIVERS else others).submit(_round, v, root) for v in present}
+        try:
+            wait(futures.values())
+        except BaseException:  # the test's bound or Ctrl-C: start no queued round (the running ones are bounded)
+            for pool in (driver, others):
+                pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    return root, futures
+
+
+def _round(variant: str, root: Path) -> tuple[dict, list[int], list[str]]:
+    """``variant``'s round, a ``_suite.measure`` call of its own (the Ray Train one starts and ends the run's Ray
+    head, as ``make bench-peers ray_train`` does), and what was left right after it: processes working under its
+    directory and, after the Ray Train round, any live process of a Ray head (no other round starts one)."""
+    records = _suite.measure([variant], root, ROUND, ("step",), log=lambda _: None)
+    heads = [m for m in _launch.CLUSTER_MARKERS if _launch.marked(m)] if variant in _launch.DRIVERS else []
+    return records, _procs_of(root / variant), heads
+
+
+@pytest.mark.processes
+@pytest.mark.xdist_group("bench_peers_rounds")  # one worker runs the rounds, once
+@pytest.mark.timeout(900)  # the first test waits for every round (each launch bounded by ROUND)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_one_tiny_round_of_each_variant(variant, tmp_path):
+def test_one_tiny_round_of_each_variant(variant, rounds):
     if not _launch.script(variant).exists():
         pytest.skip(f"benchmarks/peers/v_{variant}.py does not exist yet (written separately)")
-    records = _suite.measure([variant], tmp_path, col.SMOKE, ("step",), log=lambda _: None)
+    root, futures = rounds
+    records, left, heads = futures[variant].result()
     rec = records[variant]
-    work = tmp_path / variant / "baseline"
+    work = root / variant / "baseline"
     log = (work / "launch.log").read_text()[-3000:] if (work / "launch.log").exists() else "(no launch.log)"
     assert rec["step"]["ok"], f"{variant} did not finish its smoke round: {rec['step']}\n{log}"
     for rank in (0, 1):
         events = [e["event"] for e in _launch.Result(variant, work, [], 0.0).events(rank)]
-        assert events.count("step") == col.SMOKE.steps and "start" in events and events[-1] == "done", (rank, events)
-    assert rec["step"]["n"] == col.SMOKE.steps - col.SMOKE.warmup and rec["step"]["median_s"] > 0
-    assert rec["save"]["n"] == col.SMOKE.steps // col.SMOKE.save_every and rec["save"]["median_s"] > 0
+        assert events.count("step") == ROUND.steps and "start" in events and events[-1] == "done", (rank, events)
+    assert rec["step"]["n"] == ROUND.steps - ROUND.warmup and rec["step"]["median_s"] > 0
+    assert rec["save"]["n"] == ROUND.steps // ROUND.save_every and rec["save"]["median_s"] > 0
     final = torch.load(work / "final.pt", weights_only=True)
     assert final and all(torch.isfinite(t).all() for t in final.values() if t.is_floating_point())
     assert rec["options"], f"{_launch.script(variant).name} has no OPTIONS saying which option it used where"
-    section = _table.section({"variants": records, "size": col.SMOKE.record()})
+    section = _table.section({"variants": records, "size": ROUND.record()})
     assert f"| {_table.LABELS[variant]} | " in section
-    assert not _procs_of(tmp_path), "a launch left processes behind"
-    assert not [m for m in _launch.CLUSTER_MARKERS if _launch.marked(m)], "the run's Ray head left processes behind"
+    assert not left and not _procs_of(root / variant), "a launch left processes behind"
+    assert not heads and not [m for m in _launch.CLUSTER_MARKERS if _launch.marked(m)], \
+        "the run's Ray head left processes behind"
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_the_runs_ray_head_serves_a_driver_and_leaves_nothing_behind(tmp_path):
     """The one Ray head a run starts for its Ray Train launches (``_launch.ray_cluster``): a driver given its
@@ -82,6 +127,7 @@ def test_the_runs_ray_head_serves_a_driver_and_leaves_nothing_behind(tmp_path):
     assert _launch._RAY_HEAD is None and not _launch._RAY_ENV
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_the_runs_ray_head_dies_with_a_killed_runner():
     """A runner killed before its ``finally`` (SIGKILL, a cancelled CI job) leaves no Ray head behind: the
@@ -99,7 +145,7 @@ def test_the_runs_ray_head_dies_with_a_killed_runner():
         runner.wait()
     deadline = time.monotonic() + 60
     while (_launch.marked(marker) or Path(temp_dir).exists()) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
     left = _launch.marked(marker)
     _launch._sweep(marker, quiet=3)  # whatever the outcome, leave nothing for the next test
     assert not left, "the head outlived its killed runner"

@@ -125,6 +125,7 @@ def test_other_dtypes_keep_torch_default_bytes():
     assert pickle.dumps(x) == default
 
 
+@pytest.mark.processes
 def test_torch_save_output_is_byte_identical_and_loads_without_robustdist(tmp_path):
     state = {"w": torch.randn(4, 4).to(torch.bfloat16), "v": torch.randn(100).to(torch.bfloat16)[::3],
              "p": torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))}
@@ -193,6 +194,7 @@ def test_to_numpy_and_to_python():
         t.numpy()  # the failure this exists for
 
 
+@pytest.mark.processes
 def test_nothing_is_patched_at_import():
     code = "import copyreg, torch, robustdist.bf16; print(torch.Tensor in copyreg.dispatch_table)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -252,6 +252,7 @@ def test_ci_runs_make_test():
     assert "set -euo pipefail" in script and "make test" in script
 
 
+@pytest.mark.processes
 def test_examples_run():
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "run_ranks_example.py")],
                          capture_output=True, text=True, timeout=120)

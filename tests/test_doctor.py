@@ -49,6 +49,7 @@ def _expected_code() -> int:
     return 1 if any(v.status == "unsupported" for v in verdicts) else 0
 
 
+@pytest.mark.processes
 def test_doctor_exits_0_here():
     out = _doctor()
     assert out.returncode == _expected_code(), out.stdout + out.stderr
@@ -58,6 +59,7 @@ def test_doctor_exits_0_here():
     assert "skipped: RAY_ADDRESS is not set" in out.stdout
 
 
+@pytest.mark.processes
 def test_doctor_json_parses():
     out = _doctor("--json")
     assert out.returncode == _expected_code(), out.stderr
@@ -67,6 +69,7 @@ def test_doctor_json_parses():
     assert any(f["check"] == "topology" and "launcher single" in f["value"] for f in findings)
 
 
+@pytest.mark.processes
 def test_broken_interface_exits_1_with_the_remedy():
     out = _doctor(env=_env(GLOO_SOCKET_IFNAME="nosuch0"))
     assert out.returncode == 1
@@ -74,6 +77,7 @@ def test_broken_interface_exits_1_with_the_remedy():
     assert " error " in line and "Fix: set GLOO_SOCKET_IFNAME to one of them" in line
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(200)
 def test_torchrun_prints_the_cross_rank_table():
     out = _torchrun()
@@ -86,6 +90,7 @@ def test_torchrun_prints_the_cross_rank_table():
     assert out.stdout.count("cross-rank (") == 1  # only rank 0 prints it
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(200)
 def test_torchrun_broken_env_exits_1_on_every_rank():
     out = _torchrun(env=_env(GLOO_SOCKET_IFNAME="nosuch0"))
@@ -117,6 +122,7 @@ def _launch_ranks(world, env_for_rank):
             p.stderr.close()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(200)
 def test_every_rank_exits_with_the_same_code():
     broken = _launch_ranks(2, lambda rank: {"GLOO_SOCKET_IFNAME": "nosuch0"})
@@ -167,6 +173,7 @@ def test_ray_unreachable_address_is_a_warning(monkeypatch):
     assert f.level == "warn" and f.value.startswith("127.0.0.1:1: ")
 
 
+@pytest.mark.processes
 @pytest.mark.ray
 @pytest.mark.timeout(200)
 def test_ray_cluster_resources_are_reported(ray_cluster, monkeypatch):
@@ -175,6 +182,7 @@ def test_ray_cluster_resources_are_reported(ray_cluster, monkeypatch):
     assert f.level == "ok" and "CPU=2" in f.value, f
 
 
+@pytest.mark.processes
 def test_fake_sysfs_via_cli(tmp_path):
     (tmp_path / "devices/system/node/node0").mkdir(parents=True)
     (tmp_path / "devices/system/node/node3").mkdir(parents=True)

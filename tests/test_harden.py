@@ -122,6 +122,7 @@ def _manual_run(rank):
     return state, report.created
 
 
+@pytest.mark.processes
 def test_harden_trains_exactly_like_the_parts_composed_by_hand():
     hardened = run_ranks(_hardened_run, 2, init=False, timeout=120)
     manual = run_ranks(_manual_run, 2, init=False, timeout=120)
@@ -139,6 +140,7 @@ def _existing_group(rank):
     return created, dist.is_initialized()
 
 
+@pytest.mark.processes
 def test_an_existing_group_is_used_and_left_alone():
     assert run_ranks(_existing_group, 2, timeout=60) == [(False, True), (False, True)]
 
@@ -177,6 +179,7 @@ def _fsdp_resume(rank, directory):
     return resumed, restored
 
 
+@pytest.mark.processes
 def test_fsdp_strategy_shards_trains_with_the_allreduce_guard_and_resumes(fsdp_cpu, tmp_path):
     trained = run_ranks(_fsdp_train, 2, args=(str(tmp_path),), init=False, timeout=120)
     resumed = run_ranks(_fsdp_resume, 2, args=(str(tmp_path),), init=False, timeout=120)
@@ -186,6 +189,7 @@ def test_fsdp_strategy_shards_trains_with_the_allreduce_guard_and_resumes(fsdp_c
 
 
 # ---------------------------------------------------------------------------------------------- the demo
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_demo_resumes_bit_identically_after_a_real_sigkill_under_torchrun(tmp_path):
     work = tmp_path / "demo"  # empty, as `make demo` leaves it (rm -rf): the script itself never deletes anything

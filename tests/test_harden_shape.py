@@ -57,6 +57,7 @@ def _harden_a_plain_group(rank: int) -> dict:
         assert dist.is_initialized()  # not harden's group: left to its creator
 
 
+@pytest.mark.processes
 def test_harden_validates_a_group_the_script_made_and_warns_loudly_about_restarts():
     for rank, got in enumerate(run_ranks(_harden_a_plain_group, 2, timeout=90)):
         assert got["created"] is False and got["barrier"] and got["fingerprints"] == 2  # validated like our own
@@ -73,6 +74,7 @@ def _adopt_without_restarts(rank: int) -> tuple[bool, list[str]]:
     return report.created, report.warnings
 
 
+@pytest.mark.processes
 def test_adopt_group_is_quiet_where_nothing_is_lost():
     assert run_ranks(_adopt_without_restarts, 2, timeout=60) == [(False, []), (False, [])]
 
@@ -89,6 +91,7 @@ def _own_group_then_harden(rank: int) -> list[str]:
         assert report.created
 
 
+@pytest.mark.processes
 def test_a_group_robustdist_created_is_not_warned_about():
     assert run_ranks(_own_group_then_harden, 2, init=False, timeout=60) == [[], []]
 
@@ -192,6 +195,7 @@ RESUME_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_resume_is_not_silent_when_the_script_configured_no_logging(single_process, tmp_path):
     script = tmp_path / "train.py"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,6 +220,7 @@ def _warning_through_the_context_manager(rank: int) -> list[str]:
     return [os.path.basename(w.filename) for w in caught if issubclass(w.category, RobustDistWarning)]
 
 
+@pytest.mark.processes
 def test_a_warning_raised_through_the_context_manager_points_at_the_with_line():
     assert run_ranks(_warning_through_the_context_manager, 2, timeout=60) == [["test_harden_shape.py"] * 2] * 2
 
@@ -234,6 +239,7 @@ def _adopt_and_close_repeatedly(rank: int) -> int:
     return len(c10d._world.pg_map) - before
 
 
+@pytest.mark.processes
 def test_adopting_leaks_no_side_group():
     assert run_ranks(_adopt_and_close_repeatedly, 2, timeout=60) == [0, 0]
 
@@ -278,6 +284,7 @@ def _dict_config_warns(rank: int) -> list[tuple[str, str]]:
     return [(os.path.basename(w.filename), str(w.message)) for w in caught if w.category is DeprecationWarning]
 
 
+@pytest.mark.processes
 def test_a_dict_passed_to_safe_init_process_group_warns_at_the_callers_line():
     for got in run_ranks(_dict_config_warns, 2, timeout=60):
         assert len(got) == 1 and got[0][0] == "test_harden_shape.py"

@@ -66,6 +66,7 @@ def _twice(rank):
     return out
 
 
+@pytest.mark.processes
 def test_two_ranks_name_the_rank_and_refuse_before_init():
     for rank, out in enumerate(run_ranks(_twice, 2, init=False, timeout=120)):
         assert len(out) == 4 and all(unchanged for _, unchanged in out)

@@ -10,6 +10,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 SCRIPT = r"""
 import atexit, copyreg, faulthandler, json, logging, multiprocessing, os, signal, sys, threading, warnings
 import numpy, torch, torch.multiprocessing, torch.serialization

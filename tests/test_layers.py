@@ -171,6 +171,7 @@ def test_each_part_imports_only_the_floors_below_it():
     assert not upward, "imports that run sideways or upward:\n" + "\n".join(upward)
 
 
+@pytest.mark.processes
 def test_testing_stands_on_the_runtime_only_and_the_product_never_imports_it():
     graph = _graph()
     for module in [m for m in graph if _part(m) == "testing"]:

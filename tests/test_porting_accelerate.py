@@ -11,25 +11,30 @@ import pytest
 from tests import _training as tr
 from tests._torchrun import ROOT, finish, launch, results, succeeded
 
+pytestmark = pytest.mark.processes
+
 pytest.importorskip("accelerate")
 
 CLIENT = ROOT / "tests" / "clients" / "accelerate_nlp.py"
 RUN_TIMEOUT = 300
+BATCH_TIMEOUT = 2 * RUN_TIMEOUT  # the three runs at once share the machine's cores: a hang guard for all three
 STEPS = 9  # 3 epochs of 3 optimizer steps; checkpoints at 4 and 8
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The straight run, the run killed mid-run and the run killed inside a save, side by side: each kill is
+    triggered by the run's own step, so running them at once changes nothing about when a rank dies."""
     base = tmp_path_factory.mktemp("accelerate")
     where = {"straight": base / "s", "killed": base / "k", "in_save": base / "save"}
     outs = finish({"straight": launch(CLIENT, where["straight"], "straight"),
-                   "killed": launch(CLIENT, where["killed"], "killed", "--kill-at", "7")}, RUN_TIMEOUT)
-    outs.update(finish({"in_save": launch(CLIENT, where["in_save"], "in_save", "--kill-in-save", "8")}, RUN_TIMEOUT))
+                   "killed": launch(CLIENT, where["killed"], "killed", "--kill-at", "7"),
+                   "in_save": launch(CLIENT, where["in_save"], "in_save", "--kill-in-save", "8")}, BATCH_TIMEOUT)
     logs = succeeded(outs)
     return {tag: results(w, tag) for tag, w in where.items()}, logs
 
 
-@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
 def test_straight_run_composes_with_accelerate(runs):
     result, _ = runs
     for info, _ in result["straight"]:
@@ -39,7 +44,7 @@ def test_straight_run_composes_with_accelerate(runs):
     assert tr.bitwise_equal(result["straight"][0][1], result["straight"][1][1])
 
 
-@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+@pytest.mark.timeout(BATCH_TIMEOUT + 60)
 @pytest.mark.parametrize("tag", ["killed", "in_save"])
 def test_a_kill_mid_run_or_inside_a_save_resumes_bitwise(runs, tag):
     result, outs = runs
@@ -54,7 +59,8 @@ def test_a_kill_mid_run_or_inside_a_save_resumes_bitwise(runs, tag):
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_harden_before_prepare_fails_at_once_naming_the_order(tmp_path):
-    (code, out), = finish({"order": launch(CLIENT, tmp_path, "order", "--order", "harden-first")},
+    # one attempt (no restart): a restarted attempt would only meet the same refusal again
+    (code, out), = finish({"order": launch(CLIENT, tmp_path, "order", "--order", "harden-first", max_restarts=0)},
                           RUN_TIMEOUT).values()
     assert code != 0
     assert "harden() was given a bare Classifier while an Accelerator of 2 processes is in charge" in out

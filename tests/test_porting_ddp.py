@@ -24,6 +24,8 @@ from robustdist import harden
 from robustdist.config.schema import CheckpointConfig, HardenConfig, HealthConfig
 from robustdist.testing.ranks import run_ranks
 
+pytestmark = pytest.mark.processes
+
 N, BATCH, EPOCHS = 24, 4, 2
 
 

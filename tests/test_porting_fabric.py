@@ -10,6 +10,8 @@ import pytest
 from tests import _training as tr
 from tests._torchrun import ROOT, straight_and_killed
 
+pytestmark = pytest.mark.processes
+
 pytest.importorskip("lightning")
 
 CLIENT = ROOT / "tests" / "clients" / "fabric_image_classifier.py"

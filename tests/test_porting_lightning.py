@@ -11,6 +11,8 @@ import pytest
 from tests import _training as tr
 from tests._torchrun import ROOT, straight_and_killed
 
+pytestmark = pytest.mark.processes
+
 pytest.importorskip("lightning")
 
 CLIENT = ROOT / "tests" / "clients" / "lightning_trainer.py"

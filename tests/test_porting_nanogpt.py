@@ -13,6 +13,8 @@ import pytest
 from tests import _training as tr
 from tests._torchrun import ROOT, finish, launch, results, succeeded
 
+pytestmark = pytest.mark.processes
+
 CLIENT = ROOT / "tests" / "clients" / "nanogpt_train.py"
 RUN_TIMEOUT = 240
 ITERS, KILL_AT = 12, 10  # checkpoints at 4 and 8: the restart resumes from 8

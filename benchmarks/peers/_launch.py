@@ -236,9 +236,12 @@ def ray_cluster(cpus: int, timeout: float = 90.0, tries: int = 3) -> Iterator[Ra
         yield RayCluster(f"127.0.0.1:{port}", dict(_RAY_ENV), marker, tmp)
     finally:
         _RAY_ENV, _RAY_HEAD, _RAY_HEAD_LOG = previous
+        # Killed, not stopped: the cluster's state goes with its directory, and after a SIGTERM to the group the
+        # raylet outlives the GCS by over 5 s (TERM_GRACE), to be killed all the same.
         if proc is not None:
-            _stop(proc, marker)
-        _sweep(marker)  # a worker the raylet was starting as it died can appear after _stop's sweeps
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _sweep(marker)  # every process it started, and a worker the raylet was starting as it died
         if log is not None:
             log.close()
         shutil.rmtree(tmp, ignore_errors=True)

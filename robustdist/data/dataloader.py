@@ -30,7 +30,9 @@ how to silence it); with ``data.strict=True`` it raises :class:`~robustdist.runt
    same order, as a plain ``DataLoader`` with ``set_epoch`` does. The position (epoch and batches consumed)
    saves and restores mid-epoch: ``state_dict()``/``load_state_dict()``.
 7. Worker seeding: python ``random``, numpy and torch are seeded from (``data.seed``, rank, worker id,
-   epoch), then the user's ``worker_init_fn`` runs.
+   epoch), then the user's ``worker_init_fn`` runs. First a forked worker closes the listening sockets it
+   inherited from its rank (the c10d store's server, gloo's): otherwise they keep their ports bound, and an
+   in-process recovery's next generation cannot serve its store on the job's port while the worker lives.
 8. ``/dev/shm``: the bytes in flight (workers x prefetch_factor x one measured batch) must fit its free
    space; if not, ``prefetch_factor`` and then ``num_workers`` are reduced. (The ``file_system`` sharing
    strategy would not help: it allocates in ``/dev/shm`` too.)
@@ -59,6 +61,7 @@ from robustdist.data import sampler as _sampler
 from robustdist.data import state as loader_state
 from robustdist.data.checks import warn_user
 from robustdist.runtime import dist as _dist
+from robustdist.runtime import group_sockets
 from robustdist.runtime._torch_compat import BaseDataLoaderIter, LoaderHooks
 from robustdist.runtime.errors import ConfigError
 from robustdist.runtime.log import get_logger
@@ -88,6 +91,7 @@ class WorkerSeeder:
         return int(mixed[0]) & ((1 << 63) - 1)
 
     def __call__(self, worker_id: int) -> None:
+        group_sockets.close_listeners()  # a forked worker's copies of the rank's listeners (the store's, gloo's)
         seed = self.worker_seed(worker_id)
         random.seed(seed)
         np.random.seed(seed % (1 << 32))

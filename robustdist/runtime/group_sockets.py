@@ -39,7 +39,7 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator
 
-__all__ = ["GroupSockets", "open_sockets", "sockets_on_port"]
+__all__ = ["GroupSockets", "close_listeners", "open_sockets", "sockets_on_port"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,22 @@ def open_sockets() -> dict[int, str]:
         if link.startswith("socket:"):
             out[int(name)] = link
     return out
+
+
+def close_listeners() -> list[int]:
+    """Close this process's listening TCP sockets; return their ports. For a process forked from a rank that never
+    accepts a connection (a DataLoader worker): its copies of the rank's listeners (the c10d store's server, gloo's)
+    would keep their ports bound after the rank closes its own, and the rank could not serve its next store on the
+    job's port (an in-process recovery's next generation: ``EADDRINUSE``). The rank's own listeners stay open.
+    Call it before the process starts a thread: a descriptor is checked, then closed."""
+    closed = []
+    for fd, link in open_sockets().items():
+        port = _listening_port(fd, link)
+        if port is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+                closed.append(port)
+    return closed
 
 
 def sockets_on_port(port: int) -> int:

@@ -321,6 +321,9 @@ def _rank_main(rank: int, payload: bytes, backend: str, init: bool, timeout: flo
     global _dump_file
     os.setpgid(0, 0)  # own process group: the parent kills us and our children together
     _die_with_parent(parent_pid, forked=env is not None)
+    # multiprocessing hands a child its parent's start method (spawn or forkserver here); a rank that a launcher
+    # starts has the platform's default, and so do the processes it starts (DataLoader workers: fork on Linux)
+    mp.set_start_method(None, force=True)
     if env is not None:  # forked from the server: take the caller's environment, as spawn would
         os.environ.clear()
         os.environ.update(env)

@@ -20,6 +20,7 @@ def _model(seed):
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
 
 
+@pytest.mark.processes
 def test_modules_optimizers_schedulers_scalers_tensors_and_data(tmp_path):
     model = torch.compile(_model(0))  # saved without _orig_mod. prefixes
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -95,6 +96,7 @@ def test_bad_arguments(tmp_path):
         ckpt.save(2, {})
 
 
+@pytest.mark.processes
 def test_close_releases_the_lock_and_leaves_no_holder_named(tmp_path):
     import subprocess
     import sys
@@ -163,6 +165,7 @@ def _sharded(rank, directory):
             {k: v.tolist() for k, v in full.items()})
 
 
+@pytest.mark.processes
 def test_fsdp2_state_goes_through_dcp_and_reshards(fsdp_cpu, tmp_path):
     out = run_ranks(_sharded, 2, args=(str(tmp_path),), timeout=120)
     assert all(model_ok and optim_ok for model_ok, optim_ok, _ in out)

@@ -130,6 +130,7 @@ def _save_steps(rank, directory, steps):
             ckpt.save(step, {"x": torch.full((1,), float(step))})
 
 
+@pytest.mark.processes
 def test_a_step_only_one_rank_finds_corrupt_is_rejected_on_every_rank(tmp_path):
     run_ranks(_save_steps, 2, args=(str(tmp_path), (1, 2, 3)), timeout=60)
     _flip(_step_dir(tmp_path, 3) / "rank_00001.pt")  # only rank 1 reads it
@@ -167,6 +168,7 @@ def _step_two_failures(rank, directory):
     return out, steps, names
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_a_rank_local_failure_beside_sharded_state_is_named_on_every_rank_at_once(tmp_path):
     for out, steps, names in run_ranks(_step_two_failures, 2, args=(str(tmp_path),), timeout=45):
@@ -267,6 +269,7 @@ def _per_rank_fails_on_rank_1(rank, directory):
     return error, counter.value, live.weight.flatten().tolist()
 
 
+@pytest.mark.processes
 def test_a_restore_failing_on_one_rank_is_put_back_on_every_rank(tmp_path):
     (e0, value0, weight0), (e1, value1, weight1) = run_ranks(_per_rank_fails_on_rank_1, 2, args=(str(tmp_path),),
                                                              timeout=60)
@@ -329,6 +332,7 @@ def _groups_and_rotation(rank, directory):
     return before, after, groups(), steps
 
 
+@pytest.mark.processes
 def test_close_destroys_only_its_own_group_and_rotation_failures_never_split_ranks(tmp_path):
     for before, after, end, steps in run_ranks(_groups_and_rotation, 2, args=(str(tmp_path),), timeout=60):
         assert before == after == end and steps == [3]
@@ -437,6 +441,7 @@ def _durable_interrupted_while_waiting(rank, directory):
     return raised, seconds, closed, loaded.step, steps, staging
 
 
+@pytest.mark.processes
 def test_a_wait_under_way_leaves_a_save_stuck_in_its_report_once_a_recovery_interrupts_it(tmp_path):
     (raised0, seconds0, _, step0, steps, staging), (raised1, seconds1, _, step1, _, _) = run_ranks(
         _durable_interrupted_while_waiting, 2, args=(str(tmp_path),), timeout=150)

@@ -289,6 +289,7 @@ def _assert_unshared(message: str, rank: int, ckpt: Path, what: str) -> None:
             f"writes, and every rank reads rank 0's files on resume. {what}. {FIX}") in message
 
 
+@pytest.mark.processes
 @needs_isolation
 def test_a_node_local_directory_is_refused_at_the_first_save_on_every_rank(tmp_path):
     for rank, out in enumerate(run_nodes(MODULE, "save_on_private_dirs", tmp_path, private=True)):
@@ -298,6 +299,7 @@ def test_a_node_local_directory_is_refused_at_the_first_save_on_every_rank(tmp_p
         assert out["steps"] == [] and out["seen"] == []  # no step, no staging dir, no lock, no probe: on either node
 
 
+@pytest.mark.processes
 @needs_isolation
 def test_harden_resume_and_save_refuse_a_node_local_directory(tmp_path):
     for rank, out in enumerate(run_nodes(MODULE, "harden_on_private_dirs", tmp_path, private=True)):
@@ -306,6 +308,7 @@ def test_harden_resume_and_save_refuse_a_node_local_directory(tmp_path):
         assert out["steps"] == [] and out["seen"] == []
 
 
+@pytest.mark.processes
 def test_two_nodes_sharing_one_directory_save_and_resume_as_before(tmp_path):
     for rank, out in enumerate(run_nodes(MODULE, "save_and_resume_shared", tmp_path, private=False)):
         assert (out["step"], out["steps"], out["world_size"], out["same"]) == (3, [1, 2, 3], 2, True)
@@ -313,6 +316,7 @@ def test_two_nodes_sharing_one_directory_save_and_resume_as_before(tmp_path):
         assert out["seen_after_save"] == out["seen"] and not [n for n in out["seen"] if "probe" in n]
 
 
+@pytest.mark.processes
 @needs_isolation
 def test_the_commit_guard_refuses_files_rank_0_cannot_see_even_without_the_check(tmp_path):
     results = run_nodes(MODULE, "sharded_without_the_check", tmp_path, private=True)
@@ -328,6 +332,7 @@ def test_the_commit_guard_refuses_files_rank_0_cannot_see_even_without_the_check
     assert results[0]["seen"] == [".lock"] and results[1]["seen"] == []  # rank 1's node-local staging dir went too
 
 
+@pytest.mark.processes
 def test_a_reported_file_removed_before_the_commit_is_refused_and_the_previous_step_stays(tmp_path):
     for rank, out in enumerate(run_nodes(MODULE, "file_removed_before_the_commit", tmp_path, private=False)):
         assert out["error"].startswith(f"[rank {rank}] checkpoint step 2 was not committed: rank 0 does not see files "
@@ -338,6 +343,7 @@ def test_a_reported_file_removed_before_the_commit_is_refused_and_the_previous_s
             "manifest.json", "rank_00000.pt", "rank_00001.pt", "replicated.pt")]]
 
 
+@pytest.mark.processes
 @needs_isolation
 def test_a_read_only_directory_is_loaded_from_unchecked_and_refused_at_the_first_save(tmp_path):
     for rank, out in enumerate(run_nodes(MODULE, "read_only_private_dirs", tmp_path, private=True)):

@@ -9,6 +9,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from robustdist import harden
@@ -16,6 +17,8 @@ from robustdist.checkpoint import AtomicCheckpointer
 from robustdist.runtime.errors import CheckpointError
 from robustdist.testing.ranks import run_ranks
 from tests import _training as tr
+
+pytestmark = pytest.mark.processes
 
 ARRIVAL = 2.0
 

@@ -100,6 +100,7 @@ def _opt_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
+@pytest.mark.processes
 def test_a_recovered_generation_restores_its_own_copy_from_memory_without_reading_the_file(tmp_path):
     results = run_ranks(_generations, 2, args=(str(tmp_path), True), env=NODES, timeout=120)
     for rank, r in enumerate(results):
@@ -110,6 +111,7 @@ def test_a_recovered_generation_restores_its_own_copy_from_memory_without_readin
         assert r["third"] == (2, False, "replica"), r  # held once: then the files (its own corrupt: the replica)
 
 
+@pytest.mark.processes
 def test_without_the_carried_copy_the_same_files_fall_back_to_the_replicas(tmp_path):
     results = run_ranks(_generations, 2, args=(str(tmp_path), False), env=NODES, timeout=120)
     for r in results:
@@ -144,6 +146,7 @@ def _after_restore(rank: int, root: str) -> tuple[Any, ...]:
     return same_tier.from_process, loaded.from_process, len(kept), shared, intact
 
 
+@pytest.mark.processes
 def test_a_restore_from_memory_shares_no_buffer_with_a_later_save(tmp_path):
     results = run_ranks(_after_restore, 2, args=(str(tmp_path),), env=NODES, timeout=120)
     for rank, (same_tier, from_process, kept, shared, intact) in enumerate(results):
@@ -182,6 +185,7 @@ def _stale(rank: int, root: str) -> tuple[int | None, bool | None, bool]:
             all(torch.equal(a, b) for a, b in zip(got[:-1], expected[:-1])))
 
 
+@pytest.mark.processes
 def test_a_save_that_failed_after_its_snapshot_leaves_nothing_held(tmp_path):
     for step, from_process, same in run_ranks(_stale, 2, args=(str(tmp_path),), env=NODES, timeout=120):
         assert (step, from_process, same) == (1, False, True)
@@ -234,6 +238,7 @@ def _damaged_in_memory(rank: int, root: str) -> tuple[Any, ...]:
     return loaded.step, loaded.from_process, same, counter.value, [m for m in records if "holds it" in m]
 
 
+@pytest.mark.processes
 def test_a_held_copy_that_fails_its_check_is_read_from_its_file(tmp_path):
     for rank, (step, from_process, same, value, said) in enumerate(
             run_ranks(_damaged_in_memory, 2, args=(str(tmp_path),), env=NODES, timeout=120)):

@@ -120,6 +120,7 @@ def _each_source(rank: int, root: str) -> list[tuple[Any, ...]]:
     return out
 
 
+@pytest.mark.processes
 def test_resume_is_bit_identical_from_each_source(tmp_path):
     """Own copy, the replica the other node holds, and the durable tier all restore the same bits."""
     results = run_ranks(_each_source, 2, args=(str(tmp_path),), env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}],
@@ -141,6 +142,7 @@ def _node_map(rank: int, root: str) -> tuple[list[int], list[Any]]:
         tier.close(clean=True)
 
 
+@pytest.mark.processes
 def test_replicas_go_to_the_same_local_rank_on_the_next_node(tmp_path):
     two_by_two = run_ranks(_node_map, 4, args=(str(tmp_path),), env=[{"GROUP_RANK": str(r // 2)} for r in range(4)],
                            timeout=60)
@@ -168,6 +170,7 @@ def _background_failure(rank: int, root: str) -> tuple[str, str, int | None]:
     return raised, loaded.source if loaded else None, loaded.step if loaded else None
 
 
+@pytest.mark.processes
 def test_a_background_failure_surfaces_at_the_next_call_naming_the_rank(tmp_path):
     results = run_ranks(_background_failure, 2, args=(str(tmp_path),),
                         env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}], timeout=120)
@@ -193,6 +196,7 @@ def _snapshot_failure(rank: int, root: str) -> str:
     return ""
 
 
+@pytest.mark.processes
 def test_a_snapshot_failure_on_one_rank_raises_on_every_rank_and_writes_nothing(tmp_path):
     results = run_ranks(_snapshot_failure, 2, args=(str(tmp_path),),
                         env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}], timeout=120)
@@ -211,6 +215,7 @@ def _rotation(rank: int, root: str, keep_last: int) -> list[str]:
     return sorted(str(p.relative_to(tier.directory)) for p in Path(tier.directory).rglob("step_*"))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("keep_last", [1, 2])
 def test_only_the_newest_complete_steps_stay(tmp_path, keep_last):
     results = run_ranks(_rotation, 2, args=(str(tmp_path), keep_last),
@@ -280,6 +285,7 @@ def _interrupted_while_waiting(rank: int, root: str) -> tuple[str, float]:
     return raised, seconds
 
 
+@pytest.mark.processes
 def test_a_wait_under_way_gives_up_on_a_stuck_commit_once_a_recovery_interrupts_it(tmp_path):
     (raised, seconds), _ = run_ranks(_interrupted_while_waiting, 2, args=(str(tmp_path),),
                                      env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}], timeout=120)
@@ -287,6 +293,7 @@ def test_a_wait_under_way_gives_up_on_a_stuck_commit_once_a_recovery_interrupts_
     assert seconds < 15, seconds  # the interrupt (1 s) and the 2 s given to the part, not rank 1's 20 s
 
 
+@pytest.mark.processes
 def test_a_save_that_fails_mid_write_leaves_the_previous_step(tmp_path):
     results = run_ranks(_interrupted, 2, args=(str(tmp_path),), env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}],
                         timeout=120)
@@ -312,6 +319,7 @@ def _lineage_and_close(rank: int, root: str) -> tuple[Any, ...]:
     return kept, stranger, found.step if found else None, os.path.exists(mine.directory), other_kept
 
 
+@pytest.mark.processes
 def test_other_lineages_are_never_sources_and_a_clean_close_removes_only_its_own_files(tmp_path):
     results = run_ranks(_lineage_and_close, 2, args=(str(tmp_path),),
                         env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}], timeout=120)
@@ -340,6 +348,7 @@ def tiny_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
 
 
+@pytest.mark.processes
 def test_a_tier_that_does_not_fit_is_refused_with_the_numbers(tiny_tmpfs):
     model = nn.Linear(512, 512)  # 1 MiB of parameters: 2 MiB needed, 1 MiB of tmpfs
     tier = LocalTier(tiny_tmpfs, lineage="tiny")
@@ -408,6 +417,7 @@ def _no_space() -> None:
     raise OSError(28, "No space left on device")
 
 
+@pytest.mark.processes
 def test_copies_of_one_step_from_two_saves_are_never_combined(tmp_path):
     results = run_ranks(_mixed_saves, 2, args=(str(tmp_path),), env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}],
                         timeout=120)
@@ -425,6 +435,7 @@ def _close_one_failed(rank: int, root: str) -> tuple[float, bool]:
     return time.monotonic() - start, os.path.isdir(tier.directory)
 
 
+@pytest.mark.processes
 def test_a_clean_close_on_some_ranks_keeps_the_files_without_waiting(tmp_path):
     results = run_ranks(_close_one_failed, 2, args=(str(tmp_path),), env=[{"GROUP_RANK": "0"}, {"GROUP_RANK": "1"}],
                         timeout=60)
@@ -432,6 +443,7 @@ def test_a_clean_close_on_some_ranks_keeps_the_files_without_waiting(tmp_path):
         assert kept and seconds < 10, results
 
 
+@pytest.mark.processes
 def test_a_restart_whose_kept_copies_fill_the_tmpfs_still_fits(tiny_tmpfs):
     """2.5 copies of room: the first run needs 2; after a restart one copy is already there (only 1.5 copies
     are free), and it is replaced, so the tier still fits."""
@@ -485,6 +497,7 @@ def _replaced_node(rank: int, root: str) -> tuple[int, str, bool]:
     return loaded.step, loaded.source, all(torch.equal(a, b) for a, b in zip(got, reference))
 
 
+@pytest.mark.processes
 def test_a_replaced_node_of_two_ranks_gets_its_payloads_and_the_replicated_entries_from_the_other(tmp_path):
     """2 nodes x 2 ranks: node 1's ranks fetch their own state from the replicas on node 0 and the replicated
     entries (which node 1 no longer holds) from rank 0; node 0's ranks read theirs locally."""
@@ -514,6 +527,7 @@ def _close_after_a_peer_died(rank: int, root: str) -> None:
                                                      os.path.isdir(clean_tier.directory)]))
 
 
+@pytest.mark.processes
 def test_closing_after_a_peer_died_never_hangs(tmp_path):
     import json
 
@@ -557,6 +571,7 @@ def _stuck_wait_interrupted(rank: int) -> tuple[str, float]:
     return message, elapsed
 
 
+@pytest.mark.processes
 def test_a_replication_wait_is_given_up_at_once_when_a_recovery_interrupts_it(tmp_path):
     """gloo does not always end a point-to-point wait whose transfer is under way when the connections are shut
     down (benchmarks/findings.md, P10); the save's background part must not wait for it once a recovery began."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -45,6 +46,7 @@ def _resume(rank: int, root: str, local: bool) -> tuple:
     return step, source, state["X"], state["seen"], state["buf"].tolist(), state["same"]
 
 
+@pytest.mark.processes
 def test_each_rank_resumes_its_own_plain_extras_from_the_durable_tier(tmp_path):
     run_ranks(_save, 2, args=(str(tmp_path), False), init=False, timeout=120)
     out = run_ranks(_resume, 2, args=(str(tmp_path), False), init=False, timeout=120)
@@ -54,6 +56,7 @@ def test_each_rank_resumes_its_own_plain_extras_from_the_durable_tier(tmp_path):
         assert buf == [float(rank)] * 3 and same == "identical"
 
 
+@pytest.mark.processes
 def test_each_rank_resumes_its_own_plain_extras_from_the_in_memory_tier(tmp_path):
     run_ranks(_save, 2, args=(str(tmp_path), True), init=False, timeout=120)
     out = run_ranks(_resume, 2, args=(str(tmp_path), True), init=False, timeout=120)
@@ -87,6 +90,7 @@ def _resume_logged(rank: int, root: str, only_x: bool = False) -> tuple:
         logging.getLogger("robustdist").removeHandler(handler)
 
 
+@pytest.mark.processes
 def test_a_rank_that_saved_nothing_gets_rank_0s_values_and_a_warning(tmp_path):
     run_ranks(_save, 2, args=(str(tmp_path), False), init=False, timeout=120)
     out = run_ranks(_resume_logged, 3, args=(str(tmp_path),), init=False, timeout=120)
@@ -119,6 +123,7 @@ def _save_three(rank: int, root: str) -> None:
     h.close()
 
 
+@pytest.mark.processes
 def test_fewer_ranks_on_resume_warn_that_the_missing_ranks_values_are_not_restored(tmp_path):
     run_ranks(_save_three, 3, args=(str(tmp_path),), init=False, timeout=120)
     out = run_ranks(_resume_logged, 2, args=(str(tmp_path), True), init=False, timeout=120)

@@ -254,6 +254,7 @@ def test_fingerprint_is_stable_across_key_order_and_spellings():
     assert a.fingerprint() != a.replace(data={"seed": 2}).fingerprint()
 
 
+@pytest.mark.processes
 def test_fingerprint_is_stable_across_processes():
     data = {"distributed": {"backend": "gloo", "timeout": 60}, "checkpoint": {"dir": "/x", "keep_last": 2}}
     code = (

@@ -86,6 +86,7 @@ kwargs_st = st.fixed_dictionaries({
 })
 
 
+@pytest.mark.processes
 @settings(max_examples=30, deadline=None)
 @given(kwargs_st)
 def test_same_samples_as_plain_dataloader_or_a_working_fix(kw):
@@ -159,6 +160,7 @@ def test_epochs_advance_and_user_set_epoch_is_respected():
     assert epochs == [0, 1, 5, 6]
 
 
+@pytest.mark.processes
 def test_forkserver_when_cuda_is_initialised(monkeypatch):
     monkeypatch.setattr(dl.checks, "cuda_initialized", lambda: True)  # only the CUDA probe is faked
     with pytest.warns(RobustDistWarning, match="switched the workers' start method from fork to forkserver"):
@@ -249,6 +251,7 @@ def _shards(rank, world, shuffle, seed):
     return gathered, type(loader.sampler).__name__
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [2, 3])
 def test_inserted_sampler_shards_disjointly_and_reshuffles(world):
     first = run_ranks(_shards, world, args=(world, True, 7), timeout=60)
@@ -268,6 +271,7 @@ def _worker_seeds(rank):
     return [(int(w), int(t)) for b in loader for w, t in zip(b["worker"], b["torch"])]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [2])  # 3 ranks x 2 workers added nothing 2 x 2 does not show, at 45 s
 def test_worker_seeds_differ_across_ranks_and_workers(world):
     per_rank = run_ranks(_worker_seeds, world, timeout=90)
@@ -284,6 +288,7 @@ def _custom_batch_sampler(rank):
         return str(e)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [2])
 def test_custom_batch_sampler_raises_when_distributed(world):
     for rank, message in enumerate(run_ranks(_custom_batch_sampler, world, timeout=60)):
@@ -304,6 +309,7 @@ def _iterable(rank):
     return [str(w.message) for w in caught], [b.tolist() for b in loader]
 
 
+@pytest.mark.processes
 def test_iterable_dataset_warns_with_guidance():
     for messages, batches in run_ranks(_iterable, 2, timeout=60):
         assert any("an IterableDataset is not sharded automatically" in m and "(a hang)" in m for m in messages)
@@ -359,6 +365,7 @@ def _peek_then_loop(loader, epochs, set_epoch):
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("set_epoch", ["after", "before", "never"])
 def test_an_abandoned_iteration_replays_the_epoch_like_plain_set_epoch(set_epoch, workers):
@@ -466,6 +473,7 @@ def _sampler_cases(rank):
     return out
 
 
+@pytest.mark.processes
 def test_prebuilt_samplers_on_real_ranks_before_the_group():
     for rank, out in enumerate(run_ranks(_sampler_cases, 2, init=False, timeout=90)):
         assert out["group"] is False and out["kept"]

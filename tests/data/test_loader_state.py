@@ -43,6 +43,7 @@ def _fresh(num_workers=0, **kw):
     return safe_dataloader(DataLoader(DATA, batch_size=3, shuffle=True, num_workers=num_workers, **kw))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("stop_after", [5, 14, 20, 33])  # 14 batches per epoch: mid-epoch and on a boundary
 def test_resume_yields_the_remaining_batches_and_random_stream(num_workers, stop_after):
@@ -128,6 +129,7 @@ def _distributed_resume(rank):
     return rest == reference[9:], state["epoch"], loader.sampler.epoch
 
 
+@pytest.mark.processes
 def test_distributed_sampler_resumes_mid_epoch_on_every_rank():
     assert run_ranks(_distributed_resume, 2, timeout=60) == [(True, 1, 2), (True, 1, 2)]
 
@@ -140,6 +142,7 @@ def _same_state(a, b):
     return a == b and same_rng
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_an_abandoned_iteration_after_a_resume_starts_again_at_the_restored_position(num_workers):
     torch.manual_seed(0)
@@ -204,6 +207,7 @@ def test_a_peek_at_the_last_batch_of_a_restored_epoch_does_not_end_it(set_epoch)
     assert restored.sampler.epoch == 2  # then the next epoch, as after any epoch
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_save_after_the_last_batch_of_a_restored_epoch_resumes_in_the_next(num_workers):
     """The loop's own save after the restored epoch's one remaining batch (before the loop asks for the next): the
@@ -257,6 +261,7 @@ def _plain_epoch(shuffle=False):
     return [b.tolist() for (b,) in DataLoader(DATA, batch_size=3, shuffle=shuffle)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_peek_with_persistent_workers_is_not_checkpointed_as_consumed(num_workers):
     # regression: the loader keeps a persistent-workers iterator, so a peek counted as a live loop (batches == 1)

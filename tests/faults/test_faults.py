@@ -51,6 +51,7 @@ def _no_hook():
 
 
 # 1. SIGKILL of the writer in each phase ------------------------------------------------------------------
+@pytest.mark.processes
 @pytest.mark.parametrize(("phase", "newest"), [("writing", 2), ("files_written", 2), ("manifest_written", 2),
                                                 ("rotating", 3)])
 def test_sigkill_in_each_phase(tmp_path, phase, newest):
@@ -67,6 +68,7 @@ def test_sigkill_in_each_phase(tmp_path, phase, newest):
 
 
 # 2. write failures mid-file ------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_efbig_from_a_real_file_size_limit(tmp_path):
     out = _child(tmp_path, 2, "-", "efbig", 1 << 20)  # a 4 MiB tensor under a 1 MiB RLIMIT_FSIZE
     assert out.returncode == 0, out.stderr
@@ -105,6 +107,7 @@ def _flip(p):
     p.write_bytes(bytes(data))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("damage", "target", "reason"), [
     (_truncate, "replicated.pt", "bytes, expected"),
     (_flip, "replicated.pt", "CRC-32 differs from the manifest"),
@@ -155,6 +158,7 @@ def _rank1_raises(rank, directory):
     return None
 
 
+@pytest.mark.processes
 def test_a_raising_rank_fails_the_save_on_every_rank(tmp_path):
     start = time.monotonic()
     out = run_ranks(_rank1_raises, 2, args=(str(tmp_path),), timeout=90)
@@ -180,6 +184,7 @@ def _rank1_killed(rank, directory):
     return None
 
 
+@pytest.mark.processes
 def test_a_killed_rank_fails_the_save_within_the_timeout(tmp_path):
     with pytest.raises(RanksFailed) as exc:
         run_ranks(_rank1_killed, 2, args=(str(tmp_path),), timeout=90)
@@ -197,6 +202,7 @@ HOLDER = "import sys, time; from robustdist.checkpoint import AtomicCheckpointer
          "print('ready', flush=True); time.sleep(120)"
 
 
+@pytest.mark.processes
 def test_a_second_writer_fails_fast_and_a_dead_holder_is_taken_over(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -258,6 +264,7 @@ def _train(mode, directory):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.processes
 def test_resume_after_sigkill_is_bit_identical(tmp_path):
     straight = _train("straight", tmp_path / "a")
     assert straight.returncode == 0, straight.stderr
@@ -322,6 +329,7 @@ def _load_on_ranks(rank, directory):
     return (loaded.step, torch.rand(3).tolist(), [str(w.message) for w in caught if w.category is RobustDistWarning])
 
 
+@pytest.mark.processes
 def test_world_change_2_to_1_and_1_to_2(tmp_path):
     after_save = run_ranks(_save_on_ranks, 2, args=(str(tmp_path / "two"),), timeout=60)
     with AtomicCheckpointer(tmp_path / "two") as ckpt:

@@ -76,6 +76,7 @@ def _compose(rank):
     return out
 
 
+@pytest.mark.processes
 def test_harden_after_prepare_keeps_accelerates_ddp_and_sampler_and_adds_the_guards():
     outs = run_ranks(_compose, 2, init=False, timeout=TIMEOUT)
     labels = _loader().dataset.tensors[1].tolist()
@@ -102,6 +103,7 @@ def _harden_first(rank):
     return None
 
 
+@pytest.mark.processes
 def test_harden_before_prepare_is_refused_when_the_accelerator_exists():
     for rank, message in enumerate(run_ranks(_harden_first, 2, init=False, timeout=TIMEOUT)):
         assert message is not None and message.startswith(
@@ -129,6 +131,7 @@ def _prepare_after(rank):
     return None
 
 
+@pytest.mark.processes
 def test_prepare_of_a_hardened_model_is_refused_at_its_first_forward():
     for rank, message in enumerate(run_ranks(_prepare_after, 2, init=False, timeout=TIMEOUT)):
         assert message is not None and message.startswith(
@@ -177,6 +180,7 @@ def _prepare_the_hardened_loader(rank):
     return found
 
 
+@pytest.mark.processes
 def test_preparing_the_hardened_loader_is_refused_on_every_rank_before_its_first_batch():
     out = run_ranks(_prepare_the_hardened_loader, 2, init=False, timeout=TIMEOUT)
     for rank, found in enumerate(out):
@@ -212,6 +216,7 @@ def _fsdp2_sharded_under_accelerate(rank):
     return None
 
 
+@pytest.mark.processes
 def test_a_model_fsdp2_sharded_under_an_accelerator_is_refused_on_every_rank():
     for rank, message in enumerate(run_ranks(_fsdp2_sharded_under_accelerate, 2, init=False, timeout=TIMEOUT)):
         assert message is not None and message.startswith(
@@ -230,6 +235,7 @@ def _one_process_mixed_precision(rank):
         return h.model is model
 
 
+@pytest.mark.processes
 def test_one_process_prepared_model_composes_too():
     assert run_ranks(_one_process_mixed_precision, 1, init=False, timeout=TIMEOUT,
                      env={"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "LOCAL_WORLD_SIZE": None,
@@ -303,6 +309,7 @@ def _load_all(directory: Path):
     return run_ranks(_load, 2, init=True, timeout=TIMEOUT, args=(str(directory),))
 
 
+@pytest.mark.processes
 def test_the_newest_checkpoint_loads_bitwise_with_its_registered_objects(three):
     directory, kept = three
     names = sorted(p.name for p in (directory / "checkpoint_3").iterdir())
@@ -314,6 +321,7 @@ def test_the_newest_checkpoint_loads_bitwise_with_its_registered_objects(three):
                                 {k.removeprefix("module."): v for k, v in kept[3].items()})
 
 
+@pytest.mark.processes
 def test_an_empty_directory_is_a_fresh_start(tmp_path):
     assert [out[0] for out in _load_all(tmp_path / "none")] == [None, None]
 
@@ -378,6 +386,7 @@ def _damage_zipbomb(folder: Path) -> None:
     (folder / "robustdist-manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("damage", "why"), [
     (_damage_truncate, r"model\.safetensors: \d+ bytes, expected \d+ \(truncated or extended\)"),
     (_damage_flip, r"optimizer\.bin: its CRC-32 differs from the manifest's"),
@@ -407,6 +416,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(three, damage,
             _verify(str(directory / "checkpoint_3"), 3, rank, 2)
 
 
+@pytest.mark.processes
 def test_when_no_checkpoint_verifies_the_error_names_each(three):
     directory, _ = three
     _damage_flip(directory / "checkpoint_3")
@@ -417,6 +427,7 @@ def test_when_no_checkpoint_verifies_the_error_names_each(three):
         assert "checkpoint_2 refused" in message and "Fix: restore the folder from a copy" in message
 
 
+@pytest.mark.processes
 def test_staging_links_and_foreign_names_are_never_checkpoints(three, tmp_path):
     directory, _ = three
     (directory / ".tmp-checkpoint_9-abc").mkdir()  # a save killed before its commit
@@ -450,6 +461,7 @@ def _auto_naming(rank, directory):
     return out
 
 
+@pytest.mark.processes
 def test_misuse_is_a_named_config_error(tmp_path):
     (out,) = run_ranks(_auto_naming, 1, init=False, timeout=TIMEOUT, args=(str(tmp_path),),
                        env={"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "LOCAL_WORLD_SIZE": None,
@@ -481,6 +493,7 @@ def _damage_deep_manifest(folder: Path) -> None:
     (folder / "robustdist-manifest.json").write_text("[" * 200_000 + "]" * 200_000)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("damage", "why"), [
     (_damage_polyglot, r"optimizer\.bin: not a torch zip file \(it does not start with a zip header"),
     (_damage_deep_manifest, r"robustdist-manifest\.json: (not JSON|unreadable)"),
@@ -510,6 +523,7 @@ def _save_after_fallback(rank, directory):
     return loaded, rda.committed_states(directory), rda.load_state(accelerator, directory)
 
 
+@pytest.mark.processes
 def test_a_save_after_a_fallback_is_the_newest_and_the_abandoned_ones_are_kept_aside(tmp_path):
     directory = tmp_path / "ckpt"
     run_ranks(_save_three, 2, init=True, timeout=TIMEOUT, args=(str(directory),))  # steps 2 and 3 kept
@@ -520,6 +534,7 @@ def test_a_save_after_a_fallback_is_the_newest_and_the_abandoned_ones_are_kept_a
     assert [p.name.split("-")[1] for p in directory.iterdir() if p.name.startswith(".rejected-")] == ["checkpoint_3"]
 
 
+@pytest.mark.processes
 def test_a_resave_killed_between_its_renames_keeps_its_committed_copy(three):
     directory, kept = three
     (directory / "checkpoint_3").rename(directory / ".old-checkpoint_3-0123abcd")  # the instant between renames
@@ -530,6 +545,7 @@ def test_a_resave_killed_between_its_renames_keeps_its_committed_copy(three):
         assert step == 3 and value == 3
 
 
+@pytest.mark.processes
 def test_leading_zero_twins_and_accelerates_own_folders_are_not_checkpoints_and_never_deleted(three, caplog):
     directory, _ = three
     import shutil
@@ -574,6 +590,7 @@ def _rank0_only(rank, directory):
     return "ok"
 
 
+@pytest.mark.processes
 def test_a_save_called_on_one_rank_only_is_a_named_error_not_a_hang(tmp_path):
     outs = run_ranks(_rank0_only, 2, init=True, timeout=TIMEOUT, args=(str(tmp_path),))
     assert outs[1] == "elsewhere"
@@ -617,6 +634,7 @@ def _prepare_after_a_no_grad_forward(rank):
     return None
 
 
+@pytest.mark.processes
 def test_a_forward_before_prepare_does_not_let_a_second_wrapper_through():
     for rank, message in enumerate(run_ranks(_prepare_after_a_no_grad_forward, 2, init=False, timeout=TIMEOUT)):
         assert message is not None and "was called through a second DistributedDataParallel" in message
@@ -646,6 +664,7 @@ def _swap_mid_commit(rank, directory, outside, moved):
     return None, None, rda.committed_states(directory)
 
 
+@pytest.mark.processes
 def test_a_staging_directory_swapped_for_a_link_mid_commit_is_never_written_through_or_committed(tmp_path):
     directory, outside, moved = tmp_path / "ckpt", tmp_path / "outside", tmp_path / "moved"
     outside.mkdir()
@@ -683,6 +702,7 @@ def _swap_before_rename(rank, directory, moved):
     return None, rda.committed_states(directory), sorted(os.listdir(directory))
 
 
+@pytest.mark.processes
 def test_a_staging_directory_replaced_by_another_before_the_rename_is_not_committed(tmp_path):
     directory, moved = tmp_path / "ckpt", tmp_path / "moved"
     (message, committed, names), = run_ranks(

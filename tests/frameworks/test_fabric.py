@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from robustdist.testing.ranks import run_ranks
 from tests import _training as tr
 
+pytestmark = pytest.mark.processes
+
 pytest.importorskip("lightning")
 
 OFF = {"health": {"hang_timeout": None}}

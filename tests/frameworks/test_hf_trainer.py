@@ -15,6 +15,8 @@ from torch.utils.data import Dataset
 
 from robustdist.testing.ranks import run_ranks
 
+pytestmark = pytest.mark.processes
+
 pytest.importorskip("transformers")
 
 OFF = {"checkpoint": {"dir": None}, "health": {"hang_timeout": None}}

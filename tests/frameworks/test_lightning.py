@@ -82,6 +82,7 @@ def _fit(rank, directory, steps, resume):
     return trainer.global_step, started[0], closed
 
 
+@pytest.mark.processes
 def test_checkpoints_are_atomic_recorded_and_a_damaged_one_falls_back(tmp_path):
     directory = str(tmp_path / "ckpt")
     ((step, (start, watching), closed),) = run_ranks(_fit, 1, init=False, timeout=TIMEOUT, args=(directory, 6, None),
@@ -119,6 +120,7 @@ class _Runs:
         return (os.system, ("touch /tmp/robustdist-lightning-pwned",))
 
 
+@pytest.mark.processes
 def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_else_is_there(tmp_path):
     path = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": _Runs()}, path)
@@ -143,6 +145,7 @@ def _poisoned(rank, directory, policy):
     return "finished", (trainer.global_step, guard.skipped, bool(finite))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_non_finite_gradients_follow_the_policy(tmp_path, policy):
     ((what, detail),) = run_ranks(_poisoned, 1, init=False, timeout=TIMEOUT, args=(str(tmp_path), policy), env=ALONE)
@@ -174,6 +177,7 @@ def _save_and_remove(rank, directory):
     return saved, links, torch.equal(io.load_checkpoint(f"{directory}/step=4.ckpt")["state_dict"]["w"], torch.ones(3))
 
 
+@pytest.mark.processes
 def test_names_planted_as_links_are_replaced_and_removed_never_written_through(tmp_path):
     """A hard link and a symbolic link to files elsewhere planted at the names the plugin writes, and a link at a
     name it removes: each name is replaced or removed as a name; the files elsewhere keep their bytes."""

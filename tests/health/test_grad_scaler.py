@@ -256,6 +256,7 @@ def _ranks_plain(rank):
     return trace, tr.state_of(model)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("check_gradients", [True, False], ids=["gradients", "allreduce"])
 def test_two_ranks_leave_overflows_to_the_scaler_and_agree_on_a_nan_loss(check_gradients):
     plain = run_ranks(_ranks_plain, 2, timeout=120)
@@ -280,6 +281,7 @@ def test_two_ranks_leave_overflows_to_the_scaler_and_agree_on_a_nan_loss(check_g
     assert all(torch.isfinite(t).all() for t in skipped[0][3].values())
 
 
+@pytest.mark.processes
 def test_without_the_scaler_a_ddp_overflow_is_a_bad_step_and_the_error_says_to_pass_it():
     out = run_ranks(_ranks_fp16, 2, args=("raise", True, -1, False), init=False, timeout=120)
     for rank, (kind, message, ranks) in enumerate(out):
@@ -360,6 +362,7 @@ def _mixed_scalers(rank):
     return None
 
 
+@pytest.mark.processes
 def test_a_scaler_on_some_ranks_only_is_refused_on_every_rank_at_the_first_step():
     for rank, message in enumerate(run_ranks(_mixed_scalers, 2, timeout=60)):
         assert message == (f"[rank {rank}] the step guard was given an enabled GradScaler on rank 0 but not on the "

@@ -85,6 +85,7 @@ def test_watchdog_rejects_bad_settings():
         Watchdog(5, action="kill")
 
 
+@pytest.mark.processes
 def test_abort_exits_with_the_documented_code(single_process):
     code = ("import time\nfrom robustdist.health import Watchdog\nw = Watchdog(1.0, action='abort')\nw.beat(3)\n"
             "time.sleep(30)\n")
@@ -96,6 +97,7 @@ def test_abort_exits_with_the_documented_code(single_process):
     assert "had no beat for" in proc.stderr and "exiting with code 86" in proc.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("close_in_callback", [True, False], ids=["closed-by-recovery", "left-open"])
 def test_a_hang_callback_runs_and_abort_waits_for_it(single_process, close_in_callback):
     """``on_hang`` (in-process recovery's hook) is called with the report; with action="abort" the process exits
@@ -188,6 +190,7 @@ def _hang(rank, dump_dir):
     return started, reports
 
 
+@pytest.mark.processes
 def test_rank_zero_names_the_sleeping_rank_and_its_dump_shows_the_frame(tmp_path):
     out = run_ranks(_hang, 2, args=(str(tmp_path),), init=False, timeout=120)
     slept_at = out[1][0][0]
@@ -292,6 +295,7 @@ def _clean_run(rank, directory):
     return _nan_run(rank, "raise", directory, poison_step=-1, always=False)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("policy", ["raise", "skip", "warn"])
 def test_nan_on_one_rank_acts_identically_on_every_rank(policy, tmp_path):
     out = run_ranks(_nan_run, 2, args=(policy, str(tmp_path), 6, False), init=False, timeout=120)
@@ -316,6 +320,7 @@ def test_nan_on_one_rank_acts_identically_on_every_rank(policy, tmp_path):
         assert not finite  # warn steps with the NaN gradients, as asked
 
 
+@pytest.mark.processes
 def test_nan_on_one_rank_is_caught_on_every_rank_without_reading_gradients(tmp_path):
     out = run_ranks(_nan_run, 2, args=("raise", str(tmp_path), 6, False, False), init=False, timeout=120)
     for rank, (kind, message, ranks) in enumerate(out):
@@ -323,6 +328,7 @@ def test_nan_on_one_rank_is_caught_on_every_rank_without_reading_gradients(tmp_p
         assert message.startswith(f"[rank {rank}] step 6: a non-finite loss on rank 1 (rank 1: nan)")
 
 
+@pytest.mark.processes
 def test_rollback_continues_from_the_checkpoint_and_ends_where_a_clean_run_ends(tmp_path):
     clean = run_ranks(_clean_run, 2, args=(str(tmp_path / "clean"),), init=False, timeout=120)
     rolled = run_ranks(_nan_run, 2, args=("rollback", str(tmp_path / "nan"), 6, False), init=False, timeout=120)
@@ -334,6 +340,7 @@ def test_rollback_continues_from_the_checkpoint_and_ends_where_a_clean_run_ends(
         assert tr.bitwise_equal(final, clean[rank][2])
 
 
+@pytest.mark.processes
 def test_rollback_gives_up_after_max_rollbacks_of_the_same_step(tmp_path):
     out = run_ranks(_nan_run, 2, args=("rollback", str(tmp_path), 6, True), init=False, timeout=120)
     for kind, message, ranks in out:
@@ -352,6 +359,7 @@ def _allreduce_agreement(rank):
     return guard.agreement, bool(ok), skipped.action, skipped.ranks
 
 
+@pytest.mark.processes
 def test_a_model_without_ddp_agrees_by_all_reduce():
     assert run_ranks(_allreduce_agreement, 2, timeout=60) == [("allreduce", True, "skip", (1,))] * 2
 
@@ -366,6 +374,7 @@ def _finite_gradients(rank):
     return h.guard.agreement, decision.action
 
 
+@pytest.mark.processes
 def test_gradients_agreement_lets_a_non_finite_loss_with_finite_gradients_pass():
     assert run_ranks(_finite_gradients, 2, init=False, timeout=60) == [("gradients", "ok")] * 2
 
@@ -395,6 +404,7 @@ def _three_cases(rank, check_gradients):
     return h.guard.agreement, decisions
 
 
+@pytest.mark.processes
 def test_check_gradients_false_agrees_on_the_losses_and_lets_a_finite_loss_overflow_through():
     reading = run_ranks(_three_cases, 2, args=(True,), init=False, timeout=60)
     assert reading == [("gradients", [("skip", ()), ("skip", (1,)), ("ok", ())])] * 2
@@ -421,6 +431,7 @@ def _diverge(rank):
     return None
 
 
+@pytest.mark.processes
 def test_divergence_is_detected_at_the_next_interval_on_every_rank():
     for rank, (message, ranks) in enumerate(run_ranks(_diverge, 2, init=False, timeout=120)):
         assert message.startswith(f"[rank {rank}] step 10: ") and "4.bias" in message and ranks == (1,)
@@ -437,6 +448,7 @@ def _no_gradients(rank):
     return None
 
 
+@pytest.mark.processes
 def test_calling_the_guard_before_backward_is_a_clear_error():
     for message in run_ranks(_no_gradients, 2, init=False, timeout=60):
         assert "found no gradients on the model; expected it to be called after backward()" in message

@@ -256,6 +256,7 @@ def _torchrun(tmp_path: Path, mode: str, restarts: int) -> list[dict]:
     return events
 
 
+@pytest.mark.processes
 def test_a_crash_loop_under_torchrun_is_stopped_with_the_step_and_errors(tmp_path):
     events = _torchrun(tmp_path, "loop", restarts=4)
     stopped = [e for e in events if e["event"] == "guard"]
@@ -268,6 +269,7 @@ def test_a_crash_loop_under_torchrun_is_stopped_with_the_step_and_errors(tmp_pat
     assert not [e for e in events if e["event"] == "done"]
 
 
+@pytest.mark.processes
 def test_restarts_that_make_progress_finish_the_job(tmp_path):
     events = _torchrun(tmp_path, "progress", restarts=4)
     assert not [e for e in events if e["event"] == "guard"], events

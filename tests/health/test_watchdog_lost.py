@@ -243,6 +243,7 @@ def _start_frozen_node(job: _Job, action: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- the tests
+@pytest.mark.processes
 @pytest.mark.timeout(150)
 def test_every_survivor_names_the_frozen_node_within_the_bound_and_training_resumes_with_the_link(tmp_path):
     out, lost_phrase = str(tmp_path), f"lost ranks 2, 3 on {_node(1)}: no heartbeat for"
@@ -273,6 +274,7 @@ def test_every_survivor_names_the_frozen_node_within_the_bound_and_training_resu
         assert "beats resumed at step" in (_read(out, f"rank{rank}.log") or "")  # the link came back
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(150)
 def test_with_abort_the_survivors_exit_86_promptly_while_the_node_is_still_cut_off(tmp_path):
     out = str(tmp_path)
@@ -299,6 +301,7 @@ def test_with_abort_the_survivors_exit_86_promptly_while_the_node_is_still_cut_o
     assert exited <= BOUND
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_dead_rank_is_lost_by_node_and_a_stuck_live_rank_is_behind_on_every_survivor(tmp_path):
     out = str(tmp_path)
@@ -362,6 +365,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_store_that_stops_answering_delays_neither_the_dump_nor_the_abort(single_process, tmp_path):
     budget = 1.0 + 0.1 + 0.5 + 0.5  # hang_timeout, a tick, grace, the last read

@@ -103,6 +103,7 @@ def _records(tmp_path: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(tmp_path.glob("attempt*-rank*.json"))}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("shared", [True, False], ids=["agent-store", "no-shared-store"])
 def test_every_rank_reports_attempt_one_after_a_real_sigkill_under_torchrun(tmp_path, shared):
     """With torchrun's shared store (the default) the number is counted there; with
@@ -114,6 +115,7 @@ def test_every_rank_reports_attempt_one_after_a_real_sigkill_under_torchrun(tmp_
     assert [records[f"attempt0-rank{r}"]["attempt"] for r in (0, 1)] == [0, 0]
 
 
+@pytest.mark.processes
 def test_a_rank_that_overwrites_its_restart_count_still_gets_the_stores_attempt(tmp_path):
     _torchrun(tmp_path, "--tamper")
     records = _records(tmp_path)
@@ -144,6 +146,7 @@ def _torchrun_env(store, restarts: str) -> dict[str, str]:
             "TORCHELASTIC_MAX_RESTARTS": restarts, "MASTER_PORT": str(store.port)}
 
 
+@pytest.mark.processes
 def test_attempts_count_up_on_every_rank_whatever_the_variable_says(agent_store):
     """Three consecutive groups on one job-lifetime store (what torchrun restarts look like to the workers):
     0, 1, 2 on both ranks, while TORCHELASTIC_RESTART_COUNT disagrees across ranks every time."""
@@ -155,6 +158,7 @@ def test_attempts_count_up_on_every_rank_whatever_the_variable_says(agent_store)
     assert seen == [[(0, "0"), (0, "0")], [(1, "1"), (1, "0")], [(2, "0"), (2, "7")]]
 
 
+@pytest.mark.processes
 def test_without_restarts_rank_zeros_count_is_shared(agent_store):
     """No per-attempt store (--max-restarts=0): rank 0 counts in the agent's store and the others take its number
     through the group. Four attempts were counted before this one."""
@@ -163,6 +167,7 @@ def test_without_restarts_rank_zeros_count_is_shared(agent_store):
     assert [attempt for attempt, _ in out] == [4, 4]
 
 
+@pytest.mark.processes
 def test_without_a_shared_store_the_ranks_agree_on_the_largest_restart_count():
     """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0's worker serves a store that lives for this attempt only. After
     a node's agent was restarted, its count is 0 while the other node's is 1 (seen in the node lab)."""
@@ -183,6 +188,7 @@ def _adopt_twice(rank: int) -> tuple[int, int, int]:
         h.close()
 
 
+@pytest.mark.processes
 def test_an_adopted_group_is_counted_once_and_harden_reports_the_same(agent_store):
     """The script made the group itself with a plain init_process_group on the agent's store (run_ranks does, as a
     script under torchrun would): rank 0 counts in that store once, however often the group is adopted."""
@@ -193,6 +199,7 @@ def test_an_adopted_group_is_counted_once_and_harden_reports_the_same(agent_stor
     assert agent_store.add(_elastic_store._COUNTER, 0) == 3
 
 
+@pytest.mark.processes
 def test_no_launcher_store_means_attempt_zero():
     assert run_ranks(_attempt, 2, init=False, timeout=90, env={"TORCHELASTIC_RESTART_COUNT": "3"}) == \
         [(0, "3"), (0, "3")]
@@ -210,6 +217,7 @@ def _init_twice(rank: int) -> tuple[int, int]:
     return _attempt(rank)[0], _attempt(rank)[0]
 
 
+@pytest.mark.processes
 def test_a_second_init_in_the_same_process_is_the_same_attempt(agent_store):
     """A retry around init, or a second harden(), in one worker process is not a restart (found by review:
     it used to count the next attempt)."""

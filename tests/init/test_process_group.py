@@ -38,6 +38,7 @@ def _init_and_report(rank):
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [2, 3])
 def test_success_report_on_every_rank(world):
     out = run_ranks(_init_and_report, world, init=False, timeout=90)
@@ -60,6 +61,7 @@ def _config_differs_on_last_rank(rank, world):
     return None
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [2, 3])
 def test_config_fingerprint_mismatch_names_the_rank_on_every_rank(world):
     out = run_ranks(_config_differs_on_last_rank, world, args=(world,), init=False, timeout=90)
@@ -85,6 +87,7 @@ def _late_to_the_barrier(rank, late_rank, delay):
     return None
 
 
+@pytest.mark.processes
 def test_rank_missing_the_barrier_is_named_by_the_others():
     # run_ranks creates the group (init is not a barrier), then rank 2 dawdles past barrier_timeout.
     out = run_ranks(_late_to_the_barrier, 3, args=(2, 8), timeout=90)
@@ -103,6 +106,7 @@ def _bad_gloo_ifname(rank):
     return None
 
 
+@pytest.mark.processes
 def test_bad_gloo_socket_ifname_lists_real_interfaces():
     out = run_ranks(_bad_gloo_ifname, 2, init=False, env={"GLOO_SOCKET_IFNAME": "nosuch0"}, timeout=60)
     import socket
@@ -132,6 +136,7 @@ def _fake_gpus(rank, gpus):
     return None
 
 
+@pytest.mark.processes
 def test_duplicate_gpu_on_one_host_is_an_error_on_every_rank():
     out = run_ranks(_fake_gpus, 2, args=(["GPU-aaaa", "GPU-aaaa"],), init=False, env={"CUDA_VISIBLE_DEVICES": "0,1"},
                     timeout=60)
@@ -140,6 +145,7 @@ def test_duplicate_gpu_on_one_host_is_an_error_on_every_rank():
         assert "'Duplicate GPU detected'" in message and ranks == (0, 1)
 
 
+@pytest.mark.processes
 def test_cuda_visible_devices_drift_on_one_host_is_an_error():
     out = run_ranks(_fake_gpus, 2, args=(["GPU-a", "GPU-b"],), init=False,
                     env=[{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "1,0"}], timeout=60)
@@ -148,6 +154,7 @@ def test_cuda_visible_devices_drift_on_one_host_is_an_error():
         assert ranks == (1,)
 
 
+@pytest.mark.processes
 def test_one_gpu_per_rank_isolation_is_fine():
     # srun --gpus-per-task=1 style: each rank sees only its own GPU, so the lists differ legitimately.
     out = run_ranks(_fake_gpus, 2, args=(["GPU-a", "GPU-b"],), init=False,
@@ -163,6 +170,7 @@ def _nccl_env_differs(rank):
     return report.warnings, [str(w.message) for w in record]
 
 
+@pytest.mark.processes
 def test_nccl_env_differing_within_a_host_warns():
     out = run_ranks(_nccl_env_differs, 2, init=False, env=[{"NCCL_IB_DISABLE": "1"}, {"NCCL_IB_DISABLE": "0"}],
                     timeout=60)
@@ -179,6 +187,7 @@ def _existing_group(rank):
     return report.created, same, report.backend, destroy_process_group_if_owned(report), dist.is_initialized()
 
 
+@pytest.mark.processes
 def test_existing_group_is_validated_not_reinitialised():
     out = run_ranks(_existing_group, 2, timeout=60)
     assert out == [(False, True, "gloo", False, True)] * 2
@@ -190,6 +199,7 @@ def _context_manager(rank):
     return inside, dist.is_initialized()
 
 
+@pytest.mark.processes
 def test_distributed_context_manager_destroys_what_it_created():
     assert run_ranks(_context_manager, 2, init=False, timeout=60) == [(True, False)] * 2
 

@@ -182,6 +182,7 @@ def _two_nodes(rank, port, deaf):
     return (*outcome, time.monotonic() - start)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 def test_check_peers_passes_when_every_listener_answers():
     results = run_ranks(_two_nodes, 2, args=(free_port(), False), init=False, timeout=60)
@@ -189,6 +190,7 @@ def test_check_peers_passes_when_every_listener_answers():
     assert all(r[3] < 10 for r in results)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 def test_check_peers_raises_the_same_error_on_every_rank():
     results = run_ranks(_two_nodes, 2, args=(free_port(), True), init=False, timeout=60)
@@ -217,6 +219,7 @@ def test_a_single_rank_checks_nothing():
     assert store.num_keys() == 0
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 def test_two_ranks_on_one_host_pass_without_probing():
     results = run_ranks(_same_host, 2, args=(free_port(),), init=False, timeout=60)
@@ -290,6 +293,7 @@ def _host_leaves(rank, port):
     return None
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 def test_a_store_that_goes_away_is_named_as_such():
     _, (message, seconds) = run_ranks(_host_leaves, 2, args=(free_port(),), init=False, timeout=60)

@@ -94,6 +94,7 @@ def _server(reply: bytes | None):
 
 
 # ---------------------------------------------------------------------------------------------- 1. loopback
+@pytest.mark.processes
 @pytest.mark.parametrize(("master_addr", "found"), [
     ("127.0.0.1", "'127.0.0.1' is a loopback address"),
     ("localhost", "'localhost' resolves only to loopback (127.0.0.1"),
@@ -114,6 +115,7 @@ def test_loopback_master_addr_on_two_nodes_is_refused_before_any_connection(mast
         assert elapsed < 2.0  # not INIT: no wait at all
 
 
+@pytest.mark.processes
 def test_loopback_tcp_init_method_on_two_nodes_is_refused_too():
     port = free_port()
     out = run_ranks(_init, 2, init=False, args=(f"tcp://127.0.0.1:{port}",), timeout=60, env=_two_nodes())
@@ -123,11 +125,13 @@ def test_loopback_tcp_init_method_on_two_nodes_is_refused_too():
         assert "the job spans 2 nodes" in message and "--local_addr" in message and elapsed < 2.0
 
 
+@pytest.mark.processes
 def test_loopback_on_one_node_is_fine():
     assert [m for m, _, _ in run_ranks(_init, 2, init=False, timeout=60)] == [None, None]
 
 
 # ---------------------------------------------------------------------------------------------- 2. nobody listens
+@pytest.mark.processes
 @pytest.mark.parametrize("restarts", ["0", "1"], ids=["agent-store", "agent-store-with-restarts"])
 def test_a_closed_store_port_under_torchrun_is_named_within_init_timeout(restarts):
     """A script under torchrun that sets os.environ["MASTER_PORT"] = "12355": every rank is a client of a port
@@ -168,6 +172,7 @@ OVERRIDE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.processes
 def test_a_script_that_sets_master_port_under_real_torchrun_is_named_on_every_rank(tmp_path):
     script, port = tmp_path / "tutorial.py", free_port()
     script.write_text(OVERRIDE)
@@ -198,6 +203,7 @@ def test_a_script_that_sets_master_port_under_real_torchrun_is_named_on_every_ra
         assert elapsed < INIT + MARGIN
 
 
+@pytest.mark.processes
 def test_a_rank_told_another_port_is_named_by_the_others():
     """Only rank 1 overrides MASTER_PORT: it finds nothing there; rank 0, serving the store, names rank 1."""
     out = run_ranks(_init, 2, init=False, timeout=60, env=[{}, {"MASTER_PORT": str(free_port())}])
@@ -211,6 +217,7 @@ def test_a_rank_told_another_port_is_named_by_the_others():
 
 
 # ---------------------------------------------------------------------------------------------- 3. not a store
+@pytest.mark.processes
 @pytest.mark.parametrize(("reply", "said"), [
     (None, r"it accepted the connection and sent nothing; it did not answer the store handshake"),
     # torch's handshake fails (its text varies: "Ping failed" on 2.13, a nonce assert on 2.8), or is still
@@ -231,6 +238,7 @@ def test_a_port_answered_by_something_else_is_not_a_c10d_store(reply, said):
         assert elapsed < INIT + MARGIN
 
 
+@pytest.mark.processes
 def test_master_port_held_by_another_service():
     """Without torchrun's store rank 0 serves it: the port is taken (rank 0 says so), and rank 1 meets the
     other service."""
@@ -321,12 +329,14 @@ def test_file_init_method_that_names_a_directory(two_ranks_here, tmp_path):
         safe_init_process_group(DistributedConfig(init_method=f"file://{tmp_path}", init_timeout=60))
 
 
+@pytest.mark.processes
 def test_file_init_method_in_an_existing_directory_works(tmp_path):
     out = run_ranks(_init, 2, init=False, args=(f"file://{tmp_path / 'store'}",), timeout=60)
     assert [m for m, _, _ in out] == [None, None]
 
 
 # ---------------------------------------------------------------------------------------------- arrival
+@pytest.mark.processes
 def test_a_rank_that_never_started_is_named_within_init_timeout():
     """WORLD_SIZE=3 but only ranks 0 and 1 run: both name rank 2 (no gloo full mesh waits 30 minutes)."""
     out = run_ranks(_init, 2, init=False, timeout=60, env={"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"})
@@ -391,6 +401,7 @@ STORE_SERVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_a_store_that_freezes_after_the_handshake_is_named_within_the_bound():
     """Found by review: a TCPStore client's calls ignore its timeout when the server stops answering after the
     handshake (a frozen or cut-off master), so the arrival wait blocked with no bound. Rank 1 (a client of

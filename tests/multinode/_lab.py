@@ -13,6 +13,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 JOB = str(Path(__file__).with_name("job.py"))
 DEMO = str(ROOT / "examples" / "resilient_training.py")
+TUTORIAL = str(ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py")  # the DDP-tutorial client
+STRAIGHT_EPOCHS = 6  # its lab runs on 2 ranks (8 steps an epoch): the session's straight run (conftest.py)
 # Fast failure detection for the lab: the agents' keep-alive and the rendezvous' last call.
 FAST_RDZV = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 2, "join_timeout": 60}
 

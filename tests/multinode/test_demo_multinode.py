@@ -15,7 +15,7 @@ import pytest
 from robustdist.testing import nodelab
 from tests.multinode._lab import DEMO, ROOT, finish, logs, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
 
 def _summary(text: str) -> dict[str, str]:

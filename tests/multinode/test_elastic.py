@@ -12,7 +12,7 @@ import pytest
 
 from tests.multinode._lab import FAST_RDZV, JOB, events, finish, job_args, logs, of, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
 
 def test_a_node_lost_for_good_shrinks_the_job_and_it_resumes(node_lab, tmp_path):

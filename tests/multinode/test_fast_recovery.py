@@ -41,6 +41,8 @@ from robustdist.testing.ranks import run_ranks
 from tests import _procs
 from tests.multinode._lab import FAST_RDZV, PY, ROOT, events, finish, logs, of, wait_for
 
+pytestmark = pytest.mark.processes
+
 SCRIPT = str(Path(__file__).with_name("recovery_job.py"))
 LAUNCH_TIMEOUT = 100.0  # one torchrun launch of 2 agents (a restart included); ~10-20 s alone on 2 cores
 COMMON = ["--steps", "20", "--every", "5", "--local-every", "2"]

@@ -18,6 +18,8 @@ import pytest
 
 from robustdist.testing.nodelab import NodeLab
 
+pytestmark = pytest.mark.processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PORT = 29500
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",

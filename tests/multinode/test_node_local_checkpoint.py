@@ -7,7 +7,7 @@ import pytest
 
 from tests.multinode._lab import JOB, events, finish, job_args, logs, of
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(180)]
 
 
 def test_a_node_local_checkpoint_dir_is_refused_on_every_rank_before_anything_is_committed(node_lab, tmp_path):

@@ -60,6 +60,7 @@ def _wait_for(predicate, timeout, what):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+@pytest.mark.processes
 def test_nodes_have_their_own_addresses_and_reach_each_other(node_lab):
     lab = node_lab(3)
     assert [n.address for n in lab.nodes] == ["10.213.0.1", "10.213.0.2", "10.213.0.3"]
@@ -75,6 +76,7 @@ def test_nodes_have_their_own_addresses_and_reach_each_other(node_lab):
     assert socket.gethostname() != "node2"  # the host's own name is untouched
 
 
+@pytest.mark.processes
 def test_link_down_is_a_partition_without_reset(node_lab, tmp_path):
     lab = node_lab(2)
     (tmp_path / "server.py").write_text(SERVER)
@@ -98,6 +100,7 @@ def test_link_down_is_a_partition_without_reset(node_lab, tmp_path):
     client.wait(timeout=10)
 
 
+@pytest.mark.processes
 def test_local_disk_is_private_to_each_node(node_lab, tmp_path):
     disk = tmp_path / "ckpt"
     lab = node_lab(2, local_disk=disk, disk_size="8m")
@@ -113,6 +116,7 @@ def test_local_disk_is_private_to_each_node(node_lab, tmp_path):
     assert lab.exec(0, ["sh", "-c", f"echo x > {disk}/more && echo ok"]).strip() == "ok"  # node 0's disk is not full
 
 
+@pytest.mark.processes
 def test_kill_node_kills_every_process_in_it_and_keeps_the_node(node_lab, tmp_path):
     lab = node_lab(2)
     sleepers = [lab.popen(1, ["sleep", "300"], name=f"sleep{i}") for i in range(2)]
@@ -127,6 +131,7 @@ def test_kill_node_kills_every_process_in_it_and_keeps_the_node(node_lab, tmp_pa
     other.wait(timeout=10)
 
 
+@pytest.mark.processes
 def test_teardown_is_complete_even_when_the_test_body_fails(tmp_path):
     _require_lab()
     before = set(nodelab.leftover_namespaces(owner=os.getpid()))
@@ -140,6 +145,7 @@ def test_teardown_is_complete_even_when_the_test_body_fails(tmp_path):
         assert node.holder is not None and node.holder.poll() is not None  # the mount namespaces are gone too
 
 
+@pytest.mark.processes
 def test_a_teardown_that_failed_part_way_is_done_again_by_the_next_close(tmp_path, monkeypatch):
     """A close() that fails (or is interrupted by a test's timeout) after killing the processes but before the
     namespaces are deleted must not leave the lab marked closed: the next close() deletes them."""
@@ -175,6 +181,7 @@ def test_a_system_directory_is_refused_as_local_disk(tmp_path):
         NodeLab(2, local_disk="/proc", log_dir=tmp_path)
 
 
+@pytest.mark.processes
 def test_a_path_that_cannot_be_mounted_is_named(tmp_path):
     _require_lab()
     a_file = tmp_path / "not-a-dir"
@@ -192,6 +199,7 @@ def test_not_root_is_a_named_reason(monkeypatch):
         NodeLab(2)
 
 
+@pytest.mark.processes
 def test_remove_stale_clears_a_crashed_runs_namespaces():
     _require_lab()
     dead = subprocess.Popen(["true"])

@@ -12,7 +12,7 @@ import pytest
 
 from tests.multinode._lab import JOB, events, finish, job_args, logs, of, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 HANG_TIMEOUT = 6.0
 
 

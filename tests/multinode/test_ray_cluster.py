@@ -27,7 +27,7 @@ import torch
 
 from tests.multinode._lab import PY, ROOT, finish, logs, wait_for
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.processes, pytest.mark.ray, pytest.mark.timeout(420)]
 RAY_PORT = 6379
 BUDGET_S = 330  # every wait of the test together, so that a failure reports with the logs before the timeout
 
@@ -38,9 +38,13 @@ def _ray_env(token):
 
     ``GLOO_SOCKET_IFNAME=eth0`` (the workers inherit it from their raylet), as docs/ray.md tells multi-node
     users: a lab node's hostname resolves to 127.0.1.1 (the stock Debian /etc/hosts), and without it Ray
-    Train's own gloo group fails before the training function runs (``connectFullMesh ... remote=[127.0.1.1]``)."""
+    Train's own gloo group fails before the training function runs (``connectFullMesh ... remote=[127.0.1.1]``).
+
+    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (the driver passes it on to each run's controller): the controller polls
+    its workers every 0.5 s instead of 2 s, as in tests/ray/conftest.py, which says why."""
     return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": token, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "eth0",
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
             "RAY_memory_monitor_refresh_ms": "0"}  # Ray's host-wide memory monitor must not spend the one retry
 
 

@@ -13,19 +13,20 @@ node), with the DDP-tutorial-shaped client (``tests/clients/ddp_tutorial_inproce
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests._torchrun import ROOT, finish as finish_host, launch, results, succeeded
-from tests.multinode._lab import FAST_RDZV, finish, logs, wait_for
+from tests.multinode._lab import FAST_RDZV, STRAIGHT_EPOCHS, TUTORIAL as CLIENT, finish, logs, wait_for
 
-pytestmark = pytest.mark.timeout(480)
-CLIENT = str(ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py")
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(480)]
 RUN = ("robustdist", "run")
 SHARED = {"PYTHONPATH": str(ROOT)}  # the agent's store shared with the workers (torchrun's default)
 ENV = {**SHARED, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torch 2.13: a new agent can rejoin
@@ -36,10 +37,24 @@ def _events(work: Path, tag: str, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _straight(tmp_path: Path, nproc: int, *args: str) -> list:
+@contextlib.contextmanager
+def _straight_beside(tmp_path: Path, nproc: int, *args: str) -> Iterator[Callable[[], list]]:
+    """The same job without a fault on this host (``torchrun --standalone``), running beside the lab run (it shares
+    no port or directory with it); yields a function that waits for it and returns its ``results()``. Its pacing
+    (``--step-sleep``) is left out: it changes no parameter, only how long the run takes."""
     work = tmp_path / "straight"
-    succeeded(finish_host({"straight": launch(Path(CLIENT), work, "straight", *args, nproc=nproc)}, 240))
-    return results(work, "straight", ranks=nproc)
+    proc = launch(Path(CLIENT), work, "straight", *args, nproc=nproc)
+
+    def wait() -> list:
+        succeeded(finish_host({"straight": proc}, 240))
+        return results(work, "straight", ranks=nproc)
+
+    try:
+        yield wait
+    finally:
+        if proc.poll() is None:  # the test failed before it waited: no process outlives it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 def _same(straight: list, work: Path, tag: str, ranks: int) -> list:
@@ -67,15 +82,15 @@ def _at_step_12(node_lab, tmp_path: Path, tag: str, shape: tuple[str, ...], *, n
 
 
 def test_two_ranks_on_two_nodes_killed_at_once_are_each_replaced_alone(node_lab, tmp_path):
-    shape = ("--epochs", "8", "--step-sleep", "0.15")  # 4 ranks: 4 steps an epoch, 32 steps
-    straight = _straight(tmp_path, 4, *shape)
-    lab, work, argv, agents = _at_step_12(node_lab, tmp_path, "two", shape, nproc=2,
-                                          launcher=(*RUN, "--spares", "0"), env=SHARED)
-    doomed = {r: [e for e in _events(work, "two", r) if e["event"] == "start"][-1]["pid"] for r in (0, 3)}
-    for pid in doomed.values():  # the same moment on both nodes (pids are the host's: the lab shares them)
-        os.kill(pid, signal.SIGKILL)
-    assert finish(agents, 300, lab) == [0, 0], logs(lab)
-    ends = _same(straight, work, "two", 4)
+    epochs = ("--epochs", "8")  # 4 ranks: 4 steps an epoch, 32 steps
+    with _straight_beside(tmp_path, 4, *epochs) as straight:
+        lab, work, argv, agents = _at_step_12(node_lab, tmp_path, "two", (*epochs, "--step-sleep", "0.15"), nproc=2,
+                                              launcher=(*RUN, "--spares", "0"), env=SHARED)
+        doomed = {r: [e for e in _events(work, "two", r) if e["event"] == "start"][-1]["pid"] for r in (0, 3)}
+        for pid in doomed.values():  # the same moment on both nodes (pids are the host's: the lab shares them)
+            os.kill(pid, signal.SIGKILL)
+        assert finish(agents, 300, lab) == [0, 0], logs(lab)
+        ends = _same(straight(), work, "two", 4)
     for rank in (1, 2):  # the survivors: one process throughout, generations 0 and 1
         starts = [e for e in _events(work, "two", rank) if e["event"] == "start"]
         assert {e["pid"] for e in starts} == {ends[rank][0]["pid"]} and [e["generation"] for e in starts] == [0, 1]
@@ -91,9 +106,8 @@ def test_two_ranks_on_two_nodes_killed_at_once_are_each_replaced_alone(node_lab,
         assert "will restart worker group" not in log, logs(lab)
 
 
-def test_a_lost_node_and_its_agent_take_the_whole_node_path(node_lab, tmp_path):
-    shape = ("--epochs", "6", "--step-sleep", "0.15")  # 2 ranks: 8 steps an epoch, 48 steps
-    straight = _straight(tmp_path, 2, *shape)
+def test_a_lost_node_and_its_agent_take_the_whole_node_path(node_lab, tmp_path, straight_2_ranks):
+    shape = ("--epochs", str(STRAIGHT_EPOCHS), "--step-sleep", "0.15")  # 2 ranks: 8 steps an epoch, 48 steps
     lab, work, argv, agents = _at_step_12(node_lab, tmp_path, "node", shape, nproc=1, launcher=RUN,
                                           rdzv_conf=FAST_RDZV)
     tier = tmp_path / "node-local" / "tier"
@@ -103,7 +117,7 @@ def test_a_lost_node_and_its_agent_take_the_whole_node_path(node_lab, tmp_path):
     again = lab.torchrun(1, CLIENT, argv, max_restarts=2, env=ENV, rdzv_conf=FAST_RDZV, launcher=RUN,
                          name="agent-n1-again")
     assert finish([agents[0], again], 300, lab) == [0, 0], logs(lab)
-    ends = _same(straight, work, "node", 2)
+    ends = _same(straight_2_ranks, work, "node", 2)
     starts = [e for e in _events(work, "node", 0) if e["event"] == "start"]  # node 0's worker restarted by its agent
     assert len({e["pid"] for e in starts}) == 2 and starts[-1]["pid"] == ends[0][0]["pid"], starts
     assert starts[-1]["generation"] == 0 and starts[-1]["step"] > 0, starts  # a fresh process, resumed

@@ -34,10 +34,12 @@ def _check(rank, perturb, include):
     return report.tensors, report.world_size
 
 
+@pytest.mark.processes
 def test_equal_models_pass():
     assert run_ranks(_check, 3, args=(None, ("keys", "shapes", "dtypes", "values")), timeout=60) == [(9, 3)] * 3
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("perturb", "needle"), [
     ("value", "2.weight: ranks 0, 2: shape (2, 4) float32 crc "),
     ("buffer", "1.running_mean: ranks 0, 2: shape (4,) float32 crc "),
@@ -51,6 +53,7 @@ def test_drift_on_rank_1_is_named_on_every_rank(perturb, needle):
         assert "Fix: look for a rank that skipped an optimizer step" in message
 
 
+@pytest.mark.processes
 def test_include_limits_what_is_compared():
     assert run_ranks(_check, 2, args=("value", ("keys", "shapes", "dtypes")), timeout=60) == [(9, 2)] * 2
 

@@ -54,6 +54,7 @@ def _wrap_and_train(rank):
             sorted(model.state_dict())[0])
 
 
+@pytest.mark.processes
 def test_wraps_a_real_ddp_with_syncbn_and_config():
     for out in run_ranks(_wrap_and_train, 2, timeout=60):
         assert out == (True, True, False, False, None, True, "module.0.bias")
@@ -64,6 +65,7 @@ def _no_syncbn(rank):
     return type(model.module[1]).__name__
 
 
+@pytest.mark.processes
 def test_sync_batchnorm_can_be_turned_off():
     assert run_ranks(_no_syncbn, 2, timeout=60) == ["BatchNorm2d"] * 2
 
@@ -79,6 +81,7 @@ def _double_wrap(rank):
     return messages
 
 
+@pytest.mark.processes
 def test_refuses_to_wrap_twice():
     for rank, messages in enumerate(run_ranks(_double_wrap, 2, timeout=60)):
         assert len(messages) == 3
@@ -139,6 +142,7 @@ def _sharded_then_ddp(rank):
     return found
 
 
+@pytest.mark.processes
 def test_refuses_a_sharded_model_naming_what_sharded_it_and_the_fix():
     for rank, found in enumerate(run_ranks(_sharded_then_ddp, 2, timeout=90)):
         for key, where in (("root wrap_ddp", "the root"), ("root harden", "the root"), ("submodule wrap_ddp", "2"),
@@ -169,6 +173,7 @@ def _compiled(rank):
             sorted(wrapped.state_dict())[0])
 
 
+@pytest.mark.processes
 def test_compiled_module_is_accepted_with_advice():
     for syncbn, warned, first_key in run_ranks(_compiled, 2, timeout=120):
         assert syncbn and first_key == "module._orig_mod.0.bias"
@@ -197,6 +202,7 @@ def _unused_parameters(rank):
     return None
 
 
+@pytest.mark.processes
 def test_unused_parameters_are_named():
     for rank, (message, err_rank, chained) in enumerate(run_ranks(_unused_parameters, 2, timeout=60)):
         assert message == (
@@ -222,6 +228,7 @@ def _bad_mode(rank):
         return str(e)
 
 
+@pytest.mark.processes
 def test_bad_sync_batchnorm_value():
     assert run_ranks(_bad_mode, 2, timeout=60)[0] == ("sync_batchnorm='yes'; expected 'auto', True or False. "
                                                       "Fix: pass one of those.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -17,6 +18,8 @@ from robustdist import harden
 from robustdist.parallel.ddp import pin_group_past_reducer
 from robustdist.runtime.group_teardown import GROUP_PIN as _GROUP_PIN
 from robustdist.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.processes
 
 
 def _pinned(rank: int) -> tuple[int, bool, int]:

@@ -65,6 +65,7 @@ def _node_env(world, nodes):
             for r in range(world)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("world", "nodes", "strategy", "shape", "names"), [
     (2, 1, "FULL_SHARD", (2,), ("shard",)),
     (4, 1, "FULL_SHARD", (4,), ("shard",)),
@@ -86,6 +87,7 @@ def _hybrid_on_one_node(rank):
     return cal.sharding_strategy, cal.warnings
 
 
+@pytest.mark.processes
 def test_hybrid_on_one_node_degrades_with_a_warning():
     for strategy, warnings in run_ranks(_hybrid_on_one_node, 2, timeout=60):
         assert strategy == "FULL_SHARD" and "HYBRID_SHARD was requested on a single node" in warnings[0]
@@ -105,6 +107,7 @@ def _mismatch(rank, case):
     return None
 
 
+@pytest.mark.processes
 def test_env_world_size_differs_from_the_group():
     for rank, message in enumerate(run_ranks(_mismatch, 2, args=("env",), timeout=60)):
         assert message == (f"[rank {rank}] WORLD_SIZE=4 in the environment but the process group has 2 ranks; "
@@ -113,12 +116,14 @@ def test_env_world_size_differs_from_the_group():
                            "launcher's ranks.")
 
 
+@pytest.mark.processes
 def test_uneven_nodes():
     for message in run_ranks(_mismatch, 4, args=("uneven",), env=_node_env(4, 2), timeout=60):
         assert "nodes run different numbers of ranks (node0: 3, node1: 1); expected the same on every node" in message
         assert "Fix: launch the same --nproc_per_node on every node" in message
 
 
+@pytest.mark.processes
 def test_a_process_seeing_four_gpus():
     # the seed's trap: 2 Ray workers granted 4 GPUs each, one process per worker
     for message in run_ranks(_mismatch, 2, args=("gpus",), timeout=60):
@@ -301,6 +306,7 @@ def policies_and_init(_gloo_averages):
     return run_ranks(_policies_and_init, 2, timeout=150)
 
 
+@pytest.mark.processes
 def test_per_layer_policies_by_names_callable_classes_and_auto(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["names"] == ["", "blocks.0", "blocks.1"]
@@ -309,12 +315,14 @@ def test_per_layer_policies_by_names_callable_classes_and_auto(fsdp_cpu, policie
         assert out["auto"] == ["", "blocks.0", "blocks.1"]
 
 
+@pytest.mark.processes
 def test_meta_model_is_sharded_then_initialised(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["init_finite"] and out["freqs"] and out["dtensors"]
         assert out["init_weights"]
 
 
+@pytest.mark.processes
 def test_meta_model_without_an_init_path_is_refused_on_every_rank(fsdp_cpu, policies_and_init):
     for rank, out in enumerate(policies_and_init):
         assert out["no_init"] == (
@@ -325,6 +333,7 @@ def test_meta_model_without_an_init_path_is_refused_on_every_rank(fsdp_cpu, poli
             "place, or give their modules a reset_parameters().")
 
 
+@pytest.mark.processes
 def test_a_root_reset_that_misses_the_blocks_is_completed_with_a_warning(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["gaps_finite"]
@@ -333,6 +342,7 @@ def test_a_root_reset_that_misses_the_blocks_is_completed_with_a_warning(fsdp_cp
         assert "robustdist called reset_parameters() of blocks.0, blocks.1 for them" in out["gaps_warning"][0]
 
 
+@pytest.mark.processes
 def test_already_sharded_is_left_alone_and_sharded_blocks_get_only_the_root(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["adopted"] == (True, ["", "blocks.0", "blocks.1"], True)
@@ -388,6 +398,7 @@ def _reference_step():
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.processes
 def test_mixed_precision_offload_no_shard_and_a_step_that_matches_one_process(fsdp_cpu):
     reference = _reference_step()
     for out in run_ranks(_precision_offload_and_reference, 2, timeout=150):
@@ -415,6 +426,7 @@ def test_one_process_materialises_a_meta_model_unsharded(no_launcher):
     assert torch.equal(model.freqs, Tiny._freqs()) and model(_tokens()).shape == (4, 5, V)
 
 
+@pytest.mark.processes
 def test_fully_shard_gets_the_policies_bottom_up(fsdp_cpu, no_launcher, monkeypatch):
     # patch-and-assert: what reaches fully_shard, in which order, without processes
     import torch.distributed.fsdp as fsdp_api
@@ -512,6 +524,7 @@ def test_auto_picks_the_outermost_module_lists_only():
     assert select_modules(nn.Sequential(nn.Linear(2, 2)), predicate) == []  # no list: the root only
 
 
+@pytest.mark.processes
 def test_fsdp_on_a_torch_that_cannot_run_it_on_cpu_is_refused_with_the_version(monkeypatch):
     """torch 2.6's ``torch.cpu.Stream`` has no ``record_event``, which FSDP2's all-gather calls on the CPU: the
     capability is what is checked (the attribute is removed here to stand for that torch; the lanes run the
@@ -551,6 +564,7 @@ def _wrap_on_this_torch(rank):
     return fsdp.gloo_averages(), None
 
 
+@pytest.mark.processes
 def test_fsdp_is_refused_on_cpu_where_gloo_sums_instead_of_averaging():
     """torch 2.8's gloo reduce-scatter sums for ReduceOp.AVG (pytorch#162338): FSDP2 on the CPU would train with
     world-size times the gradient. The probe is real in every lane: refused there, wrapped where gloo averages."""

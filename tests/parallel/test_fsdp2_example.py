@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "tests" / "clients" / "fsdp2_example.py"
 RUN_TIMEOUT = 150

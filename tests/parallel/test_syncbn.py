@@ -93,6 +93,7 @@ def _run_cases(rank, sizes, host_math=True):
     return [_compare(rank, sizes, case, sync=True) for case in CASES]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("sizes,host_math", [([4, 4], True), ([3, 6], True), ([2, 5, 3], True), ([3, 6], False)],
                          ids=["2-equal", "2-unequal", "3-unequal", "2-unequal-torch-math"])
 def test_syncbn_matches_batchnorm_over_the_concatenated_batch(sizes, host_math):
@@ -106,6 +107,7 @@ def _plain_bn(rank, sizes):
     return _compare(rank, sizes, CASES[2], sync=False, steps=1)
 
 
+@pytest.mark.processes
 def test_plain_batchnorm_under_ddp_does_not_match():
     per_rank = run_ranks(_plain_bn, 2, args=([3, 6],), timeout=60)
     assert all(errs["out"] > 1e-3 for errs in per_rank)  # per-rank batch statistics differ from global ones
@@ -129,6 +131,7 @@ def _eval_and_running_stats(rank):
             int(bn.num_batches_tracked), t.item())
 
 
+@pytest.mark.processes
 def test_eval_mode_does_not_sync():
     for eval_err, untracked_err, tracked, total in run_ranks(_eval_and_running_stats, 2, timeout=60):
         assert eval_err < 1e-12 and untracked_err < 1e-12 and tracked == 1 and total == 1.0
@@ -166,6 +169,7 @@ def _too_small(rank):
     return None
 
 
+@pytest.mark.processes
 def test_one_value_per_channel_in_total_raises_like_torch():
     for message in run_ranks(_too_small, 2, timeout=60):
         assert message.startswith("Expected more than 1 value per channel when training across all ranks")
@@ -191,6 +195,7 @@ def _low_precision(rank, dtype, offset, host_math):
             (x_loc.grad.double() - x_ref.grad[lo:hi]).abs().max().item())
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("dtype,offset,tol,host_math", [(torch.float32, 100.0, 1e-4, True),
                                                         (torch.float32, 100.0, 1e-4, False),
                                                         (torch.bfloat16, 0.0, 3e-2, True)],

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from robustdist.bf16 import RAW_DTYPES, install_ray_serializers
 from tests.test_bf16 import ALL_BF16, FLOAT8, same, views
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.processes, pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,7 @@ def _fit(tmp_path, name: str, callbacks: list, max_failures: int) -> tuple[Any, 
     return error, attempts[0]
 
 
+@pytest.mark.processes
 def test_a_config_error_fails_the_run_at_once_with_fail_fast_and_is_retried_without(ray_by_value, tmp_path):
     import robustdist.ray
 

@@ -84,6 +84,7 @@ def _pin_in_child(rank, root, bus):
     return before, node, None if cpus is None else sorted(cpus), sorted(os.sched_getaffinity(0))
 
 
+@pytest.mark.processes
 def test_numa_pinning_against_a_fake_sysfs(tmp_path):
     first_cpu = min(os.sched_getaffinity(0))
     _fake_sysfs(tmp_path, "0000:3b:00.0", 1, f"{first_cpu}")
@@ -201,6 +202,7 @@ def worker(ray_cluster):
     ray.kill(actor)
 
 
+@pytest.mark.processes
 def test_actor_on_cpu(worker):
     ray, actor = worker
     assert ray.get(actor.forward.remote(torch.ones(2, 3))).shape == (2, 3)
@@ -221,6 +223,7 @@ def test_actor_on_cpu(worker):
     assert ray.get(actor.forward.remote(torch.ones(1, 3))).shape == (1, 3)
 
 
+@pytest.mark.processes
 def test_released_attribute_through_ray(worker):
     ray, actor = worker
     assert ray.get(actor.release.remote("model")) == ["model"]
@@ -234,6 +237,7 @@ def test_released_attribute_through_ray(worker):
     assert ray.get(actor.forward.remote(torch.ones(1, 3)), timeout=60).shape == (1, 3)
 
 
+@pytest.mark.processes
 def test_gpu_actor_options_on_a_cpu_only_cluster(ray_cluster, caplog):
     ray = ray_cluster
     assert ray.cluster_resources().get("GPU", 0) == 0  # really CPU-only: num_gpus=1 would stay pending
@@ -259,6 +263,7 @@ def test_gpu_actor_options_on_a_cpu_only_cluster(ray_cluster, caplog):
         ray.kill(actor)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300, method="thread")  # a last resort: Ray Train's driver loop can swallow the signal
 def test_robustdist_inside_ray_train_workers(ray_cluster, tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))

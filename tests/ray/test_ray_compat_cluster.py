@@ -14,7 +14,7 @@ import pytest
 
 from robustdist.runtime import _ray_compat
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240, method="thread")]
+pytestmark = [pytest.mark.processes, pytest.mark.ray, pytest.mark.timeout(240, method="thread")]
 
 
 class Probe:

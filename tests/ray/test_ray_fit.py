@@ -144,6 +144,7 @@ def _assert_all_released(ray, cleaners_before: set[str]) -> None:
               "the run's PlacementGroupCleaner is still running")
 
 
+@pytest.mark.processes
 def test_a_running_fit_is_cancelled_and_the_next_fit_gets_the_cluster(ray_by_value, start_fit, tmp_path, caplog):
     ray = ray_by_value
     _wait_for(lambda: _free_cpus(ray) == CLUSTER_CPUS, 60, "the cluster's CPUs were busy before the test")
@@ -204,6 +205,7 @@ def test_a_running_fit_is_cancelled_and_the_next_fit_gets_the_cluster(ray_by_val
     _assert_all_released(ray, cleaners_before)
 
 
+@pytest.mark.processes
 def test_a_failing_fit_sets_the_exception_and_releases_the_cluster(ray_by_value, start_fit, tmp_path):
     from ray.train import TrainingFailedError
 
@@ -220,6 +222,7 @@ def test_a_failing_fit_sets_the_exception_and_releases_the_cluster(ray_by_value,
     _assert_all_released(ray, cleaners_before)
 
 
+@pytest.mark.processes
 def test_result_error_and_cancel_reach_waiters_and_callbacks(start_fit, monkeypatch):
     """Without Train (quick): the outcome plumbing, and cancel() waking concurrent.futures.wait and callbacks."""
     finishing = start_fit(_Plain(0.0, value={"answer": 42}))
@@ -245,6 +248,7 @@ def test_result_error_and_cancel_reach_waiters_and_callbacks(start_fit, monkeypa
     _wait_for(lambda: not _live_actors("_FitRunner"), RELEASE_BOUND_S, "a runner actor outlived its future")
 
 
+@pytest.mark.processes
 def test_the_sweep_removes_a_placement_group_whose_creator_was_killed(ray_cluster):
     """The fallback of cancel(): Ray frees an actor's placement group only when the job ends, not when the
     actor dies; ``_release`` removes it (and the child actor died with its owner)."""
@@ -282,6 +286,7 @@ def test_the_sweep_removes_a_placement_group_whose_creator_was_killed(ray_cluste
     _wait_for(lambda: _free_cpus(ray) == CLUSTER_CPUS, RELEASE_BOUND_S, "the placement group was not removed")
 
 
+@pytest.mark.processes
 def test_fit_async_without_ray_init_is_a_config_error():
     """In a fresh interpreter: the session cluster of this process may already be up."""
     pytest.importorskip("ray")

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(360, method="thread")]
+pytestmark = [pytest.mark.processes, pytest.mark.ray, pytest.mark.timeout(360, method="thread")]
 
 ROOT = Path(__file__).resolve().parents[2]
 # A runtime_env of its own gives the probe a fresh worker in every job: no earlier task in the session has

@@ -70,6 +70,7 @@ def _generations(config):
         return [json.loads(line) for line in fh]
 
 
+@pytest.mark.processes
 def test_a_worker_exception_recovers_in_the_same_ray_workers_bitwise(reference, tmp_path):
     faulted = _config(tmp_path, "faulted", raise_at=5)
     errors = tmp_path / "controller-errors.jsonl"
@@ -88,6 +89,7 @@ def test_a_worker_exception_recovers_in_the_same_ray_workers_bitwise(reference, 
     _assert_bitwise(faulted, reference)
 
 
+@pytest.mark.processes
 def test_a_fault_that_must_not_be_recovered_in_place_goes_to_ray_s_restart_which_takes_over_again(reference,
                                                                                                    tmp_path):
     faulted = _config(tmp_path, "fatal", fatal_at=5)
@@ -138,6 +140,7 @@ def _reasons(rank):
     return out
 
 
+@pytest.mark.processes
 def test_only_a_gloo_group_with_ddp_harden_makes_is_given_up():
     from robustdist.testing.ranks import run_ranks
 
@@ -171,6 +174,7 @@ def _alone(rank, who):
     return "no error"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("who", [0, 1])
 def test_a_rank_that_never_takes_part_is_named_within_the_init_timeout(who):
     from robustdist.testing.ranks import run_ranks
@@ -185,6 +189,7 @@ def test_a_rank_that_never_takes_part_is_named_within_the_init_timeout(who):
 
 
 
+@pytest.mark.processes
 def test_a_fault_while_another_rank_waits_in_ray_train_report_escalates_at_once_and_resumes_bitwise(reference,
                                                                                                      tmp_path):
     """Ray's ``ray.train.report`` of step 6 raises on rank 1 (an upload that failed, say) while rank 0 waits in
@@ -207,6 +212,7 @@ def test_a_fault_while_another_rank_waits_in_ray_train_report_escalates_at_once_
     _assert_bitwise(faulted, reference)
 
 
+@pytest.mark.processes
 def test_a_worker_stuck_in_a_transfer_the_teardown_cannot_end_hands_its_error_to_ray_and_resumes_bitwise(reference,
                                                                                                           tmp_path):
     """Rank 1 stops (8 s) while rank 0's 200 MB point-to-point send to it is under way (in the generation before
@@ -226,6 +232,7 @@ def test_a_worker_stuck_in_a_transfer_the_teardown_cannot_end_hands_its_error_to
     _assert_bitwise(faulted, reference)
 
 
+@pytest.mark.processes
 def test_a_rank_whose_files_for_ray_cannot_be_staged_is_a_fault_recovered_in_the_same_workers_bitwise(reference,
                                                                                                         tmp_path):
     """Rank 1 cannot stage its files for the report of step 6 (a full disk, say). Every rank learns it in

@@ -183,6 +183,7 @@ print(json.dumps({"ours": ours, "ray": chosen, "plan": ray_memory_plan().object_
 """
 
 
+@pytest.mark.processes
 @pytest.mark.ray
 @pytest.mark.timeout(240, method="thread")
 def test_ray_default_matches_what_a_starting_ray_node_chooses():

@@ -57,6 +57,7 @@ def _fit(tmp_path: Path, swap: str):
     return result, error, uploaded
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("swap", ["symlink", "hardlink"])
 def test_a_committed_file_swapped_for_a_link_never_reaches_rays_storage(ray_by_value, tmp_path, swap):
     _, error, uploaded = _fit(tmp_path, swap)
@@ -67,6 +68,7 @@ def test_a_committed_file_swapped_for_a_link_never_reaches_rays_storage(ray_by_v
     assert ("is a symbolic link; refused" in text) if swap == "symlink" else ("has 2 names (a hard link" in text)
 
 
+@pytest.mark.processes
 def test_the_control_reports_the_checkpoint(ray_by_value, tmp_path):
     result, error, uploaded = _fit(tmp_path, "none")
     assert error is None and uploaded == []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(360, method="thread")]
+pytestmark = [pytest.mark.processes, pytest.mark.ray, pytest.mark.timeout(360, method="thread")]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,7 +28,7 @@ from tests.clients import ray_train_v2 as client
 # Ray's driver loop can swallow signals: thread timeouts. The first test's budget includes the module's reference
 # run (its fixture): two fits on a shared 2-core machine, 140 s when it is quiet and 534 s measured under two extra
 # busy processes; a thread timeout ends the whole pytest worker, so the bound leaves room for load.
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200, method="thread")]
+pytestmark = [pytest.mark.processes, pytest.mark.ray, pytest.mark.timeout(1200, method="thread")]
 
 TOTAL, EVERY = 9, 3
 

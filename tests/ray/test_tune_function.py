@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
 TOTAL, CRASH_AT = 6, 4
 

@@ -14,7 +14,7 @@ import pytest
 
 from robustdist.recovery.deaths import DeathWatch
 
-pytestmark = [pytest.mark.timeout(120),
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120),
               pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds need Linux 5.3 and Python 3.9")]
 
 

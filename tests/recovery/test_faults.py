@@ -65,6 +65,7 @@ def _two_generations(rank: int, world: int) -> list[tuple[int, str, float]]:
     return out
 
 
+@pytest.mark.processes
 def test_one_ranks_fault_is_seen_by_every_rank_in_its_generation_only():
     world = 3
     results = run_ranks(_two_generations, world, args=(world,), init=False, timeout=120)
@@ -120,6 +121,7 @@ def _blocked_then_freed(rank: int) -> tuple[str, float, str]:
     return outcome, elapsed, watch.fault.describe() if seen and watch.fault else ""
 
 
+@pytest.mark.processes
 def test_a_rank_blocked_in_a_collective_is_freed_by_anothers_fault():
     (outcome0, elapsed0, why0), (outcome1, _, why1) = run_ranks(_blocked_then_freed, 2, init=False, timeout=120)
     assert (outcome0, outcome1) == ("unblocked", "declared")
@@ -220,6 +222,7 @@ def _interrupted_arrival(rank: int) -> tuple[str, float, bool]:
     return message, elapsed, first.broken is not None
 
 
+@pytest.mark.processes
 def test_an_arrival_wait_is_interrupted_at_once_and_new_objects_work_after():
     (message, elapsed, broken), _ = run_ranks(_interrupted_arrival, 2, timeout=120)
     assert message.startswith("[rank 0] save() was interrupted while this rank waited for the others: rank 1 "

@@ -39,11 +39,21 @@ raise SystemExit(int(sys.argv[3]))
 
 def _start() -> tuple[subprocess.Popen[bytes], Channel]:
     """A spare as the agent starts it, once it has said it is warm and forks."""
+    return _ready(*_launch())
+
+
+def _launch() -> tuple[subprocess.Popen[bytes], int]:
+    """A spare as the agent starts it, warming (it has said nothing yet); the read end of its ready pipe."""
     ready_r, ready_w = os.pipe()
     env = {**os.environ, spare.READY_FD_ENV: str(ready_w), "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.recovery.spare"], stdin=subprocess.PIPE,
                             pass_fds=(ready_w,), env=env, cwd="/", start_new_session=True)
     os.close(ready_w)
+    return proc, ready_r
+
+
+def _ready(proc: subprocess.Popen[bytes], ready_r: int) -> tuple[subprocess.Popen[bytes], Channel]:
+    """A spare from :func:`_launch`, once it has said it is warm and forks."""
     try:
         assert select.select([ready_r], [], [], 120)[0], "the spare was not warm within 120 s"
         said = os.read(ready_r, 2)
@@ -97,6 +107,7 @@ def _stop(proc: subprocess.Popen[bytes], channel: Channel, *workers: ForkedWorke
     channel.close()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_the_spare_forks_each_order_reports_each_end_and_refuses_what_is_no_order(tmp_path):
     proc, channel = _start()
@@ -141,6 +152,7 @@ def test_the_spare_forks_each_order_reports_each_end_and_refuses_what_is_no_orde
         _stop(proc, channel, *workers)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_a_child_runs_only_once_let_go_and_a_late_reply_is_never_the_next_orders(tmp_path):
     proc, channel = _start()
@@ -173,9 +185,11 @@ def test_a_child_runs_only_once_let_go_and_a_late_reply_is_never_the_next_orders
         _stop(proc, channel, *workers)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_the_end_of_its_input_waits_for_its_workers_and_a_dead_spare_leaves_them_an_unknown_code(tmp_path, caplog):
     proc, channel = _start()
+    following = _launch()  # the second part's spare warms while the first part waits for its workers
     workers: list[ForkedWorker] = []
     try:
         workers.append(last := _worker(proc, channel, tmp_path, "1", 20.0, 0))
@@ -191,9 +205,14 @@ def test_the_end_of_its_input_waits_for_its_workers_and_a_dead_spare_leaves_them
         assert killed.wait(15) == -signal.SIGKILL and time.monotonic() - t < 12  # not once worker 1 ends (20 s)
         assert ForkedWorker(held, channel).wait(10) == spare.HELD_EXIT and not (tmp_path / "3.json").exists()
         assert proc.wait(60) == 0 and last.wait(10) == 0
+    except BaseException:
+        os.killpg(following[0].pid, signal.SIGKILL)
+        following[0].wait()
+        os.close(following[1])
+        raise
     finally:
         _stop(proc, channel, *workers)
-    proc, channel = _start()
+    proc, channel = _ready(*following)
     try:
         orphan = _worker(proc, channel, tmp_path, "4", 1.5, 0)
         _seen(tmp_path / "4.json")
@@ -278,6 +297,7 @@ def test_a_spare_that_does_not_answer_is_ended_and_the_rank_starts_cold(monkeypa
             os.close(fd)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_the_agents_wait_wakes_at_a_forked_workers_end_then_at_the_spares_word_of_it(tmp_path):
     """recovery.deaths: the agent's wait before each look ends when a forked worker dies (its pidfd), and, where the

@@ -87,6 +87,7 @@ def _wait(until, seconds: float) -> bool:
     return bool(until())
 
 
+@pytest.mark.processes
 def test_a_stopped_rank_is_declared_faulty_and_the_live_ranks_are_not(store):
     own = _beat(store.port, 0)
     other = _other_process(store.port, 1)
@@ -135,6 +136,7 @@ def test_a_rank_that_never_beats_is_not_judged_and_a_warning_says_so(store, capl
             beat.stop(wait=5)
 
 
+@pytest.mark.processes
 def test_a_rank_whose_clock_is_far_behind_is_not_lost_while_its_record_changes(store):
     """Only rank 0's clock is used: a record whose wall time is 1000 s old, but new each interval, is alive."""
     own = _beat(store.port, 0)
@@ -169,6 +171,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.processes
 def test_a_pause_of_rank_0_s_process_which_serves_the_store_blames_nobody():
     """Rank 0's process stopped for several bounds: the store it serves stopped with it, so no record could
     change meanwhile; once it runs again nobody is found faulty for that (records judged by their wall time, as
@@ -200,6 +203,7 @@ def test_a_pause_of_rank_0_s_process_which_serves_the_store_blames_nobody():
         _end(zero)
 
 
+@pytest.mark.processes
 def test_a_stopped_rank_that_gave_its_decision_is_leaving_not_lost(store):
     own = _beat(store.port, 0)
     other = _other_process(store.port, 1)

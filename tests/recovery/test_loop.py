@@ -97,6 +97,7 @@ def _job(rank: int, root: str, fault: tuple[int, int, bool] | None, before_backw
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("before_backward", [False, True], ids=["peer-in-save", "peer-in-allreduce"])
 def test_an_exception_on_one_rank_recovers_in_process_from_memory_bitwise(tmp_path, before_backward):
     faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), (1, 7, False), before_backward), init=False,
@@ -113,6 +114,7 @@ def test_an_exception_on_one_rank_recovers_in_process_from_memory_bitwise(tmp_pa
         assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
 
 
+@pytest.mark.processes
 def test_a_part_of_a_torn_down_generation_the_script_keeps_is_named_and_the_recovery_goes_on_bitwise(tmp_path):
     """The training function keeps generation 0's checkpointer past the fault: the teardown's collection cannot
     free it, so rank 0 says so at INFO (robustdist's INFO lines come from rank 0 only, by default), naming the
@@ -136,6 +138,7 @@ def test_a_part_of_a_torn_down_generation_the_script_keeps_is_named_and_the_reco
                                 "gc.get_referrers)"), said
 
 
+@pytest.mark.processes
 def test_a_fault_that_repeats_at_the_same_step_escalates(tmp_path):
     out = run_ranks(_job, 2, args=(str(tmp_path / "c"), (1, 3, True)), init=False, timeout=180)
     # a fresh start, then health.max_restarts_without_progress=3 faults in a row after resuming from step 2: the
@@ -149,6 +152,7 @@ def test_a_fault_that_repeats_at_the_same_step_escalates(tmp_path):
         assert [(g, s) for g, s, _ in out[rank]["seen"]] == [(0, 0), (1, 2), (2, 2), (3, 2)]
 
 
+@pytest.mark.processes
 def test_a_fault_that_must_not_be_recovered_ends_every_rank_promptly(tmp_path):
     """MemoryError on rank 1: it escalates, and so does rank 0 (they agree), long before init_timeout (60 s), which
     a rank recovering alone would wait out in the next rendezvous. Then both call run_in_process again."""
@@ -168,5 +172,12 @@ def test_a_fault_that_must_not_be_recovered_ends_every_rank_promptly(tmp_path):
 def test_one_process_runs_the_function_once(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
-    out = _job(0, str(tmp_path / "d"), None)
+    logger = logging.getLogger("robustdist")
+    level, handlers = logger.level, list(logger.handlers)
+    try:  # _job sets up robustdist's logger for its own process, which here is the test's
+        out = _job(0, str(tmp_path / "d"), None)
+    finally:
+        logger.setLevel(level)
+        for handler in [h for h in logger.handlers if h not in handlers]:
+            logger.removeHandler(handler)
     assert out["end"] == TOTAL and out["seen"] == [(0, 0, "none")] and out["generation"] == 0

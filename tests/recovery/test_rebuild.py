@@ -91,6 +91,7 @@ def _recorded(root: Path) -> dict[int, str]:
     return found
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("failing,where", [(1, "claim"), (0, "claim"), (1, "watchdog"), (1, "make")],
                          ids=["rank1-in-a-collective", "rank0-serving-the-store", "rank1-after-the-collectives",
                               "rank1-in-make-after-harden"])

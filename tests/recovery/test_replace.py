@@ -20,6 +20,8 @@ import torch
 from robustdist.recovery.spare import idle_possible
 from tests._torchrun import ROOT, finish, launch, results, succeeded
 
+pytestmark = pytest.mark.processes
+
 CLIENT = ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py"
 RUN = ("robustdist", "run")
 TIMEOUT = 240.0  # three 2-rank jobs side by side on 2 cores: each ends in about 10 s alone

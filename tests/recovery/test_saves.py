@@ -28,7 +28,7 @@ from robustdist.recovery import generation
 from robustdist.testing.ranks import run_ranks
 from tests.recovery.test_loop import ToyModel  # the DDP tutorial's model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 TOTAL = 10
 
 

@@ -141,6 +141,7 @@ def _capsh() -> str:
     return path
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("forking", [True, False], ids=["forks", "becomes"])
 def test_the_spare_warms_at_idle_priority_and_the_worker_it_becomes_does_not(tmp_path, forking):
@@ -157,6 +158,7 @@ def test_the_spare_warms_at_idle_priority_and_the_worker_it_becomes_does_not(tmp
     assert worker["argv"][0].endswith("worker.py")
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_without_cap_sys_nice_the_spare_warms_at_the_workers_priority(tmp_path):
     """A root container without CAP_SYS_NICE (and RLIMIT_NICE 0) could go to SCHED_IDLE but never come back: the spare
@@ -232,6 +234,7 @@ def _idle_run(mode: str, shell: str | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["ok", "raise", "late"])
 def test_idle_run_lowers_only_the_work_and_puts_everything_back(mode):
     out = _idle_run(mode)
@@ -251,6 +254,7 @@ def test_idle_run_lowers_only_the_work_and_puts_everything_back(mode):
         assert out["nice_late"] == out["nice_before"]
 
 
+@pytest.mark.processes
 def test_idle_run_where_threads_cannot_come_back_names_them_and_the_fix():
     """Called where possible() says no (a bug in a caller): the work runs, the autogroup comes back, and the error
     says which thread stays idle, what was expected and what to do."""

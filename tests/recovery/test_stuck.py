@@ -234,6 +234,7 @@ print("OUT OF THE SEND", flush=True)
 '''
 
 
+@pytest.mark.processes
 def test_a_send_to_a_stopped_peer_that_the_shutdown_does_not_end_escalates_in_seconds(tmp_path):
     """Real gloo: rank 0 sends 200 MB to a rank that stopped after posting its receive; a fault is declared and
     rank 0's fault callback shuts the group's connections down. Gloo does not end the send (the group's timeout is

@@ -13,7 +13,7 @@ import torch
 
 from tests._torchrun import ROOT, finish, launch, results, succeeded
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(420)]
 CLIENT = ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py"
 
 
@@ -42,12 +42,13 @@ def test_a_fault_under_torchrun_recovers_in_the_same_processes_bitwise(tmp_path)
 
 def test_a_deterministic_fault_escalates_and_the_restart_loop_guard_then_stops_the_job(tmp_path):
     """rank 1 raises at step 3 in every generation; health.max_restarts_without_progress=2, torchrun
-    --max-restarts=4. Attempt 0 makes progress (steps 1, 2), then recovers in process once and escalates on the
-    second fault after resuming step 2; attempts 1 and 2 fault twice each from step 2 and escalate; attempt 3 is
-    stopped by the restart-loop guard at its resume, on every rank, naming the fault."""
+    --max-restarts=3. Attempt 0 makes progress (steps 1, 2), then recovers in process once and escalates on the
+    second fault after resuming step 2; attempts 1 and 2 fault twice each from step 2 and escalate; attempt 3, one
+    torchrun still allows, is stopped by the restart-loop guard at its resume (it trains no step), on every rank,
+    naming the fault. Without the guard attempt 3 would start generations (3, 0, 2) and (3, 1, 2) instead."""
     work = tmp_path / "d"
     outs = finish({"loop": launch(CLIENT, work, "loop", "--fault", "1:3", "--always", "--max-no-progress", "2",
-                                  max_restarts=4)}, 360)
+                                  max_restarts=3)}, 360)
     code, out = outs["loop"]
     assert code != 0, out[-3000:]
     for rank in range(2):

@@ -18,7 +18,7 @@ from robustdist import harden
 from robustdist.recovery import generation
 from robustdist.testing.ranks import run_ranks
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 TOTAL, FAULT_AT = 14, 9  # 64 samples, 2 ranks, batch 4: 8 steps an epoch; the fault is in the second epoch
 
 

@@ -70,6 +70,7 @@ def _idle_after_a_collective(rank: int) -> tuple[int, int]:
     return names.count("pt_gloo_runloop"), exit_drain.busy_gloo_workers() or 0
 
 
+@pytest.mark.processes
 def test_a_real_group_has_workers_and_they_go_quiet():
     """In a real 2-rank gloo group the workers are found by name, and are idle once the drain returns. torch
     before 2.13 does not name them (measured on 2.8: every thread is ``python``): there the drain finds none."""
@@ -82,6 +83,7 @@ def test_a_real_group_has_workers_and_they_go_quiet():
         assert workers >= 1 and busy == 0
 
 
+@pytest.mark.processes
 def test_a_script_that_all_reduces_and_exits_does_not_abort(tmp_path):
     """The shape that aborted: all-reduce, drop the tensor, exit. Several runs side by side (the race needs a
     loaded machine); every one must exit 0 without the abort."""

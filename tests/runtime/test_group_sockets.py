@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from robustdist.runtime import group_sockets
 from robustdist.runtime.group_sockets import GroupSockets, open_sockets
 from robustdist.testing.ranks import run_ranks
 
@@ -69,6 +70,7 @@ def _unblocked_by_this_rank(rank: int) -> tuple[str, float, int]:
     return outcome, elapsed, shut[0]
 
 
+@pytest.mark.processes
 def test_a_blocked_collective_fails_at_once_when_its_connections_are_shut_down():
     (outcome, elapsed, shut), (hung, _, recorded1) = run_ranks(_unblocked_by_this_rank, 2, init=False, timeout=120)
     assert outcome == "unblocked" and hung == "hung"
@@ -107,6 +109,7 @@ def _recover_in_place(rank: int, rounds: int) -> list[tuple[str, float, int, int
     return out
 
 
+@pytest.mark.processes
 def test_ranks_recover_in_place_again_and_again_without_leaking():
     rounds = 12
     rank0, rank1 = run_ranks(_recover_in_place, 2, args=(rounds,), init=False, timeout=30 + 10 * rounds)
@@ -200,3 +203,38 @@ def test_lazy_gloo_connections_are_named(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="robustdist.runtime.group_sockets"), sockets.recording():
         pass
     assert sockets.lazy and "TORCH_GLOO_LAZY_INIT is set" in caplog.text and sockets.unblock() == 0
+
+
+@pytest.mark.processes
+def test_a_forked_child_closes_its_copies_of_the_listeners_and_the_port_is_free_again_while_it_lives():
+    """A DataLoader worker's case: the parent serves on a port, forks, closes its own server and serves on the
+    same port again while the child still runs; only the child's closing its copy makes that possible. The
+    parent's listener keeps accepting meanwhile, and a connected socket of the child's is kept."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: closes its listeners, reports, and lives until the parent is done
+        try:
+            closed = group_sockets.close_listeners()
+            kept = client.fileno() in group_sockets.open_sockets()
+            os.write(ready_w, f"{closed} {kept}".encode())
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        said = os.read(ready_r, 200).decode()
+        assert said == f"[{port}] True", said
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            server.accept()[0].close()  # the parent's own listener still serves
+        server.close()
+        again = socket.create_server(("127.0.0.1", port))  # EADDRINUSE if the living child still listened
+        again.close()
+    finally:
+        os.write(done_w, b"x")
+        os.waitpid(pid, 0)
+        client.close()
+        for fd in (ready_r, ready_w, done_r, done_w):
+            os.close(fd)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,6 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from robustdist import destroy_process_group_if_owned, harden, safe_init_process_group
 from robustdist.runtime import group_teardown
 from robustdist.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.processes
 
 OFF = {"health": {"hang_timeout": None}}
 FAST = {"distributed": {"timeout": 60, "init_timeout": 60, "barrier_timeout": 60}}

@@ -58,6 +58,7 @@ def test_every_canary_resolves_and_every_since_is_honest():
             assert found is None, f"{api.name} resolves on Ray {version}: its since={api.since} is wrong"
 
 
+@pytest.mark.processes
 def test_importing_the_fence_imports_neither_ray_nor_torch_and_changes_nothing():
     code = ("import json, os, sys; before = dict(os.environ)\n"
             "import robustdist.runtime._ray_compat\n"

@@ -198,6 +198,7 @@ def _topology_in_rank(rank):
     return (topo.launcher, topo.rank, topo.world_size, topo.local_rank, topo.master_port is not None)
 
 
+@pytest.mark.processes
 def test_process_group_is_a_source_on_real_ranks():
     assert run_ranks(_topology_in_rank, 3, timeout=60) == [("manual", r, 3, r, True) for r in range(3)]
 
@@ -211,6 +212,7 @@ def _stale_rank_env(rank):
     return None
 
 
+@pytest.mark.processes
 def test_process_group_disagreeing_with_env_raises():
     messages = run_ranks(_stale_rank_env, 2, timeout=60)
     assert messages[0].startswith("[rank 0] the process group says rank 0 but RANK=1 in the environment")

@@ -111,6 +111,7 @@ print(json.dumps({"launcher": topo.launcher, "world": topo.world_size, "local_wo
 """
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("v2", ["0", "1"], ids=["train-v1", "train-v2"])
 def test_a_driver_that_imported_ray_train_is_a_single_process(v2):

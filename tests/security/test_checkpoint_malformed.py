@@ -267,6 +267,7 @@ def _load_on_every_rank(rank, directory):
                                                            if w.category is RobustDistWarning]
 
 
+@pytest.mark.processes
 def test_a_problem_only_one_rank_sees_makes_every_rank_fall_back_together(tmp_path):
     from robustdist.testing.ranks import run_ranks
 

@@ -24,7 +24,7 @@ from robustdist.checkpoint import AtomicCheckpointer, _shared
 from tests.checkpoint.test_checkpoint_shared_dir import attempt, init_group, listing, needs_isolation, run_nodes
 
 MODULE = "tests.security.test_checkpoint_node_local"
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 KINDS = {"stale": "a file with other content (stale or forged), not the probe",
          "symlink": "a symbolic link, not the probe",
          "fifo": "a FIFO, not the probe",

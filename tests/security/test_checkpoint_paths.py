@@ -124,6 +124,7 @@ def test_dcp_storage_paths_outside_the_listed_files_are_refused(tmp_path):
         assert outside(opened, tmp_path / "ckpt") == []
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", ["replicated.pt", "manifest.json", "rank_00000.pt"])
 def test_a_fifo_where_a_file_should_be_never_blocks(tmp_path, target):
     step2 = two_steps(tmp_path / "ckpt")
@@ -196,6 +197,7 @@ def test_stale_entries_that_are_links_are_unlinked_not_followed(tmp_path, prefix
     assert not os.path.lexists(directory / prefix) and (victim / "data").read_text() == "precious"
 
 
+@pytest.mark.processes
 def test_verify_checkpoint_names_every_problem_without_a_traceback(tmp_path):
     step2 = two_steps(tmp_path / "ckpt")
     manifest = manifest_of(step2)

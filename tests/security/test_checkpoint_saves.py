@@ -158,6 +158,7 @@ ckpt.save(1, {"weights": torch.full((16,), 2.0)})
 """
 
 
+@pytest.mark.processes
 def test_a_crash_inside_a_resave_never_leaves_zero_copies(tmp_path):
     out = subprocess.run([sys.executable, "-c", RESAVE, str(tmp_path)], cwd=ROOT, capture_output=True, timeout=60)
     assert out.returncode == -9, out.stderr
@@ -180,6 +181,7 @@ with AtomicCheckpointer(sys.argv[1], keep_last=1) as ckpt:
 """
 
 
+@pytest.mark.processes
 def test_a_reader_racing_a_rotating_writer_loads_a_committed_step_or_gets_a_retryable_error(tmp_path):
     with AtomicCheckpointer(tmp_path) as ckpt:
         ckpt.save(0, {"weights": torch.full((4096,), 0.0)})

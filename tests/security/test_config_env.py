@@ -185,6 +185,7 @@ def test_fifo_config_is_refused_without_blocking(tmp_path):
     )
 
 
+@pytest.mark.processes
 def test_dev_zero_is_refused_without_reading(tmp_path):
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero")

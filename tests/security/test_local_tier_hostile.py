@@ -504,6 +504,7 @@ def _replica_flipped(rank: int, root: str) -> tuple[dict[str, bool], int, str, b
     return honest, loaded.step, loaded.source, same, " ".join(str(w.message) for w in seen)
 
 
+@pytest.mark.processes
 def test_a_replica_whose_bytes_changed_is_refused_and_every_recorded_crc_is_the_bytes_own(tmp_path):
     from robustdist.testing.ranks import run_ranks
 

@@ -50,14 +50,25 @@ def _memoised_dicts(n: int) -> bytes:
     ) + b"."
 
 
-_HOSTILE = {
-    "empty dicts": lambda: _body(SIZE, b"}"),
-    "empty lists": lambda: _body(SIZE, b"]"),
-    "empty tuples": lambda: _body(SIZE, b")"),
-    "marks": lambda: b"\x80\x02" + b"(" * SIZE + b"N.",
-    "one-tuples": lambda: _body(SIZE // 2, b"N\x85"),
-    "a deep stack": lambda: b"\x80\x02](" + b"}" * SIZE + b"e.",
+_HOSTILE = {  # each a pickle of about ``n`` bytes
+    "empty dicts": lambda n: _body(n, b"}"),
+    "empty lists": lambda n: _body(n, b"]"),
+    "empty tuples": lambda n: _body(n, b")"),
+    "marks": lambda n: b"\x80\x02" + b"(" * n + b"N.",
+    "one-tuples": lambda n: _body(n // 2, b"N\x85"),
+    "a deep stack": lambda n: b"\x80\x02](" + b"}" * n + b"e.",
 }
+# DCP metadata of one-byte opcodes, refused: 3 MB. Its budget there is 32 B/B plus 32 MiB (124 MiB), and the scan
+# charges these opcodes 64-88 B/B (marks 64, lists 72, dicts 88), so each file costs 1.5-2 times its budget and is
+# refused partway through, at a peak of 5-5.5 B/B (measured), under MAX_PEAK_PER_BYTE; unpickled without the
+# budget, the dicts and lists peak at 74 B/B. In a smaller file the floor's share of the budget, and with it the
+# refusal's peak per byte, grows: 11 B/B refusing 1.5 MB of empty lists. (Marks cost the C unpickler DCP uses 8
+# bytes each, 9 B/B unrefused at any size: for them the refusal before unpickling is what tells the two apart.)
+DCP_REFUSED_SIZE = 3_000_000
+# DCP metadata inside the budget, unpickled whole: 3 MB as well, where the floor is a quarter of the 124 MiB budget
+# and the per-byte rate decides. One-tuples, the costliest per byte accepted, peak at 31 B/B (88 MiB, measured); a
+# cost of 1.5 times the rate, 48 B/B, would be 137 MiB, over it.
+DCP_ACCEPTED_SIZE = 3_000_000
 
 
 def _torch_file(data_pkl: bytes) -> bytes:
@@ -90,7 +101,7 @@ def _falls_back(directory, *reasons: str) -> None:
 @pytest.mark.parametrize("kind", sorted(_HOSTILE))
 def test_one_byte_opcodes_are_refused_at_a_peak_of_a_few_bytes_per_byte(tmp_path, kind):
     step2 = two_steps(tmp_path)
-    data = _torch_file(_HOSTILE[kind]())
+    data = _torch_file(_HOSTILE[kind](SIZE))
     forge(step2, "replicated.pt", data)
     _warm_up()
 
@@ -107,9 +118,17 @@ def test_one_byte_opcodes_are_refused_at_a_peak_of_a_few_bytes_per_byte(tmp_path
     assert per_byte <= MAX_PEAK_PER_BYTE, f"{kind}: peak {per_byte:.1f} bytes per byte of a {len(data)}-byte file"
 
 
-@pytest.mark.parametrize("kind", ["a deep stack", "empty dicts", "empty lists", "marks"])
-def test_dcp_metadata_of_one_byte_opcodes_is_refused_at_a_peak_of_a_few_bytes_per_byte(tmp_path, kind):
-    data = _HOSTILE[kind]()
+@pytest.mark.parametrize(("kind", "size"), [
+    # refused once 1,048,576 values wait on its stack (MAX_STACK) at any size past 2.4 MB, by the budget a little
+    # sooner below it (0.94 million at 2 MB): a smaller file costs about as much to scan, and only raises the peak
+    # per byte (3.7 B/B here, 6.9 at 3 MB, 9.4 at 2 MB)
+    ("a deep stack", SIZE),
+    ("empty dicts", DCP_REFUSED_SIZE),
+    ("empty lists", DCP_REFUSED_SIZE),
+    ("marks", DCP_REFUSED_SIZE),
+], ids=["a deep stack", "empty dicts", "empty lists", "marks"])
+def test_dcp_metadata_of_one_byte_opcodes_is_refused_at_a_peak_of_a_few_bytes_per_byte(tmp_path, kind, size):
+    data = _HOSTILE[kind](size)
     meta = tmp_path / ".metadata"
     meta.write_bytes(data)
     warm = tmp_path / "warm"
@@ -148,9 +167,10 @@ def test_memoised_dicts_cost_a_payload_no_more_than_its_value_bound(tmp_path):
 @pytest.mark.parametrize("kind", ["memoised dicts", "empty tuples", "one-tuples"])
 def test_dcp_metadata_inside_the_budget_costs_at_most_the_budget(tmp_path, kind):
     """What the budget promises for a pickle it accepts (docs/security.md): DCP metadata may hold 20,000,000
-    values, so 1.27 million memoised empty dicts (or 7.6 million empty tuples, 3.8 million one-tuples) are
-    unpickled, and cost at most what the budget allows; the result is then refused as not DCP's metadata."""
-    data = _memoised_dicts(SIZE // 6) if kind == "memoised dicts" else _HOSTILE[kind]()
+    values, so 500,000 memoised empty dicts (or 3 million empty tuples, 1.5 million one-tuples) are unpickled,
+    and cost at most what the budget allows; the result is then refused as not DCP's metadata."""
+    n = DCP_ACCEPTED_SIZE
+    data = _memoised_dicts(n // 6) if kind == "memoised dicts" else _HOSTILE[kind](n)
     meta = tmp_path / ".metadata"
     meta.write_bytes(data)
     warm = tmp_path / "warm.metadata"
@@ -586,16 +606,21 @@ def test_a_tensors_backward_hooks_must_be_the_empty_ordered_dict_torch_save_writ
 def test_tensors_torch_save_writes_stay_inside_the_budget(tmp_path):
     """What the tensor and storage charges must let through: many small tensors, 0-d and 0-element ones (whose
     records are empty), views sharing one storage, and parameters (each ~30 bytes per byte by the estimate, the
-    budget's 32 plus its floor; their real cost is 14-21)."""
+    budget's 32 plus its floor; their real cost is 14-21).
+
+    12,000 of each (3,000 parameters) make a pickle of about 2.7 MB, estimated at 73 MiB (28.6 B/B): large enough
+    that the per-byte rate decides, not the floor (28% of the 114 MiB budget), so an estimate of 1.5 times the rate
+    (48 B/B, 123 MiB) would have it refused and fail this test."""
+    n = 12_000
     base = torch.arange(1000.0)
-    value = {"zero_d": [torch.tensor(float(i)) for i in range(20_000)],
-             "empty": [torch.zeros(0) for _ in range(20_000)],
-             "views": [base[i:i + 2] for i in range(20_000)],
-             "params": [torch.nn.Parameter(torch.zeros(2)) for _ in range(5_000)]}
+    value = {"zero_d": [torch.tensor(float(i)) for i in range(n)],
+             "empty": [torch.zeros(0) for _ in range(n)],
+             "views": [base[i:i + 2] for i in range(n)],
+             "params": [torch.nn.Parameter(torch.zeros(2)) for _ in range(n // 4)]}
     with AtomicCheckpointer(tmp_path) as ckpt:
         ckpt.save(1, state={"data": value})
         loaded = ckpt.load(state={"data": None}).state["data"]
-    assert [float(t) for t in loaded["zero_d"][:3]] == [0.0, 1.0, 2.0] and len(loaded["empty"]) == 20_000
+    assert [float(t) for t in loaded["zero_d"][:3]] == [0.0, 1.0, 2.0] and len(loaded["empty"]) == n
     assert torch.equal(loaded["views"][7], base[7:9]) and torch.equal(loaded["params"][0], torch.zeros(2))
 
 

@@ -110,6 +110,7 @@ def _verdicts(directory: Path, state: dict[str, Any]) -> tuple[bool, bool, str]:
     return fell_back, rows[2]["status"] == "corrupt", rows[2]["reason"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", list(PLAIN))
 def test_plain_checkpoints_get_one_verdict(tmp_path, case):
     directory = tmp_path / "ckpt"

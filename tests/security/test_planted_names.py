@@ -14,7 +14,7 @@ from torch import nn
 
 from robustdist.testing.ranks import run_ranks
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 TIMEOUT = 120
 
 

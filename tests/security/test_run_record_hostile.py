@@ -256,6 +256,7 @@ def test_a_valid_ray_copy_wins_over_a_corrupt_own_newest(hardened, tmp_path, mon
     assert reported == [{"step": 6}]
 
 
+@pytest.mark.processes
 def test_the_config_fingerprint_is_stable_and_bounded():
     import subprocess
     import sys

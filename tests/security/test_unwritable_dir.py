@@ -16,7 +16,7 @@ import pytest
 
 from robustdist.testing.ranks import run_ranks
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -45,6 +45,7 @@ def test_ports_come_from_below_the_ephemeral_range_and_are_recorded(registry):
     assert recorded == set(got)
 
 
+@pytest.mark.processes
 def test_no_port_is_handed_out_twice_across_concurrent_processes(registry):
     """The failure this module exists for: another process handed the same port meanwhile."""
     n = 150

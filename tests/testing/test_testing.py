@@ -36,6 +36,7 @@ def _sum_of_ranks(rank, scale):
     return {"rank": rank, "sum": t.item() * scale, "world": dist.get_world_size(), "threads": os.environ["OMP_NUM_THREADS"]}
 
 
+@pytest.mark.processes
 def test_returns_each_ranks_value_in_rank_order():
     out = run_ranks(_sum_of_ranks, 3, args=(2,), timeout=60)
     assert out == [{"rank": r, "sum": 6.0, "world": 3, "threads": "1"} for r in range(3)]
@@ -45,6 +46,7 @@ def _env_probe(rank):
     return os.environ.get("PROBE"), os.environ.get("HOME") is None, dist.is_initialized()
 
 
+@pytest.mark.processes
 def test_env_per_rank_and_unset_and_no_init():
     out = run_ranks(_env_probe, 2, init=False, env=[{"PROBE": "a"}, {"PROBE": "b", "HOME": None}], timeout=60)
     assert out == [("a", False, False), ("b", True, False)]
@@ -62,6 +64,7 @@ def _bind_master_port(rank):
     return int(os.environ["MASTER_PORT"]), 0
 
 
+@pytest.mark.processes
 def test_the_master_port_stays_reserved_until_the_run_ends():
     """Nothing else can take MASTER_PORT between picking it and rank 0 binding it (a parallel test run once
     lost it that way: EADDRINUSE at init); the store still binds it, as every init=True test shows."""
@@ -81,6 +84,7 @@ def _raise_on_rank_1(rank):
     return rank
 
 
+@pytest.mark.processes
 def test_raising_rank_gives_its_traceback():
     with pytest.raises(RanksFailed) as exc:
         run_ranks(_raise_on_rank_1, 2, init=False, timeout=60)
@@ -101,6 +105,7 @@ def _raise_then_peer_sees_it(rank):
     return rank
 
 
+@pytest.mark.processes
 def test_a_raising_rank_does_not_hang_its_peers():
     start = time.monotonic()
     with pytest.raises(RanksFailed) as exc:
@@ -116,6 +121,7 @@ def _sigkill_rank_1(rank):
     return rank
 
 
+@pytest.mark.processes
 def test_rank_killed_by_signal_is_named():
     with pytest.raises(RanksFailed) as exc:
         run_ranks(_sigkill_rank_1, 2, init=False, timeout=60)
@@ -129,6 +135,7 @@ def _exit_3(rank):
     return rank
 
 
+@pytest.mark.processes
 def test_rank_exiting_without_result_is_named():
     with pytest.raises(RanksFailed) as exc:
         run_ranks(_exit_3, 2, init=False, timeout=60)
@@ -144,6 +151,7 @@ def _hang_rank_1(rank, pid_dir):
     return rank
 
 
+@pytest.mark.processes
 def test_hanging_rank_is_killed_with_its_children_and_named(tmp_path):
     start = time.monotonic()
     with pytest.raises(RanksTimeout) as exc:
@@ -170,6 +178,7 @@ def _hang_and_fail(rank):
     time.sleep(600)
 
 
+@pytest.mark.processes
 def test_timeout_report_also_carries_failures():
     with pytest.raises(RanksTimeout) as exc:
         run_ranks(_hang_and_fail, 2, init=False, timeout=6)
@@ -182,6 +191,7 @@ def _unpicklable_result(rank):
     return lambda: rank
 
 
+@pytest.mark.processes
 def test_unpicklable_return_value_is_a_failure():
     with pytest.raises(RanksFailed, match="the return value of rank 0 does not pickle"):
         run_ranks(_unpicklable_result, 1, init=False, timeout=60)
@@ -217,6 +227,7 @@ def _rank_with_a_child_process(rank):
     return queue.get(timeout=30)
 
 
+@pytest.mark.processes
 def test_ranks_may_start_child_processes():
     assert run_ranks(_rank_with_a_child_process, 2, init=False, timeout=60) == [4, 9]
 
@@ -225,6 +236,7 @@ def _return_tensors(rank):
     return {"t": torch.arange(4) * rank, "big": torch.ones(100_000)}
 
 
+@pytest.mark.processes
 def test_tensors_come_back_intact_after_the_rank_exits():
     # multiprocessing's pickler would send torch shared-memory handles that die with the rank
     out = run_ranks(_return_tensors, 2, init=False, timeout=60)
