@@ -21,7 +21,7 @@ Autouse, per test:
 
 ``fsdp_cpu``: skips a test that trains FSDP2 on the CPU where this torch's gloo cannot average (torch 2.8).
 
-Session: ``ray_cluster``, one local Ray cluster (``num_cpus=2``, always a new one: never a cluster found on the
+Session: ``ray_cluster``, one local Ray cluster (``ray.init(address="local", num_cpus=2)``: always a new one: never a cluster found on the
 machine) shared by every test that asks for it, skipped when ray is not installed, shut down (and checked for
 survivors) at the end of the session.
 
@@ -101,9 +101,11 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After every fixture's tear-down (``monkeypatch``'s included): what the test itself left changed."""
-    result = yield
     before = item.stash.get(_STATE_BEFORE, None)
-    changes = _global_state.restore(before) if before is not None else []
+    try:
+        result = yield
+    finally:  # put back even when a fixture's tear-down failed, so the next test starts from what it expects
+        changes = _global_state.restore(before) if before is not None else []
     if changes:
         pytest.fail("the test changed global state it did not restore (now put back): " + "; ".join(changes)
                     + ". Fix: restore it in the test (a fixture or try/finally), or in the code under test if it "
@@ -264,8 +266,8 @@ def fsdp_cpu(_gloo_averages):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster for the whole session: ``ray.init(num_cpus=2, include_dashboard=False)``, with
-    robustdist's bf16 worker setup hook."""
+    """A local Ray cluster for the whole session: ``ray.init(address="local", num_cpus=2, include_dashboard=False)``
+    (never a cluster found on the machine), with robustdist's bf16 worker setup hook."""
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     before = _procs.descendants(os.getpid())

@@ -91,7 +91,8 @@ class WorkerSeeder:
         return int(mixed[0]) & ((1 << 63) - 1)
 
     def __call__(self, worker_id: int) -> None:
-        group_sockets.close_listeners()  # a forked worker's copies of the rank's listeners (the store's, gloo's)
+        if torch.utils.data.get_worker_info() is not None:  # in a worker, never in the rank itself
+            group_sockets.close_listeners()  # a forked worker's copies of the rank's listeners (the store's, gloo's)
         seed = self.worker_seed(worker_id)
         random.seed(seed)
         np.random.seed(seed % (1 << 32))

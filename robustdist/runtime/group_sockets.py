@@ -68,14 +68,21 @@ def close_listeners() -> list[int]:
     accepts a connection (a DataLoader worker): its copies of the rank's listeners (the c10d store's server, gloo's)
     would keep their ports bound after the rank closes its own, and the rank could not serve its next store on the
     job's port (an in-process recovery's next generation: ``EADDRINUSE``). The rank's own listeners stay open.
-    Call it before the process starts a thread: a descriptor is checked, then closed."""
+    Call it before the process starts a thread: a descriptor is checked, then replaced. Each listener's descriptor
+    is pointed at ``/dev/null`` rather than closed, so the number stays taken: an object that owns it closes
+    ``/dev/null`` later, never a file that reused the number."""
     closed = []
-    for fd, link in open_sockets().items():
-        port = _listening_port(fd, link)
-        if port is not None:
+    listeners = [(fd, port) for fd, link in open_sockets().items() if (port := _listening_port(fd, link)) is not None]
+    if not listeners:
+        return closed
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd, port in listeners:
             with contextlib.suppress(OSError):
-                os.close(fd)
+                os.dup2(null, fd)
                 closed.append(port)
+    finally:
+        os.close(null)
     return closed
 
 

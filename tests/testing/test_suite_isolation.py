@@ -60,7 +60,9 @@ def test_a_torchrun_job_and_a_ray_cluster_beside_the_suite_neither_fail_it_nor_l
     finally:
         sys.path.remove(str(PEERS))
     script, stop, flag = tmp_path / "job.py", tmp_path / "stop", tmp_path / "flag"
-    script.write_text(f"import os, time\nwhile not os.path.exists({str(stop)!r}):\n    time.sleep(0.2)\n")
+    run_id = tmp_path / "run-id"  # the job's, which names its log directory's entry: only that one is removed
+    script.write_text(f"import os, time\nopen({str(run_id)!r}, 'w').write(os.environ['TORCHELASTIC_RUN_ID'])\n"
+                      f"while not os.path.exists({str(stop)!r}):\n    time.sleep(0.2)\n")
     machine_tmp = tmp_path / "machine-tmp"  # the session's TMPDIR, as a shell's would be
     machine_tmp.mkdir()
     before = set(glob.glob("/tmp/torchelastic_*"))
@@ -76,7 +78,9 @@ def test_a_torchrun_job_and_a_ray_cluster_beside_the_suite_neither_fail_it_nor_l
             job = _torchrun_beside(script)
             deadline = time.monotonic() + 120
             while not made and time.monotonic() < deadline and job.poll() is None:
-                made = sorted(set(glob.glob("/tmp/torchelastic_*")) - before)
+                if run_id.exists() and run_id.read_text():
+                    made = sorted({os.path.dirname(p) for p in glob.glob(f"/tmp/torchelastic_*/{run_id.read_text()}_*")}
+                                  - before)
                 time.sleep(0.2)
             assert made, "the torchrun job beside made no log directory in /tmp"
             flag.touch()
@@ -94,7 +98,7 @@ def test_a_torchrun_job_and_a_ray_cluster_beside_the_suite_neither_fail_it_nor_l
             except subprocess.TimeoutExpired:
                 os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
-        for path in made:  # this test's own job's directories
+        for path in made:  # this test's own job's log directory, named by its run id
             shutil.rmtree(path, ignore_errors=True)
 
 
