@@ -1,7 +1,7 @@
 """What a test must leave as it found it in the pytest process, beyond the environment: the level, handlers,
 ``propagate`` and ``disabled`` flags of the root logger and of robustdist's loggers, and the process's signal
-handlers (but Ray's own). A change leaks into the next test on the same xdist worker (a logger left at INFO makes
-a later test's log assertions see what it did not expect).
+handlers (but those a library installs). A change leaks into the next test on the same xdist worker (a logger left
+at INFO makes a later test's log assertions see what it did not expect).
 
 Other libraries' loggers are left alone: torch, Ray and the frameworks configure theirs when first imported or
 used, which is their set-up, not a test's leak (undoing it would make the next test see a library set up in a way
@@ -26,10 +26,12 @@ def snapshot() -> dict[str, Any]:
     return {"loggers": loggers, "signals": {s: signal.getsignal(s) for s in _SIGNALS}}
 
 
-def _rays(handler: Any) -> bool:
-    """A handler Ray installs in a driver and keeps (``ray.init``: SIGTERM; a Ray Train fit: SIGINT): Ray's set-up,
-    which a session's shared cluster makes once, not a test's leak."""
-    return str(getattr(handler, "__module__", "") or "").startswith("ray.")
+def _librarys(handler: Any) -> bool:
+    """A handler a library installs on first use and keeps (torch's DataLoader: SIGCHLD; ``ray.init``: SIGTERM; a
+    Ray Train fit: SIGINT): its set-up, made once per process, not a test's leak. A test's own handler or
+    robustdist's counts."""
+    module = getattr(handler, "__module__", None)
+    return hasattr(handler, "__code__") and isinstance(module, str) and not module.startswith(("robustdist", "tests"))
 
 
 def _capture_handler(handler: logging.Handler) -> bool:
@@ -68,7 +70,7 @@ def restore(before: dict[str, Any]) -> list[str]:
             logger.disabled = old[3]
     for sig, handler in before["signals"].items():
         now = after["signals"][sig]
-        if now != handler and not (_rays(handler) or _rays(now)):
+        if now != handler and not (_librarys(handler) or _librarys(now)):
             changes.append(f"signal {signal.Signals(sig).name}: handler {handler!r} -> {now!r}")
             if handler is not None:
                 signal.signal(sig, handler)
