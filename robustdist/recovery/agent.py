@@ -160,8 +160,9 @@ class Replacer:
             self._forget(group)  # own look saw first): rank 0's state is of processes gone
         self._ids = ids
         dead = {lr: code for lr, code in codes.items() if code is not None and code != 0}
-        if not dead:
-            return monitor(group)
+        if not dead:  # torch's look judges this view: a death after it is this hook's to handle at the next look
+            with _torch_compat.workers_seen_as(agent, codes):
+                return monitor(group)
         refused = self._refusal(agent, group, dead, codes)
         if refused is not None:
             log.warning("robustdist run: %s; %s, as torchrun does. %s", self._deaths(group, dead), refused[0],

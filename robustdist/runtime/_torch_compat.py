@@ -29,7 +29,7 @@ __all__ = ["PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPIL
            "inner_schedulers", "scaler_unscaled", "BaseDataLoaderIter", "LoaderHooks",
            "MultiProcessingDataLoaderIter", "SingleProcessDataLoaderIter", "batch_norm_base", "compiled_inner",
            "dcp_storage_info_type", "default_store", "elastic_agent_class", "launcher_agent", "start_worker_again",
-           "restarts_left", "take_restarts", "worker_processes", "worker_launch", "adopt_worker", "has_python_state", "has_storage", "innermost_store",
+           "restarts_left", "take_restarts", "worker_processes", "workers_seen_as", "worker_launch", "adopt_worker", "has_python_state", "has_storage", "innermost_store",
            "live_iterator", "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
            "sparse_values", "tensor_version", "torch_save_code", "module_buffers"]
 
@@ -370,6 +370,26 @@ def worker_processes(agent: Any) -> dict[int, Any]:
     return {lr: h.proc for lr, h in handlers.items()} if isinstance(handlers, dict) else {}
 
 
+@contextlib.contextmanager
+def workers_seen_as(agent: Any, codes: dict[int, int | None]) -> Iterator[None]:
+    """Inside, the agent's own look at its workers (``_monitor_workers``, which polls each handler's ``proc``) sees a
+    worker that ``codes`` saw running as running: one that ends in between is seen at the next look, by the caller
+    first. torch's look stops every worker at the first death it sees, so it must judge the caller's view."""
+    procs = worker_processes(agent)
+    frozen = [p for lr, p in procs.items() if codes.get(lr, 0) is None and "poll" not in vars(p)]
+    for proc in frozen:
+        proc.poll = _running
+    try:
+        yield
+    finally:
+        for proc in frozen:
+            del proc.poll
+
+
+def _running() -> None:
+    return None
+
+
 def restarts_left(agent: Any) -> int:
     """How many of the agent's ``--max-restarts`` are left."""
     return int(agent._remaining_restarts)
@@ -617,7 +637,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                _VERIFIED, _probe_dcp_slice),
     PrivateAPI("torch.distributed.elastic LocalElasticAgent._monitor_workers/_invoke_run/_pcontext/_remaining_restarts"
                ", WorkerSpec.monitor_interval (read once by _invoke_run), "
-               "SubprocessContext.subprocess_handlers/_numa_options, SubprocessHandler._stdout/_stderr, "
+               "SubprocessContext.subprocess_handlers/_numa_options (the agent's look polls each handler's proc), SubprocessHandler._stdout/_stderr, "
                "launcher.api.LocalElasticAgent", "torch",
                "robustdist run starts one dead worker again and leaves the others running (torchrun's agent stops "
                "them all); without them it behaves exactly as torchrun", _VERIFIED, _probe_agent),

@@ -145,3 +145,36 @@ def test_without_pidfds_the_wait_sleeps_its_interval(monkeypatch, caplog):
         proc.kill()
         proc.wait()
         watch.close()
+
+
+def test_a_death_between_the_agents_look_and_torchs_is_left_for_its_next_look():
+    """The agent's hook looks at the workers, then torch's own look (which stops every worker at the first death it
+    sees) judges that view: a worker killed between the two is running to torch, and dead at the hook's next look,
+    where it is started again alone."""
+    from types import SimpleNamespace
+
+    from robustdist.recovery.agent import Replacer
+
+    procs = [_sleeper(), _sleeper()]
+    agent = SimpleNamespace(_pcontext=SimpleNamespace(subprocess_handlers={
+        lr: SimpleNamespace(proc=p) for lr, p in enumerate(procs)}))
+    group = SimpleNamespace(workers=[SimpleNamespace(id=p.pid) for p in procs])
+    seen: list[list[int | None]] = []
+
+    def torchs_look(_group: object) -> str:  # as LocalElasticAgent._monitor_workers: each handler's proc.poll()
+        procs[1].send_signal(signal.SIGKILL)
+        os.waitid(os.P_PID, procs[1].pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+        seen.append([h.proc.poll() for h in agent._pcontext.subprocess_handlers.values()])
+        return "healthy"
+
+    replacer = Replacer(spares=0)
+    try:
+        assert replacer(agent, group, torchs_look) == "healthy"
+        assert seen == [[None, None]], f"torch's look saw {seen}; expected both running, as the hook's look saw them"
+        assert procs[1].poll() == -signal.SIGKILL and procs[0].poll() is None  # the hook's, at its next look
+        assert "poll" not in vars(procs[1])
+    finally:
+        replacer.close()
+        for p in procs:
+            p.kill()
+            p.wait()

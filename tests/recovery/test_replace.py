@@ -28,6 +28,17 @@ TIMEOUT = 240.0  # three 2-rank jobs side by side on 2 cores: each ends in about
 LONG_LOOK = 60.0  # a --monitor-interval no look of the agent's may wait for: it wakes at a worker's end
 
 
+@pytest.fixture
+def reaped():
+    """Launchers a test starts beside the run it watches: killed and reaped if the test fails before it waits for them."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
 def _events(workdir: Path, tag: str, rank: int) -> list[dict]:
     return [json.loads(line) for line in (workdir / f"events-{tag}-rank{rank}.jsonl").read_text().splitlines()]
 
@@ -165,7 +176,7 @@ def _await_line(lines: list[str], proc: subprocess.Popen, pattern: str, after: i
 
 
 @pytest.mark.timeout(400)
-def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(tmp_path):
+def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(tmp_path, reaped):
     """The agent's warm spare: killed itself once ready, another is started; then rank 1 is SIGKILLed from outside
     (as the OOM killer does) and the spare forks its replacement, staying warm: the replacement, killed in turn once it
     trains, is forked by the same spare. The run ends bitwise equal to an uninterrupted torchrun run, and no spare or
@@ -174,6 +185,7 @@ def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(
     hold = tmp_path / "hold"  # the spared run waits after step 4 until both spares have warmed (at idle priority, as
     hold.touch()  # long as the other work on the host makes it)
     straight = launch(CLIENT, tmp_path / "straight", "straight", *args)
+    reaped.append(straight)
     spared = launch(CLIENT, tmp_path / "spared", "spared", *args, "--hold", f"{hold}:4", launcher=RUN,
                     env=_tmp_env(tmp_path / "tmp"), max_restarts=2)  # one per replacement
     lines, reader = _reader(spared)
@@ -221,7 +233,7 @@ def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(
 
 
 @pytest.mark.timeout(400)
-def test_a_kill_inside_a_save_and_a_killed_replacement_still_end_bitwise(tmp_path):
+def test_a_kill_inside_a_save_and_a_killed_replacement_still_end_bitwise(tmp_path, reaped):
     """Rank 1 SIGKILLed while its in-memory save's background part runs: the survivors resume from a complete step
     (never the half-replicated one) with the replacement. And a replacement SIGKILLed as soon as it starts (a death
     during the recovery): the agent starts another, and the run still ends bitwise."""
@@ -231,6 +243,7 @@ def test_a_kill_inside_a_save_and_a_killed_replacement_still_end_bitwise(tmp_pat
                             launcher=(*RUN, "--spares", "0"), max_restarts=3)}
     twice = launch(CLIENT, tmp_path / "twice", "twice", *args, "--kill", "1:9", launcher=(*RUN, "--spares", "0"),
                    max_restarts=3)
+    reaped.extend(procs.values())
     lines, reader = _reader(twice)
     try:
         first = _await_line(lines, twice, r"started it again alone as pid (\d+) \(replacement 1\)", 0, 120)
