@@ -74,7 +74,8 @@ def _send(proc: subprocess.Popen[bytes], message: object) -> None:
 
 def _order(proc: subprocess.Popen[bytes], tmp_path: Path, oid: str, sleep: float, code: int) -> None:
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    if not script.exists():  # written once: a worker reading it while the next order is sent never sees it truncated
+        script.write_text(WORKER)
     _send(proc, {"id": oid, "env": {"PATH": os.environ.get("PATH", ""), "ORDER": oid, "OMP_NUM_THREADS": "1"},
                  "args": ["-u", str(script), str(tmp_path / f"{oid}.json"), str(sleep), str(code)],
                  "cwd": str(tmp_path), "stdout": str(tmp_path / f"{oid}.out"), "stderr": str(tmp_path / f"{oid}.err")})
@@ -93,7 +94,10 @@ def _worker(proc: subprocess.Popen[bytes], channel: Channel, tmp_path: Path, oid
 def _seen(path: Path) -> dict:
     deadline = time.monotonic() + 60
     while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name}: the worker did not start"
+        if time.monotonic() >= deadline:
+            said = {p.name: p.read_text()[-2000:] for p in (path.with_suffix(".out"), path.with_suffix(".err"))
+                    if p.exists()}
+            pytest.fail(f"{path.name}: the worker did not start within 60 s; its output: {said}")
         time.sleep(0.02)
     return json.loads(path.read_text())
 
