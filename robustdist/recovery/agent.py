@@ -146,22 +146,29 @@ class Replacer:
 
     def __call__(self, agent: Any, group: Any, monitor: Callable[[Any], Any]) -> Any:
         try:
-            codes = {lr: p.poll() for lr, p in _torch_compat.worker_processes(agent).items()}
-            if all(c in (None, 0) for c in codes.values()):  # deaths first: a spare started now would slow them
-                self._tend_spare(agent, group)
+            procs = _torch_compat.worker_processes(agent)
+            codes = {lr: p.poll() for lr, p in procs.items()}
         except SignalException:  # torchrun's SIGTERM/SIGINT: the agent shuts the workers down
             raise
         except Exception as e:  # a torch that moved the agent's internals: torchrun's own behaviour
             log.warning("robustdist run: cannot read the workers' processes (%s: %s); a dead worker restarts every "
                         "worker, as torchrun does", type(e).__name__, str(e)[:200])
             return monitor(group)
+        if all(c in (None, 0) for c in codes.values()):  # deaths first: a spare started now would slow them
+            try:
+                self._tend_spare(agent, group)
+            except SignalException:
+                raise
+            except Exception as e:  # no spare this look (descriptors, memory): the next look tries again
+                log.warning("robustdist run: could not tend the warm spare (%s: %s); a replacement meanwhile starts "
+                            "cold", type(e).__name__, str(e)[:200])
         ids = {w.id for w in group.workers}
         if self._ids and not ids & self._ids:  # torchrun restarted every worker (a membership change, a death torch's
             self._forget(group)  # own look saw first): rank 0's state is of processes gone
         self._ids = ids
         dead = {lr: code for lr, code in codes.items() if code is not None and code != 0}
         if not dead:  # torch's look judges this view: a death after it is this hook's to handle at the next look
-            with _torch_compat.workers_seen_as(agent, codes):
+            with _torch_compat.workers_seen_as([procs[lr] for lr, code in codes.items() if code is None]):
                 return monitor(group)
         refused = self._refusal(agent, group, dead, codes)
         if refused is not None:

@@ -36,11 +36,16 @@ class DeathWatch:
         self._unsupported = False  # no pidfds here (ENOSYS, EPERM, ...): sleep, as torchrun does
 
     def wait(self, procs: Iterable[Any], timeout: float) -> None:
-        """Return when a running process of ``procs`` (``Popen``-like) ends, or after ``timeout`` seconds."""
-        fds, watched = [], set()
+        """Return when a running process of ``procs`` (``Popen``-like) ends, or after ``timeout`` seconds; at once
+        where one has already failed or every one has ended (the look after this wait acts on it). A worker that
+        finished (exit 0) while others run is not waited on again."""
+        fds, watched, failed, running, ended = [], set(), False, 0, 0
         for proc in procs:
-            if proc.poll() is not None:  # ended and seen: the look after this wait acts on it, not this wait
+            code = proc.poll()
+            if code is not None:
+                failed, ended = failed or code != 0, ended + 1
                 continue
+            running += 1
             fd = proc.end_fd() if hasattr(proc, "end_fd") else self._pidfd(proc)
             if fd is not None and not hasattr(proc, "end_fd"):
                 watched.add(proc.pid)
@@ -50,6 +55,8 @@ class DeathWatch:
                 fds.append(fd)
         for pid in set(self._fds) - watched:
             os.close(self._fds.pop(pid)[1])
+        if failed or (ended and not running):
+            return
         if not fds:
             time.sleep(timeout)
             return

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -371,23 +371,29 @@ def worker_processes(agent: Any) -> dict[int, Any]:
 
 
 @contextlib.contextmanager
-def workers_seen_as(agent: Any, codes: dict[int, int | None]) -> Iterator[None]:
-    """Inside, the agent's own look at its workers (``_monitor_workers``, which polls each handler's ``proc``) sees a
-    worker that ``codes`` saw running as running: one that ends in between is seen at the next look, by the caller
-    first. torch's look stops every worker at the first death it sees, so it must judge the caller's view."""
-    procs = worker_processes(agent)
-    frozen = [p for lr, p in procs.items() if codes.get(lr, 0) is None and "poll" not in vars(p)]
-    for proc in frozen:
-        proc.poll = _running
+def workers_seen_as(running: Iterable[Any]) -> Iterator[None]:
+    """Inside, the agent's own look at its workers (``_monitor_workers``, which polls each handler's ``proc``) sees the
+    ``running`` processes (``Popen``-like, as the caller saw them) running: one that ends in between is seen at the
+    next look, by the caller first. torch's look stops every worker at the first death it sees, so it must judge the
+    caller's view. A shadow a signal leaves behind is inert: it answers as the process's own ``poll`` once out."""
+    inside = [True]
+    frozen = [p for p in running if _shadow_or_none(vars(p).get("poll"))]
     try:
+        for proc in frozen:
+            proc.poll = functools.partial(_seen_running, inside, proc)
         yield
     finally:
+        inside[0] = False
         for proc in frozen:
-            del proc.poll
+            vars(proc).pop("poll", None)
 
 
-def _running() -> None:
-    return None
+def _seen_running(inside: list[bool], proc: Any) -> int | None:
+    return None if inside[0] else type(proc).poll(proc)
+
+
+def _shadow_or_none(attr: Any) -> bool:
+    return attr is None or (isinstance(attr, functools.partial) and attr.func is _seen_running)
 
 
 def restarts_left(agent: Any) -> int:

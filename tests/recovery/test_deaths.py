@@ -69,6 +69,24 @@ def test_an_ended_worker_is_not_waited_on_again_and_its_pidfd_is_closed():
         watch.close()
 
 
+def test_a_failed_worker_or_the_end_of_every_worker_ends_the_wait_at_once():
+    """A death the last look did not act on (it happened after it) is acted on at the next look without a wait, and
+    so is the end of the last worker; a worker that finished while others run is not (the test above)."""
+    watch, done, failed, live = DeathWatch(), _sleeper(0), _sleeper(), _sleeper()
+    try:
+        failed.kill()
+        assert failed.wait(30) == -signal.SIGKILL and done.wait(30) == 0
+        for procs in ([done, failed, live], [done]):
+            start = time.monotonic()
+            watch.wait(procs, 30.0)
+            took = time.monotonic() - start
+            assert took < 10, f"the wait lasted {took:.1f} s; expected it to return at once"
+    finally:
+        live.kill()
+        live.wait()
+        watch.close()
+
+
 def test_a_dead_worker_its_parent_cannot_reap_yet_is_not_waited_on():
     """A worker that died while a debugger is attached: its pidfd is readable, but Popen.poll() says it runs until the
     debugger lets go. The wait must not end at once on it each time (the agent's loop would spin)."""
@@ -150,7 +168,7 @@ def test_without_pidfds_the_wait_sleeps_its_interval(monkeypatch, caplog):
 def test_a_death_between_the_agents_look_and_torchs_is_left_for_its_next_look():
     """The agent's hook looks at the workers, then torch's own look (which stops every worker at the first death it
     sees) judges that view: a worker killed between the two is running to torch, and dead at the hook's next look,
-    where it is started again alone."""
+    where it is started again alone; the wait before that look does not wait for it."""
     from types import SimpleNamespace
 
     from robustdist.recovery.agent import Replacer
@@ -171,8 +189,12 @@ def test_a_death_between_the_agents_look_and_torchs_is_left_for_its_next_look():
     try:
         assert replacer(agent, group, torchs_look) == "healthy"
         assert seen == [[None, None]], f"torch's look saw {seen}; expected both running, as the hook's look saw them"
+        assert "poll" not in vars(procs[0]) and "poll" not in vars(procs[1])
+        start = time.monotonic()
+        replacer.wait(agent, 30.0)  # the wait before the next look: at once, not after --monitor-interval
+        took = time.monotonic() - start
+        assert took < 10, f"the wait before the next look lasted {took:.1f} s; expected it to return at the death"
         assert procs[1].poll() == -signal.SIGKILL and procs[0].poll() is None  # the hook's, at its next look
-        assert "poll" not in vars(procs[1])
     finally:
         replacer.close()
         for p in procs:
