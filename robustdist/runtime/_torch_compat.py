@@ -29,7 +29,8 @@ __all__ = ["PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPIL
            "inner_schedulers", "scaler_unscaled", "BaseDataLoaderIter", "LoaderHooks",
            "MultiProcessingDataLoaderIter", "SingleProcessDataLoaderIter", "batch_norm_base", "compiled_inner",
            "dcp_storage_info_type", "default_store", "elastic_agent_class", "launcher_agent", "start_worker_again",
-           "restarts_left", "take_restarts", "worker_processes", "workers_seen_as", "worker_launch", "adopt_worker", "has_python_state", "has_storage", "innermost_store",
+           "restarts_left", "take_restarts", "worker_processes", "workers_seen_as", "worker_launch", "adopt_worker",
+           "has_python_state", "has_storage", "innermost_store",
            "live_iterator", "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
            "sparse_values", "tensor_version", "torch_save_code", "module_buffers"]
 
@@ -377,7 +378,7 @@ def workers_seen_as(running: Iterable[Any]) -> Iterator[None]:
     next look, by the caller first. torch's look stops every worker at the first death it sees, so it must judge the
     caller's view. A shadow a signal leaves behind is inert: it answers as the process's own ``poll`` once out."""
     inside = [True]
-    frozen = [p for p in running if _shadow_or_none(vars(p).get("poll"))]
+    frozen = [p for p in running if hasattr(p, "__dict__") and _shadow_or_none(vars(p).get("poll"))]
     try:
         for proc in frozen:
             proc.poll = functools.partial(_seen_running, inside, proc)
@@ -643,7 +644,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                _VERIFIED, _probe_dcp_slice),
     PrivateAPI("torch.distributed.elastic LocalElasticAgent._monitor_workers/_invoke_run/_pcontext/_remaining_restarts"
                ", WorkerSpec.monitor_interval (read once by _invoke_run), "
-               "SubprocessContext.subprocess_handlers/_numa_options (the agent's look polls each handler's proc), SubprocessHandler._stdout/_stderr, "
+               "SubprocessContext.subprocess_handlers/_numa_options (the agent's look polls each handler's proc), "
+               "SubprocessHandler._stdout/_stderr, "
                "launcher.api.LocalElasticAgent", "torch",
                "robustdist run starts one dead worker again and leaves the others running (torchrun's agent stops "
                "them all); without them it behaves exactly as torchrun", _VERIFIED, _probe_agent),
