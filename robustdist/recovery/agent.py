@@ -160,8 +160,10 @@ class Replacer:
             except SignalException:
                 raise
             except Exception as e:  # no spare this look (descriptors, memory): the next look tries again
-                log.warning("robustdist run: could not tend the warm spare (%s: %s); a replacement meanwhile starts "
-                            "cold", type(e).__name__, str(e)[:200])
+                log.warning("robustdist run: could not tend the warm spare (%s: %s); expected to start or check it. "
+                            "A replacement meanwhile starts cold, and the next look tries again. Fix: none needed "
+                            "if it passes; if it repeats, see the error (descriptors, memory) or run with --spares 0",
+                            type(e).__name__, str(e)[:200])
         ids = {w.id for w in group.workers}
         if self._ids and not ids & self._ids:  # torchrun restarted every worker (a membership change, a death torch's
             self._forget(group)  # own look saw first): rank 0's state is of processes gone

@@ -219,3 +219,30 @@ def test_the_view_torch_judges_is_put_back_even_when_its_look_fails_and_a_stray_
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_error_tending_the_spare_is_named_and_the_look_goes_on(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from robustdist.recovery.agent import Replacer
+
+    proc = _sleeper()
+    agent = SimpleNamespace(_pcontext=SimpleNamespace(subprocess_handlers={0: SimpleNamespace(proc=proc)}))
+    replacer = Replacer()
+
+    def no_descriptors(*_: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(replacer, "_tend_spare", no_descriptors)
+    try:
+        with caplog.at_level(logging.WARNING, "robustdist.recovery.agent"):
+            assert replacer(agent, SimpleNamespace(workers=[SimpleNamespace(id=proc.pid)]), lambda g: "healthy") \
+                == "healthy"
+        assert "could not tend the warm spare (OSError: [Errno 24] Too many open files); expected to start or check " \
+               "it. A replacement meanwhile starts cold" in caplog.text and "Fix:" in caplog.text
+        assert "cannot read the workers' processes" not in caplog.text
+    finally:
+        replacer.close()
+        proc.kill()
+        proc.wait()

@@ -206,6 +206,21 @@ def test_lazy_gloo_connections_are_named(monkeypatch, caplog):
     assert sockets.lazy and "TORCH_GLOO_LAZY_INIT is set" in caplog.text and sockets.unblock() == 0
 
 
+def _listening_ports() -> list[int]:
+    """The ports of this process's listening TCP sockets, read through socket options (not group_sockets' parser)."""
+    ports = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:  # not a socket, or closed meanwhile
+            continue
+        with sock:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM and \
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                ports.append(sock.getsockname()[1])
+    return sorted(ports)
+
+
 @pytest.mark.processes
 def test_a_forked_child_closes_its_copies_of_the_listeners_and_the_port_is_free_again_while_it_lives():
     """A DataLoader worker's case: the parent serves on a port, forks, closes its own server and serves on the
@@ -228,8 +243,8 @@ def test_a_forked_child_closes_its_copies_of_the_listeners_and_the_port_is_free_
     try:
         said = os.read(ready_r, 4000).decode()
         closed, kept = said.rsplit(" ", 1)
-        # this test's listener among them (the worker process may hold others, of earlier tests), the connection kept
-        assert port in json.loads(closed) and kept == "True", said
+        # exactly the parent's listeners (this test's, and any an earlier test left in this worker), the connection kept
+        assert sorted(json.loads(closed)) == _listening_ports() and port in json.loads(closed) and kept == "True", said
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             server.accept()[0].close()  # the parent's own listener still serves
         server.close()
