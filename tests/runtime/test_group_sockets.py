@@ -211,8 +211,13 @@ def _listening_ports() -> list[int]:
     ports = []
     for fd in os.listdir("/proc/self/fd"):
         try:
-            sock = socket.socket(fileno=os.dup(int(fd)))
-        except OSError:  # not a socket, or closed meanwhile
+            copy = os.dup(int(fd))
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:  # not a socket
+            os.close(copy)
             continue
         with sock:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM and \
