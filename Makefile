@@ -5,9 +5,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# Two pytest-xdist workers: most tests wait on the processes they start. Ray tests share one worker (conftest.py).
-# The run ends with its 20 slowest tests.
-PYTEST_PARALLEL ?= -n 2 --dist loadgroup
+# Three pytest-xdist workers on the 2-core machine: many tests wait (on timeouts, on stopped ranks) while the others
+# use the cores, and three keep both cores busy where two leave them idle a sixth of the run. Ray tests share one
+# worker, node-lab tests another (conftest.py). The run ends with its 20 slowest tests.
+PYTEST_PARALLEL ?= -n 3 --dist loadgroup
 
 .PHONY: demo demo-multinode test test-fast test-matrix bench bench-peers bench-check venv clean
 
@@ -35,7 +36,7 @@ test: venv
 	@$(PY) -m compileall -q robustdist tests benchmarks examples > /dev/null
 	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=20 $(PYTEST_ARGS)
 
-# The tests that start no process (no rank, subprocess, torchrun, Ray or node lab), on the same two xdist workers:
+# The tests that start no process (no rank, subprocess, torchrun, Ray or node lab), on the same xdist workers:
 # about 3 minutes. A test that starts one without its `processes` marker fails here, naming the marker
 # (tests/_process_guard.py). `make test` runs them too.
 test-fast: venv

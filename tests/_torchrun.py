@@ -1,20 +1,26 @@
 """The port tests' torchrun runs: launch a client under ``torchrun --standalone --nproc_per_node=2
 --max-restarts=1`` with a clean launcher environment, wait for a set of runs against one deadline (killing the
-whole process group of a run that overstays), and read what each rank wrote."""
+whole process group of a run that overstays), and read what each rank wrote; :func:`shared_straight` makes a
+deterministic straight run once per test session for every test that compares against it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -80,3 +86,42 @@ def straight_and_killed(client: Path, base: Path, kill_at: int, timeout: float) 
     logs = succeeded(finish({"straight": launch(client, where["straight"], "straight"),
                              "killed": launch(client, where["killed"], "killed", "--kill-at", str(kill_at))}, timeout))
     return {tag: results(w, tag) for tag, w in where.items()}, logs
+
+
+def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A directory ``make`` filled once per test session, for every test (on any pytest-xdist worker) that asks for
+    the same ``name``: the first to ask calls ``make(directory)`` holding a file lock in the session's base temporary
+    directory (the one all workers share), the others wait for the lock and read what it made. Only for what is the
+    same whoever makes it (a deterministic run). Its outcome is recorded: a ``make`` that raised or failed the test
+    (a run that overstayed) fails every test that asks for it, with its error."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # each worker's base is a folder of the session's
+    root = base / f"once-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+    outcome = root.parent / f"{root.name}.json"
+    with FileLock(f"{root}.lock"):
+        if not outcome.exists():
+            shutil.rmtree(root, ignore_errors=True)  # what a make that was itself killed left
+            root.mkdir()
+            try:
+                make(root)
+                error = None
+            except (Exception, pytest.fail.Exception):
+                error = traceback.format_exc()[-6000:]
+            outcome.write_text(json.dumps({"name": name, "error": error}))
+    recorded = json.loads(outcome.read_text())
+    if recorded["error"] is not None:
+        pytest.fail(f"the session's shared {name} failed:\n{recorded['error']}")
+    return root
+
+
+def shared_straight(tmp_path_factory: pytest.TempPathFactory, client: Path, *args: str, timeout: float) -> Path:
+    """The directory of a straight run of ``client *args`` (tag ``straight``, torchrun, 2 ranks; read it with
+    :func:`results`), made once per test session (:func:`once_per_session`) for every test that compares against
+    it: a deterministic client's straight run ends with the same results whoever starts it. A run that failed or
+    overstayed ``timeout`` fails every test that asks for it, with its output. torchrun's ``TMPDIR`` (where it
+    leaves its log directory) is the returned directory's ``parent / "tmp-straight"``."""
+    def run(root: Path) -> None:
+        succeeded(finish({"straight": launch(client, root / "run", "straight", *args)}, timeout))
+
+    return once_per_session(tmp_path_factory, " ".join(("straight run of", str(client), *args)), run) / "run"

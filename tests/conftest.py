@@ -25,7 +25,7 @@ Session: ``ray_cluster``, one local Ray cluster (``ray.init(address="local", num
 machine) shared by every test that asks for it, skipped when ray is not installed, shut down (and checked for
 survivors) at the end of the session.
 
-``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): most tests wait on
+``make test`` runs the suite on three pytest-xdist workers (``-n 3 --dist loadgroup``): many tests wait on
 processes they started, not on a core. Every test that uses ``ray_cluster`` goes to one worker (the
 ``xdist_group`` "ray"), so there is still one Ray cluster per run. The multi-node lab tests
 (``tests/multinode``) share one worker too (``xdist_group`` "multinode"): each runs several torchrun agents.
@@ -67,7 +67,7 @@ def pytest_configure(config):
     # torch.compile compiles in this process: some torch versions (2.8) otherwise keep a pool of compile worker
     # processes alive for the session, which the leftover-children check would report as the test's
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    # run_ranks' timeouts are a hang guard, not a speed test: on a 2-core machine running two workers, each
+    # run_ranks' timeouts are a hang guard, not a speed test: on a 2-core machine running several workers, each
     # starting processes, a run that takes 40 s alone took over 60 s (robustdist.testing.ranks reads this).
     os.environ.setdefault("ROBUSTDIST_TEST_TIMEOUT_SCALE", "3")
     # Ranks fork from a server that imported torch once, instead of importing it each (the suite's main cost).
@@ -155,7 +155,7 @@ def escaped_torchrun_dirs(run_tmp: str | None = None) -> list[str]:
 @pytest.fixture(autouse=True)
 def _torchrun_dirs_in_run_tmp():
     """A ``torchelastic_*`` directory that appears in the run's own directory during the test is named in a
-    warning (with two xdist workers, possibly the test beside it; a module fixture's runs fall outside every
+    warning (with several xdist workers, possibly a test beside it; a module fixture's runs fall outside every
     test). The run fails for them at its end (below)."""
     before = set(escaped_torchrun_dirs())
     yield

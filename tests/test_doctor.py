@@ -59,9 +59,20 @@ def test_doctor_exits_0_here():
     assert "skipped: RAY_ADDRESS is not set" in out.stdout
 
 
+@pytest.fixture(scope="module")
+def json_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``doctor --json`` with a fake sysfs (NUMA nodes 0 and 3, which only this tree has), read by the two tests
+    below: the sysfs root and the finished process. Only the NUMA check reads sysfs."""
+    sysfs = tmp_path_factory.mktemp("sysfs")
+    (sysfs / "devices/system/node/node0").mkdir(parents=True)
+    (sysfs / "devices/system/node/node3").mkdir(parents=True)
+    return sysfs, _doctor("--json", "--sysfs-root", str(sysfs))
+
+
 @pytest.mark.processes
-def test_doctor_json_parses():
-    out = _doctor("--json")
+@pytest.mark.xdist_group("doctor_json_run")  # one worker makes the run both tests read
+def test_doctor_json_parses(json_run):
+    out = json_run[1]
     assert out.returncode == _expected_code(), out.stderr
     findings = json.loads(out.stdout)["findings"]
     assert {f["level"] for f in findings} <= {"ok", "warn", "error"}
@@ -183,9 +194,8 @@ def test_ray_cluster_resources_are_reported(ray_cluster, monkeypatch):
 
 
 @pytest.mark.processes
-def test_fake_sysfs_via_cli(tmp_path):
-    (tmp_path / "devices/system/node/node0").mkdir(parents=True)
-    (tmp_path / "devices/system/node/node3").mkdir(parents=True)
-    out = _doctor("--json", "--sysfs-root", str(tmp_path))
+@pytest.mark.xdist_group("doctor_json_run")
+def test_fake_sysfs_via_cli(json_run):
+    sysfs, out = json_run
     numa = next(f for f in json.loads(out.stdout)["findings"] if f["check"] == "numa.nodes")
-    assert numa["value"] == "2 (node0, node3)" and Path(tmp_path).exists()
+    assert numa["value"] == "2 (node0, node3)" and sysfs.exists()

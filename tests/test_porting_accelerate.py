@@ -19,6 +19,7 @@ CLIENT = ROOT / "tests" / "clients" / "accelerate_nlp.py"
 RUN_TIMEOUT = 300
 BATCH_TIMEOUT = 2 * RUN_TIMEOUT  # the three runs at once share the machine's cores: a hang guard for all three
 STEPS = 9  # 3 epochs of 3 optimizer steps; checkpoints at 4 and 8
+SHARED = pytest.mark.xdist_group("porting_accelerate_runs")  # one worker makes the runs the tests of `runs` read
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def runs(tmp_path_factory):
     return {tag: results(w, tag) for tag, w in where.items()}, logs
 
 
+@SHARED
 @pytest.mark.timeout(BATCH_TIMEOUT + 60)
 def test_straight_run_composes_with_accelerate(runs):
     result, _ = runs
@@ -44,6 +46,7 @@ def test_straight_run_composes_with_accelerate(runs):
     assert tr.bitwise_equal(result["straight"][0][1], result["straight"][1][1])
 
 
+@SHARED
 @pytest.mark.timeout(BATCH_TIMEOUT + 60)
 @pytest.mark.parametrize("tag", ["killed", "in_save"])
 def test_a_kill_mid_run_or_inside_a_save_resumes_bitwise(runs, tag):

@@ -10,7 +10,8 @@ import pytest
 from tests import _training as tr
 from tests._torchrun import ROOT, straight_and_killed
 
-pytestmark = pytest.mark.processes
+pytestmark = [pytest.mark.processes,
+              pytest.mark.xdist_group("porting_fabric_runs")]  # one worker makes the runs both tests read
 
 pytest.importorskip("lightning")
 

@@ -13,7 +13,8 @@ import pytest
 from tests import _training as tr
 from tests._torchrun import ROOT, finish, launch, results, succeeded
 
-pytestmark = pytest.mark.processes
+pytestmark = [pytest.mark.processes,
+              pytest.mark.xdist_group("porting_nanogpt_runs")]  # one worker makes the runs both tests read
 
 CLIENT = ROOT / "tests" / "clients" / "nanogpt_train.py"
 RUN_TIMEOUT = 240

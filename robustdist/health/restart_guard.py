@@ -118,8 +118,12 @@ def begin(directory: str, *, attempt: int, limit: int) -> str | None:
     shown = ", ".join(map(str, earlier[-limit:]))
     where = f"step {record['step']}" if record["step"] is not None else "the start (no checkpoint)"
     errors = _last_errors(directory, earlier[-limit:])
-    return (f"{limit} restart attempts in a row ({shown}) resumed from {where} (or crashed while resuming) and none "
-            f"committed a newer checkpoint; this is attempt {attempt}. Expected progress between restarts, so this is "
+    if limit == 1:
+        found = f"restart attempt {shown} resumed from {where} (or crashed while resuming) and committed no newer"
+    else:
+        found = (f"{limit} restart attempts in a row ({shown}) resumed from {where} (or crashed while resuming) and "
+                 "none committed a newer")
+    return (f"{found} checkpoint; this is attempt {attempt}. Expected progress between restarts, so this is "
             f"a crash loop (it would burn the cluster until --max-restarts runs out). Last errors: {errors}. Fix: fix "
             f"the cause above (a bad batch near {where}, a failing node, a bug), then relaunch: a fresh launch "
             f"(attempt 0) starts a new count; or raise health.max_restarts_without_progress. The record is "

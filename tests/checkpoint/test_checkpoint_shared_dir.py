@@ -20,6 +20,10 @@ own view of the checkpoint directory holds before it exits.
 (f) the commit guard alone, in one process: 100 reported files looked at on threads, each unseen one named
     with what rank 0 found (missing, wrong size, a link, a FIFO); only missing ones are looked for again.
 
+(a), (b) and (e) run in turn in one launch on private dirs, each leaving the directory as empty as it found it;
+(c) and the removed file of (d) run in one launch on a shared dir, each in a directory of its own; the tests
+read those launches' results (module fixtures).
+
 Hostile probe files are in ``tests/security/test_checkpoint_node_local.py`` (which uses :func:`run_nodes`).
 """
 
@@ -160,7 +164,9 @@ def _rank_main(argv: list[str]) -> None:
 
 
 def init_group() -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    """The rank's gloo group; a scenario run after another in the same rank keeps the group already made."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=30))
 
 
 def attempt(call: Callable[[], Any]) -> dict[str, Any]:
@@ -231,6 +237,24 @@ def save_and_resume_shared(rank: int, ckpt: str) -> dict[str, Any]:
             "seen_after_save": seen_after_save, "seen": listing(ckpt)}
 
 
+def refusals_on_private_dirs(rank: int, ckpt: str) -> dict[str, Any]:
+    """(a), (b) and (e) in turn in one group, each leaving the directory empty for the next: the plain save, the
+    same through ``harden``, then the directory remounted read-only."""
+    results = {"save": save_on_private_dirs(rank, ckpt), "harden": harden_on_private_dirs(rank, ckpt)}
+    results["read_only"] = read_only_private_dirs(rank, ckpt)
+    return results
+
+
+def shared_dir_scenarios(rank: int, ckpt: str) -> dict[str, Any]:
+    """(c) and the removed file of (d) in one group, each in a directory of its own under the shared one."""
+    init_group()
+    out = {}
+    for name, scenario in (("resume", save_and_resume_shared), ("removed", file_removed_before_the_commit)):
+        os.makedirs(os.path.join(ckpt, name), exist_ok=True)
+        out[name] = scenario(rank, os.path.join(ckpt, name))
+    return out
+
+
 def sharded_without_the_check(rank: int, ckpt: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -289,10 +313,26 @@ def _assert_unshared(message: str, rank: int, ckpt: Path, what: str) -> None:
             f"writes, and every rank reads rank 0's files on resume. {what}. {FIX}") in message
 
 
+@pytest.fixture(scope="module")
+def private_refusals(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
+    """One launch on private dirs that (a), (b) and (e) read: its directory and each rank's results."""
+    tmp_path = tmp_path_factory.mktemp("private")
+    return tmp_path, run_nodes(MODULE, "refusals_on_private_dirs", tmp_path, private=True, timeout=90)
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
+    """One launch on a shared dir that (c) and the removed file of (d) read: its directory and each rank's results."""
+    tmp_path = tmp_path_factory.mktemp("shared")
+    return tmp_path, run_nodes(MODULE, "shared_dir_scenarios", tmp_path, private=False, timeout=90)
+
+
 @pytest.mark.processes
 @needs_isolation
-def test_a_node_local_directory_is_refused_at_the_first_save_on_every_rank(tmp_path):
-    for rank, out in enumerate(run_nodes(MODULE, "save_on_private_dirs", tmp_path, private=True)):
+@pytest.mark.xdist_group("shared_dir_private")  # one worker makes the launch the three tests read
+def test_a_node_local_directory_is_refused_at_the_first_save_on_every_rank(private_refusals):
+    tmp_path, results = private_refusals
+    for rank, out in enumerate(r["save"] for r in results):
         for attempt_ in (out["first"], out["second"]):
             _assert_unshared(attempt_["error"], rank, tmp_path / "ckpt", "Nothing was saved or committed")
             assert attempt_["ranks"] == [0, 1] and attempt_["seconds"] < 10
@@ -301,16 +341,19 @@ def test_a_node_local_directory_is_refused_at_the_first_save_on_every_rank(tmp_p
 
 @pytest.mark.processes
 @needs_isolation
-def test_harden_resume_and_save_refuse_a_node_local_directory(tmp_path):
-    for rank, out in enumerate(run_nodes(MODULE, "harden_on_private_dirs", tmp_path, private=True)):
+@pytest.mark.xdist_group("shared_dir_private")
+def test_harden_resume_and_save_refuse_a_node_local_directory(private_refusals):
+    tmp_path, results = private_refusals
+    for rank, out in enumerate(r["harden"] for r in results):
         _assert_unshared(out["resume"]["error"], rank, tmp_path / "ckpt", "Nothing was loaded")
         _assert_unshared(out["save"]["error"], rank, tmp_path / "ckpt", "Nothing was saved or committed")
         assert out["steps"] == [] and out["seen"] == []
 
 
 @pytest.mark.processes
-def test_two_nodes_sharing_one_directory_save_and_resume_as_before(tmp_path):
-    for rank, out in enumerate(run_nodes(MODULE, "save_and_resume_shared", tmp_path, private=False)):
+@pytest.mark.xdist_group("shared_dir_shared")  # one worker makes the launch the two tests read
+def test_two_nodes_sharing_one_directory_save_and_resume_as_before(shared_runs):
+    for rank, out in enumerate(r["resume"] for r in shared_runs[1]):
         assert (out["step"], out["steps"], out["world_size"], out["same"]) == (3, [1, 2, 3], 2, True)
         assert out["per_rank"] == {"r": rank} and out["note"] == {"step": 3}
         assert out["seen_after_save"] == out["seen"] and not [n for n in out["seen"] if "probe" in n]
@@ -333,8 +376,9 @@ def test_the_commit_guard_refuses_files_rank_0_cannot_see_even_without_the_check
 
 
 @pytest.mark.processes
-def test_a_reported_file_removed_before_the_commit_is_refused_and_the_previous_step_stays(tmp_path):
-    for rank, out in enumerate(run_nodes(MODULE, "file_removed_before_the_commit", tmp_path, private=False)):
+@pytest.mark.xdist_group("shared_dir_shared")
+def test_a_reported_file_removed_before_the_commit_is_refused_and_the_previous_step_stays(shared_runs):
+    for rank, out in enumerate(r["removed"] for r in shared_runs[1]):
         assert out["error"].startswith(f"[rank {rank}] checkpoint step 2 was not committed: rank 0 does not see files "
                                        "that rank 1 reported writing (rank 1 on node 1 (host "), out["error"]
         assert "rank_00001.pt (missing))" in out["error"] and out["ranks"] == [1]
@@ -345,8 +389,10 @@ def test_a_reported_file_removed_before_the_commit_is_refused_and_the_previous_s
 
 @pytest.mark.processes
 @needs_isolation
-def test_a_read_only_directory_is_loaded_from_unchecked_and_refused_at_the_first_save(tmp_path):
-    for rank, out in enumerate(run_nodes(MODULE, "read_only_private_dirs", tmp_path, private=True)):
+@pytest.mark.xdist_group("shared_dir_private")
+def test_a_read_only_directory_is_loaded_from_unchecked_and_refused_at_the_first_save(private_refusals):
+    tmp_path, results = private_refusals
+    for rank, out in enumerate(r["read_only"] for r in results):
         assert out["load"]["error"] is None
         message = out["save"]["error"]
         assert message.startswith(f"[rank {rank}] ranks 0, 1 could not create a probe file in the checkpoint "

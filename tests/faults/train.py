@@ -2,7 +2,9 @@
 
 python -m tests.faults.train MODE DIR; MODE: straight (20 steps), crash (SIGKILL itself at step 13, after
 the step-10 checkpoint), resume (load the newest checkpoint and finish). Prints JSON with the parameters'
-SHA-256. Uses every RNG a training script does: torch (data, dropout), python random, numpy.
+SHA-256. Uses every RNG a training script does: torch (data, dropout), python random, numpy; each run seeds them
+all. ``crash`` first trains the straight run (in ``DIR-straight``) in the same process and prints its line: the
+reference, without a process of its own.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ from robustdist.checkpoint import AtomicCheckpointer
 STEPS, EVERY, CRASH_AT = 20, 5, 13
 
 
-def main() -> None:
-    mode, directory = sys.argv[1], sys.argv[2]
+def train(mode: str, directory: str) -> dict:
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
@@ -52,7 +53,14 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     ckpt.close()
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    print(json.dumps({"params_sha256": digest, "resumed_from": resumed}))
+    return {"params_sha256": digest, "resumed_from": resumed}
+
+
+def main() -> None:
+    mode, directory = sys.argv[1], sys.argv[2]
+    if mode == "crash":
+        print(json.dumps(train("straight", f"{directory}-straight")), flush=True)
+    print(json.dumps(train(mode, directory)))
 
 
 if __name__ == "__main__":

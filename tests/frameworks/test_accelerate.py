@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -296,13 +297,24 @@ def _load(rank, directory):
     return step, _weights(model), counter.value
 
 
-@pytest.fixture
-def three(tmp_path):
-    directory = str(tmp_path / "ckpt")
+@pytest.fixture(scope="module")
+def _three_saved(tmp_path_factory):
+    """Steps 1, 2 and 3 saved by 2 ranks with ``keep_last=2``, once per module: the tests damage copies of it."""
+    directory = str(tmp_path_factory.mktemp("three") / "ckpt")
     outs = run_ranks(_save_three, 2, init=True, timeout=TIMEOUT, args=(directory,))
     kept, committed = outs[0]
     assert committed == [2, 3] and outs[1][1] == [2, 3]  # keep_last=2
     return Path(directory), kept
+
+
+@pytest.fixture
+def three(_three_saved, tmp_path):
+    """A test's own copy of the module's saved checkpoints (a deterministic save: a copy is what a save of its
+    own would leave), and the weights each step saved."""
+    saved, kept = _three_saved
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved, directory, symlinks=True)
+    return directory, kept
 
 
 def _load_all(directory: Path):
@@ -524,9 +536,8 @@ def _save_after_fallback(rank, directory):
 
 
 @pytest.mark.processes
-def test_a_save_after_a_fallback_is_the_newest_and_the_abandoned_ones_are_kept_aside(tmp_path):
-    directory = tmp_path / "ckpt"
-    run_ranks(_save_three, 2, init=True, timeout=TIMEOUT, args=(str(directory),))  # steps 2 and 3 kept
+def test_a_save_after_a_fallback_is_the_newest_and_the_abandoned_ones_are_kept_aside(three):
+    directory, _ = three  # steps 2 and 3 kept
     (directory / "checkpoint_3" / "robustdist-manifest.json").write_text("{")  # 3 refused: resume from 2
     for loaded, committed, again in run_ranks(_save_after_fallback, 2, init=True, timeout=TIMEOUT,
                                               args=(str(directory),)):
@@ -548,8 +559,6 @@ def test_a_resave_killed_between_its_renames_keeps_its_committed_copy(three):
 @pytest.mark.processes
 def test_leading_zero_twins_and_accelerates_own_folders_are_not_checkpoints_and_never_deleted(three, caplog):
     directory, _ = three
-    import shutil
-
     shutil.copytree(directory / "checkpoint_2", directory / "checkpoint_0002")
     shutil.copytree(directory / "checkpoint_3", directory / "checkpoint_4")
     (directory / "checkpoint_4" / "robustdist-manifest.json").unlink()  # as accelerator.save_state leaves it

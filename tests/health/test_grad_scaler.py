@@ -256,10 +256,18 @@ def _ranks_plain(rank):
     return trace, tr.state_of(model)
 
 
+@pytest.fixture(scope="module")
+def plain_ddp_run() -> list:
+    """The plain DDP + GradScaler loop on two ranks (no robustdist): each rank's trace and final state, the
+    reference both cases below compare with."""
+    return run_ranks(_ranks_plain, 2, timeout=120)
+
+
 @pytest.mark.processes
+@pytest.mark.xdist_group("grad_scaler_plain_ddp")  # one worker makes the reference run both cases read
 @pytest.mark.parametrize("check_gradients", [True, False], ids=["gradients", "allreduce"])
-def test_two_ranks_leave_overflows_to_the_scaler_and_agree_on_a_nan_loss(check_gradients):
-    plain = run_ranks(_ranks_plain, 2, timeout=120)
+def test_two_ranks_leave_overflows_to_the_scaler_and_agree_on_a_nan_loss(check_gradients, plain_ddp_run):
+    plain = plain_ddp_run
     assert plain[0][0] == plain[1][0]
     clean = run_ranks(_ranks_fp16, 2, args=("raise", check_gradients, -1), init=False, timeout=120)
     for rank, (kind, agreement, trace, state, overflows) in enumerate(clean):

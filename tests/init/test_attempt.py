@@ -1,7 +1,7 @@
 """One attempt number for the whole job, from the job's store, never from TORCHELASTIC_RESTART_COUNT.
 
 * Under real torchrun --max-restarts=1: a rank SIGKILLs itself on attempt 0 and every rank of the restarted
-  group reports attempt 1; and the same when a rank overwrites its TORCHELASTIC_RESTART_COUNT before init.
+  group reports attempt 1, rank 0 having overwritten its TORCHELASTIC_RESTART_COUNT before init.
 * Without torchrun's processes, the same store protocol with a job-lifetime store hosted by the test (standing
   in for torchrun's agent): consecutive "attempts" count 0, 1, 2 on every rank whatever the variable says; rank
   0's count is shared without a per-attempt store; an adopted group is counted once.
@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT = 150
 CFG = DistributedConfig(timeout=60, barrier_timeout=30, init_timeout=30)
+
 
 WORKER = textwrap.dedent('''
     """A torchrun worker: record the attempt robustdist reports; rank 1 SIGKILLs itself on attempt 0."""
@@ -103,22 +104,37 @@ def _records(tmp_path: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(tmp_path.glob("attempt*-rank*.json"))}
 
 
+@pytest.fixture(scope="module")
+def agent_store_run(tmp_path_factory) -> dict[str, dict]:
+    """One torchrun run with its shared store (the default) in which rank 0 overwrites its
+    TORCHELASTIC_RESTART_COUNT before init and rank 1 leaves it as torchrun set it, read by the two tests below
+    that check the default launch."""
+    out = tmp_path_factory.mktemp("agent-store-run")
+    _torchrun(out, "--tamper")
+    return _records(out)
+
+
 @pytest.mark.processes
+@pytest.mark.xdist_group("attempt_agent_store_run")  # one worker makes the run [agent-store] and the next test read
 @pytest.mark.parametrize("shared", [True, False], ids=["agent-store", "no-shared-store"])
-def test_every_rank_reports_attempt_one_after_a_real_sigkill_under_torchrun(tmp_path, shared):
-    """With torchrun's shared store (the default) the number is counted there; with
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 no store outlives an attempt and the ranks agree on the largest count."""
-    _torchrun(tmp_path, env_extra=None if shared else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    records = _records(tmp_path)
+def test_every_rank_reports_attempt_one_after_a_real_sigkill_under_torchrun(tmp_path, shared, request):
+    """With torchrun's shared store (the default) the number is counted there (the run in which rank 0 also
+    overwrites its variable: rank 1 is the untouched default); with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 no store
+    outlives an attempt and the ranks agree on the largest count."""
+    if shared:
+        records = request.getfixturevalue("agent_store_run")
+    else:
+        _torchrun(tmp_path, env_extra={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        records = _records(tmp_path)
     assert sorted(records) == ["attempt0-rank0", "attempt0-rank1", "attempt1-rank0", "attempt1-rank1"]
     assert [records[f"attempt1-rank{r}"]["attempt"] for r in (0, 1)] == [1, 1]
     assert [records[f"attempt0-rank{r}"]["attempt"] for r in (0, 1)] == [0, 0]
 
 
 @pytest.mark.processes
-def test_a_rank_that_overwrites_its_restart_count_still_gets_the_stores_attempt(tmp_path):
-    _torchrun(tmp_path, "--tamper")
-    records = _records(tmp_path)
+@pytest.mark.xdist_group("attempt_agent_store_run")
+def test_a_rank_that_overwrites_its_restart_count_still_gets_the_stores_attempt(agent_store_run):
+    records = agent_store_run
     # rank 0 said "1" on the first attempt and "0" on the second: the shape of torch #108158 on a 2-node job
     assert records["attempt0-rank0"] == {"attempt": 0, "torchrun_said": "0", "env_at_init": "1"}
     assert records["attempt1-rank0"] == {"attempt": 1, "torchrun_said": "1", "env_at_init": "0"}

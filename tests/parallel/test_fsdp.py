@@ -307,6 +307,7 @@ def policies_and_init(_gloo_averages):
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("fsdp_policies_and_init")  # one worker makes the run they read
 def test_per_layer_policies_by_names_callable_classes_and_auto(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["names"] == ["", "blocks.0", "blocks.1"]
@@ -316,6 +317,7 @@ def test_per_layer_policies_by_names_callable_classes_and_auto(fsdp_cpu, policie
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("fsdp_policies_and_init")  # one worker makes the run they read
 def test_meta_model_is_sharded_then_initialised(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["init_finite"] and out["freqs"] and out["dtensors"]
@@ -323,6 +325,7 @@ def test_meta_model_is_sharded_then_initialised(fsdp_cpu, policies_and_init):
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("fsdp_policies_and_init")  # one worker makes the run they read
 def test_meta_model_without_an_init_path_is_refused_on_every_rank(fsdp_cpu, policies_and_init):
     for rank, out in enumerate(policies_and_init):
         assert out["no_init"] == (
@@ -334,6 +337,7 @@ def test_meta_model_without_an_init_path_is_refused_on_every_rank(fsdp_cpu, poli
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("fsdp_policies_and_init")  # one worker makes the run they read
 def test_a_root_reset_that_misses_the_blocks_is_completed_with_a_warning(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["gaps_finite"]
@@ -343,6 +347,7 @@ def test_a_root_reset_that_misses_the_blocks_is_completed_with_a_warning(fsdp_cp
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("fsdp_policies_and_init")  # one worker makes the run they read
 def test_already_sharded_is_left_alone_and_sharded_blocks_get_only_the_root(fsdp_cpu, policies_and_init):
     for out in policies_and_init:
         assert out["adopted"] == (True, ["", "blocks.0", "blocks.1"], True)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.processes
+pytestmark = [pytest.mark.processes,
+              pytest.mark.xdist_group("fsdp2_example_runs")]  # one worker makes the runs every test reads
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "tests" / "clients" / "fsdp2_example.py"

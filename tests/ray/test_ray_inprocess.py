@@ -2,7 +2,8 @@
 with ``recovery.in_process: true`` the first ``harden`` gives up Ray's process group for robustdist's own
 (``robustdist.ray.group``), so a worker's exception is recovered in the same worker processes: Ray's controller
 never sees it (``FailureConfig(max_failures=0)``: any exception reaching it fails the run), and the result is
-bitwise equal to a run without the fault. The training code is ``tests/clients/ray_train_v2.py``'s
+bitwise equal to the same job run without a fault (``reference``, tests/ray/conftest.py: Ray's own group, no
+in-process recovery). The training code is ``tests/clients/ray_train_v2.py``'s
 ``train_fn_inprocess``, in the shape of Ray's regression example."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from tests.clients import ray_train_v2 as client
+from tests.ray.conftest import REFERENCE
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200, method="thread")]
 
@@ -31,7 +33,7 @@ def _config(tmp_path, name, **extra):
     out = tmp_path / name
     out.mkdir()
     return {"out": str(out), "ckpt": str(tmp_path / name / "ckpt"), "local_dir": str(tmp_path / name / "shm"),
-            "lr": 0.05, "total": 9, "every": 3, **extra}
+            **REFERENCE, **extra}
 
 
 def _fit(tmp_path, config, name, **kwargs):
@@ -39,20 +41,11 @@ def _fit(tmp_path, config, name, **kwargs):
                           train_fn=client.train_fn_inprocess, **kwargs).fit()
 
 
-@pytest.fixture(scope="module")
-def reference(ray_v2, tmp_path_factory):
-    """The same job without a fault: its rows and final parameters."""
-    tmp = tmp_path_factory.mktemp("reference")
-    config = _config(tmp, "straight")
-    assert _fit(tmp, config, "straight").error is None
-    assert [(r["generation"], r["created"]) for r in _generations(config)] == [(0, True), (0, True)]
-    return torch.load(os.path.join(config["out"], "final.pt"), weights_only=True)
-
-
-def _fit_restarted_once(tmp_path, config, name):
-    """A fit that Ray may restart once (``max_failures=1``); returns what its controller saw the workers raise."""
+def _fit_restarted(tmp_path, config, name, restarts=1):
+    """A fit that Ray may restart ``restarts`` times (``max_failures``); returns what its controller saw the
+    workers raise."""
     errors = tmp_path / "controller-errors.jsonl"
-    result = client.trainer(config, storage=str(tmp_path / "ray"), name=name, max_failures=1,
+    result = client.trainer(config, storage=str(tmp_path / "ray"), name=name, max_failures=restarts,
                             train_fn=client.train_fn_inprocess, callbacks=[client.ErrorLog(str(errors))]).fit()
     assert result.error is None, result.error
     return [json.loads(line) for line in errors.read_text().splitlines()]
@@ -70,38 +63,71 @@ def _generations(config):
         return [json.loads(line) for line in fh]
 
 
-@pytest.mark.processes
-def test_a_worker_exception_recovers_in_the_same_ray_workers_bitwise(reference, tmp_path):
-    faulted = _config(tmp_path, "faulted", raise_at=5)
+@pytest.fixture(scope="module")
+def in_place(ray_v2, tmp_path_factory):
+    """One fit with two faults, each recovered in the same workers (``max_failures=0``): rank 1 raises before the
+    backward of step 5 (generation 1 resumes step 4), then cannot stage its files for the report of step 6
+    (generation 2 resumes step 6). Its config, result, and what Ray's controller saw (nothing: no file)."""
+    tmp_path = tmp_path_factory.mktemp("in-place")
+    faulted = _config(tmp_path, "faulted", raise_at=5, stage_raise_at=6)
     errors = tmp_path / "controller-errors.jsonl"
     result = _fit(tmp_path, faulted, "faulted", callbacks=[client.ErrorLog(str(errors))])
+    return faulted, result, errors
+
+
+def _assert_in_place(faulted, result, errors, reference):
+    """What both of the fit's faults must leave: a run Ray never saw fail, in the same workers, bitwise."""
     assert result.error is None, result.error
-    assert not errors.exists(), errors.read_text()  # Ray's controller never saw the exception
+    assert not errors.exists(), errors.read_text()  # Ray's controller never saw either exception
     assert result.metrics["step"] == 9
     rows = _generations(faulted)
     for rank in range(2):
         mine = [r for r in rows if r["rank"] == rank]
-        assert [(r["generation"], r["resumed"]) for r in mine] == [(0, 0), (1, 4)], mine
+        assert [(r["generation"], r["resumed"]) for r in mine] == [(0, 0), (1, 4), (2, 6)], mine
         assert len({r["pid"] for r in mine}) == 1, mine  # the same worker process: Ray restarted nothing
         assert all(r["created"] and str(r["port"]) != r["ray_port"] for r in mine), mine  # robustdist's own group
-        assert (mine[1]["source"], mine[1]["from_process"]) == ("memory", True), mine
-        assert open(os.path.join(faulted["out"], f"recoveries-{rank}")).read() == "1"
+        assert all((r["source"], r["from_process"]) == ("memory", True) for r in mine[1:]), mine
+        assert open(os.path.join(faulted["out"], f"recoveries-{rank}")).read() == "2"
     _assert_bitwise(faulted, reference)
 
 
 @pytest.mark.processes
+def test_a_worker_exception_recovers_in_the_same_ray_workers_bitwise(in_place, reference):
+    """Rank 1 raises before the backward of step 5 (rank 0 is then in DDP's all-reduce): generation 1 of the
+    same workers resumes step 4 from the in-memory tier (``in_place``'s first fault)."""
+    _assert_in_place(*in_place, reference)
+
+
+@pytest.fixture(scope="module")
+def restarted(ray_v2, tmp_path_factory):
+    """One fit with two faults that each go to Ray's restart (``max_failures=2``): in Ray's first worker group rank
+    1 raises ``MemoryError`` before the backward of step 5; in the group Ray restarted, Ray's report of step 6
+    raises on rank 1. Its config, and what Ray's controller saw the workers raise."""
+    tmp_path = tmp_path_factory.mktemp("restarted")
+    faulted = _config(tmp_path, "restarted", fatal_at=5, report_raise_at=6)
+    return faulted, _fit_restarted(tmp_path, faulted, "restarted", restarts=2)
+
+
+def _groups(config, rank):
+    """``rank``'s rows, one per worker group Ray started: each gave up Ray's group, generation 0 of its own."""
+    mine = [r for r in _generations(config) if r["rank"] == rank]
+    assert [r["generation"] for r in mine] == [0, 0, 0] and len({r["pid"] for r in mine}) == 3, mine  # Ray's restarts
+    assert all(r["created"] for r in mine), mine
+    return mine
+
+
+@pytest.mark.processes
 def test_a_fault_that_must_not_be_recovered_in_place_goes_to_ray_s_restart_which_takes_over_again(reference,
-                                                                                                   tmp_path):
-    faulted = _config(tmp_path, "fatal", fatal_at=5)
-    seen = _fit_restarted_once(tmp_path, faulted, "fatal")
-    assert len(seen) == 1 and "MemoryError" in seen[0]["1"], seen  # it reached Ray's controller, once
-    rows = _generations(faulted)
+                                                                                                   restarted):
+    """``restarted``'s first fault: the ``MemoryError`` reaches Ray's controller (once: the second entry is the
+    second fault's), and the group Ray restarts resumes from the in-memory tier's copy on this node."""
+    faulted, seen = restarted
+    assert len(seen) == 2 and "MemoryError" in seen[0]["1"] and "MemoryError" not in json.dumps(seen[1]), seen
     for rank in range(2):
-        mine = [r for r in rows if r["rank"] == rank]
+        mine = _groups(faulted, rank)
         # generation 0 in Ray's first worker group, then generation 0 again in the group Ray restarted (new
         # processes), which gave up Ray's new group too and resumed from the in-memory tier's copy on this node
-        assert [(r["generation"], r["resumed"]) for r in mine] == [(0, 0), (0, 4)], mine
-        assert mine[0]["pid"] != mine[1]["pid"] and all(r["created"] for r in mine), mine
+        assert [r["resumed"] for r in mine[:2]] == [0, 4], mine
         assert mine[1]["source"] == "memory", mine
     _assert_bitwise(faulted, reference)
 
@@ -188,25 +214,21 @@ def test_a_rank_that_never_takes_part_is_named_within_the_init_timeout(who):
         "configuration" in message, message
 
 
-
 @pytest.mark.processes
 def test_a_fault_while_another_rank_waits_in_ray_train_report_escalates_at_once_and_resumes_bitwise(reference,
-                                                                                                     tmp_path):
+                                                                                                     restarted):
     """Ray's ``ray.train.report`` of step 6 raises on rank 1 (an upload that failed, say) while rank 0 waits in
     Ray's report barrier, which nothing of robustdist can interrupt: rank 0 cannot join an in-process recovery. Its
     fault watch says so for it ("escalate (waiting in ray.train.report)"), so rank 1 escalates at once (not after
-    the decision bound, where it would read a plain "escalate"), Ray restarts the worker group once, and the run
-    resumes bitwise."""
-    faulted = _config(tmp_path, "report", report_raise_at=6)
-    seen = _fit_restarted_once(tmp_path, faulted, "report")
-    assert seen == [{"1": "OSError: Ray's report of step 6 failed (simulated)"}], seen
-    rows = _generations(faulted)
+    the decision bound, where it would read a plain "escalate"), Ray restarts the worker group once more, and the
+    run resumes bitwise (``restarted``'s second fault, in the group Ray restarted after its first)."""
+    faulted, seen = restarted
+    assert seen[1:] == [{"1": "OSError: Ray's report of step 6 failed (simulated)"}], seen
     first = {}  # each rank's log from the worker group the fault was in
     for rank in range(2):
-        mine = [r for r in rows if r["rank"] == rank]
-        assert [r["generation"] for r in mine] == [0, 0] and mine[0]["pid"] != mine[1]["pid"], mine  # Ray's restart
-        assert mine[1]["resumed"] == 6 and mine[1]["source"] == "memory", mine
-        first[rank] = (Path(faulted["out"]) / f"log-{rank}-{mine[0]['pid']}.txt").read_text()
+        mine = _groups(faulted, rank)
+        assert mine[2]["resumed"] == 6 and mine[2]["source"] == "memory", mine
+        first[rank] = (Path(faulted["out"]) / f"log-{rank}-{mine[1]['pid']}.txt").read_text()
     assert "waits in ray.train.report, which robustdist cannot interrupt" in first[0], first[0]
     assert "did not recover (escalate (waiting in ray.train.report))" in first[1], first[1]
     _assert_bitwise(faulted, reference)
@@ -220,7 +242,7 @@ def test_a_worker_stuck_in_a_transfer_the_teardown_cannot_end_hands_its_error_to
     in the send (gloo does not end it). It is judged stuck: its error is handed to Ray's controller, which shows it
     and restarts the worker group once; the run resumes bitwise."""
     faulted = _config(tmp_path, "stuck", stuck_at=5)
-    seen = _fit_restarted_once(tmp_path, faulted, "stuck")
+    seen = _fit_restarted(tmp_path, faulted, "stuck")
     assert len(seen) == 1 and "0" in seen[0], seen
     assert seen[0]["0"].startswith("RecoveryError: [rank 0] in-process recovery generation 0: this rank's training "
                                    "thread is still blocked in send_to_a_stopping_peer (ray_train_v2.py:"), seen
@@ -233,23 +255,17 @@ def test_a_worker_stuck_in_a_transfer_the_teardown_cannot_end_hands_its_error_to
 
 
 @pytest.mark.processes
-def test_a_rank_whose_files_for_ray_cannot_be_staged_is_a_fault_recovered_in_the_same_workers_bitwise(reference,
-                                                                                                        tmp_path):
+def test_a_rank_whose_files_for_ray_cannot_be_staged_is_a_fault_recovered_in_the_same_workers_bitwise(in_place,
+                                                                                                        reference):
     """Rank 1 cannot stage its files for the report of step 6 (a full disk, say). Every rank learns it in
     robustdist's own collective before Ray's barrier, so none waits there: every rank raises the same error naming
     rank 1, which is a fault like any other, recovered in the same workers (Ray's controller sees nothing) from
-    the in-memory tier, bitwise."""
-    faulted = _config(tmp_path, "stage", stage_raise_at=6)
-    errors = tmp_path / "controller-errors.jsonl"
-    result = _fit(tmp_path, faulted, "stage", callbacks=[client.ErrorLog(str(errors))])
-    assert result.error is None, result.error
-    assert not errors.exists(), errors.read_text()
+    the in-memory tier, bitwise (``in_place``'s second fault, in the generation that recovered from its first)."""
+    faulted = in_place[0]
+    _assert_in_place(*in_place, reference)
     rows = _generations(faulted)
     for rank in range(2):
         mine = [r for r in rows if r["rank"] == rank]
-        assert [(r["generation"], r["resumed"]) for r in mine] == [(0, 0), (1, 6)], mine
-        assert len({r["pid"] for r in mine}) == 1 and mine[1]["source"] == "memory", mine
         log = (Path(faulted["out"]) / f"log-{rank}-{mine[0]['pid']}.txt").read_text()
         assert ("reporting checkpoint step 6 to Ray Train failed: rank 1 could not stage their files (rank 1: "
                 "OSError: [Errno 28] No space left on device: staging step 6 (simulated)); expected every") in log, log
-    _assert_bitwise(faulted, reference)

@@ -1,9 +1,12 @@
 """``robustdist.ray.train.report`` hands Ray only the files robustdist committed: a committed file swapped for a
 symbolic link or a hard link to a file outside the checkpoint (between the commit and the report) is refused
-with a named error, and the outside file never reaches Ray's storage. A real Ray Train V2 run, one worker."""
+with a named error, and the outside file never reaches Ray's storage. One real Ray Train V2 run, one worker, tries
+the three cases in turn (each its own checkpoint directory and outside file): the symbolic link, the hard link,
+then the untouched control, whose report is the run's checkpoint; each test reads its case from that run."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600, method="thread")]
 SECRET = "the contents of a file outside the checkpoint"
+CASES = ("symlink", "hardlink", "none")  # the control last: its report is the run's checkpoint
 
 
 def _train(config):
@@ -21,57 +25,74 @@ def _train(config):
     from robustdist.checkpoint._layout import read_manifest
     from robustdist.ray import train as rt
 
-    with AtomicCheckpointer(config["ckpt"]) as ckpt:
-        info = ckpt.save(1, {"weights": torch.zeros(8)})
-    step_dir = info.path
-    target = os.path.join(step_dir, "replicated.pt")
-    if config["swap"] != "none":  # what someone who can write the directory does after the commit
-        if config["swap"] == "hardlink":  # an outside file of the very size the manifest records
-            secret = Path(config["secret"])
-            secret.write_bytes(SECRET.encode().ljust(os.path.getsize(target), b"."))
-        os.unlink(target)
-        (os.symlink if config["swap"] == "symlink" else os.link)(config["secret"], target)
     ctx = ray.train.get_context()
-    rt.report({"step": 1}, step_dir, read_manifest(step_dir, 1), rank=ctx.get_world_rank(),
-              world_size=ctx.get_world_size())
+    refused = {}
+    for swap in CASES:
+        with AtomicCheckpointer(os.path.join(config["ckpt"], swap)) as ckpt:
+            info = ckpt.save(1, {"weights": torch.zeros(8)})
+        step_dir = info.path
+        target = os.path.join(step_dir, "replicated.pt")
+        secret = Path(config["secret"][swap])
+        if swap != "none":  # what someone who can write the directory does after the commit
+            if swap == "hardlink":  # an outside file of the very size the manifest records
+                secret.write_bytes(SECRET.encode().ljust(os.path.getsize(target), b"."))
+            os.unlink(target)
+            (os.symlink if swap == "symlink" else os.link)(secret, target)
+        try:
+            rt.report({"step": 1}, step_dir, read_manifest(step_dir, 1), rank=ctx.get_world_rank(),
+                      world_size=ctx.get_world_size())
+        except Exception as e:  # the refusal: recorded for the test, and the next case goes on
+            refused[swap] = f"{type(e).__name__}: {e}"
+        else:
+            refused[swap] = None
+    with open(config["refused"], "w") as fh:
+        json.dump(refused, fh)
 
 
-def _fit(tmp_path: Path, swap: str):
+@pytest.fixture(scope="module")
+def run(ray_by_value, tmp_path_factory):
+    """The one fit: ``(result, error, {case: the report's error text or None}, files holding SECRET in Ray's
+    storage)``."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    secret = tmp_path / "secret.txt"
-    secret.write_text(SECRET)
-    config = {"ckpt": str(tmp_path / "ckpt"), "secret": str(secret), "swap": swap}
+    tmp_path = tmp_path_factory.mktemp("report")
+    secrets = {swap: str(tmp_path / f"secret-{swap}.txt") for swap in CASES}
+    for secret in secrets.values():
+        Path(secret).write_text(SECRET)
+    config = {"ckpt": str(tmp_path / "ckpt"), "secret": secrets, "refused": str(tmp_path / "refused.json")}
     storage = tmp_path / "ray"
     trainer = TorchTrainer(_train, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=1, use_gpu=False),
-                           run_config=RunConfig(storage_path=str(storage), name=f"report-{swap}",
+                           run_config=RunConfig(storage_path=str(storage), name="report",
                                                 failure_config=FailureConfig(max_failures=0)))
     try:
         result = trainer.fit()
         error = result.error
     except Exception as e:  # Train V2 raises the worker's error from fit()
         result, error = None, e
+    refused = json.loads(Path(config["refused"]).read_text()) if error is None else {}
     uploaded = [p for p in storage.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
-    return result, error, uploaded
+    return result, error, refused, uploaded
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("swap", ["symlink", "hardlink"])
-def test_a_committed_file_swapped_for_a_link_never_reaches_rays_storage(ray_by_value, tmp_path, swap):
-    _, error, uploaded = _fit(tmp_path, swap)
+def test_a_committed_file_swapped_for_a_link_never_reaches_rays_storage(run, swap):
+    _, error, refused, uploaded = run
+    assert error is None, error
     assert uploaded == []
-    assert error is not None
-    text = str(error)
+    text = refused[swap]
+    assert text is not None
     assert "replicated.pt" in text
     assert ("is a symbolic link; refused" in text) if swap == "symlink" else ("has 2 names (a hard link" in text)
 
 
 @pytest.mark.processes
-def test_the_control_reports_the_checkpoint(ray_by_value, tmp_path):
-    result, error, uploaded = _fit(tmp_path, "none")
+def test_the_control_reports_the_checkpoint(run):
+    result, error, refused, uploaded = run
     assert error is None and uploaded == []
+    assert refused["none"] is None
     assert result.checkpoint is not None
     with result.checkpoint.as_directory() as d:
         assert sorted(os.listdir(d)) == ["manifest.json", "rank_00000.pt", "replicated.pt"]

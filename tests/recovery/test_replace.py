@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from robustdist.recovery.spare import idle_possible
-from tests._torchrun import ROOT, finish, launch, results, succeeded
+from tests._torchrun import ROOT, finish, launch, results, shared_straight, succeeded
 
 pytestmark = pytest.mark.processes
 
 CLIENT = ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py"
 RUN = ("robustdist", "run")
 TIMEOUT = 240.0  # three 2-rank jobs side by side on 2 cores: each ends in about 10 s alone
+EPOCHS_6 = ("--epochs", "6")  # the spared run's length (48 steps)
 LONG_LOOK = 60.0  # a --monitor-interval no look of the agent's may wait for: it wakes at a worker's end
 
 
@@ -55,19 +56,20 @@ def _tmp_env(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path):
+def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path, tmp_path_factory):
     """SIGKILL of rank 1 mid-run, no spare: rank 0's process keeps running (one pid throughout), rank 1 is a new process that
     joins generation 1, nothing is restarted by torchrun (attempt 0 throughout), and the parameters are bitwise those
-    of an uninterrupted torchrun run and of an uninterrupted robustdist run. The agent looks every 60 s, and still
-    starts the replacement at once: it waits for its workers' ends, not for its next look."""
-    where = {tag: tmp_path / tag for tag in ("torchrun", "plain", "killed")}
-    procs = {"torchrun": launch(CLIENT, where["torchrun"], "torchrun", env=_tmp_env(tmp_path / "tmp-torchrun")),
-             "plain": launch(CLIENT, where["plain"], "plain", launcher=RUN, env=_tmp_env(tmp_path / "tmp-plain")),
+    of an uninterrupted torchrun run (the session's shared straight run) and of an uninterrupted robustdist run. The
+    agent looks every 60 s, and still starts the replacement at once: it waits for its workers' ends, not for its next
+    look."""
+    torchrun = shared_straight(tmp_path_factory, CLIENT, timeout=TIMEOUT)
+    where = {tag: tmp_path / tag for tag in ("plain", "killed")}
+    procs = {"plain": launch(CLIENT, where["plain"], "plain", launcher=RUN, env=_tmp_env(tmp_path / "tmp-plain")),
              "killed": launch(CLIENT, where["killed"], "killed", "--kill", "1:5",
                               launcher=(*RUN, "--spares", "0", f"--monitor-interval={LONG_LOOK}"),
                               env=_tmp_env(tmp_path / "tmp-killed"))}
     logs = succeeded(finish(procs, TIMEOUT))
-    final = {tag: results(w, tag) for tag, w in where.items()}
+    final = {"torchrun": results(torchrun, "straight"), **{tag: results(w, tag) for tag, w in where.items()}}
     for tag in ("plain", "killed"):
         for r in range(2):
             _same(final["torchrun"][r][1], final[tag][r][1])
@@ -88,24 +90,24 @@ def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path):
     assert "joins in-process recovery generation 1" in out
     assert "Stopping worker group" not in out and "will restart worker group" not in out, out[-3000:]
     # torchrun leaves its temporary log directory behind; robustdist run removes it (nothing was written there)
-    assert list((tmp_path / "tmp-torchrun").glob("torchelastic_*"))
+    assert list((torchrun.parent / "tmp-straight").glob("torchelastic_*"))
     for tag in ("plain", "killed"):
         assert not list((tmp_path / f"tmp-{tag}").glob("torchelastic_*")), tag
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_rank_0_is_replaced_alone_where_the_agent_serves_the_store(tmp_path):
+def test_a_killed_rank_0_is_replaced_alone_where_the_agent_serves_the_store(tmp_path, tmp_path_factory):
     """Rank 0 killed mid-run: robustdist run's agent serves each attempt's store (not rank 0's process), so rank 0 is
     started again alone like any rank (rank 1 keeps one process), bitwise. With the agent's store not shared
     (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, rank 0's process serves the job's port) and in the demo (no in-process
     recovery), torchrun's path, saying why. Every run ends as torchrun's restart makes it end (the demo checks its own
-    result bitwise against a straight run and exits 1 otherwise)."""
+    result bitwise against a straight run and exits 1 otherwise), the others as the session's shared straight run."""
+    straight = results(shared_straight(tmp_path_factory, CLIENT, timeout=TIMEOUT), "straight")
     demo = ROOT / "examples" / "resilient_training.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
     procs = {
-        "straight": launch(CLIENT, tmp_path / "straight", "straight"),
         "rank0": launch(CLIENT, tmp_path / "rank0", "rank0", "--kill", "0:5", launcher=RUN,
                         env=_tmp_env(tmp_path / "tmp-rank0")),
         "own": launch(CLIENT, tmp_path / "own", "own", "--kill", "0:5", launcher=RUN,
@@ -115,7 +117,6 @@ def test_a_killed_rank_0_is_replaced_alone_where_the_agent_serves_the_store(tmp_
                                   "--every", "5", "--kill-step", "17"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)}
     logs = succeeded(finish(procs, TIMEOUT))
-    straight = results(tmp_path / "straight", "straight")
     out = logs["rank0"]
     assert "rank 0 (local rank 0, pid" in out, out[-3000:]
     assert "died (signal 9 (SIGKILL)); started it again alone" in out, out[-3000:]
@@ -176,18 +177,17 @@ def _await_line(lines: list[str], proc: subprocess.Popen, pattern: str, after: i
 
 
 @pytest.mark.timeout(400)
-def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(tmp_path, reaped):
+def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(tmp_path, tmp_path_factory):
     """The agent's warm spare: killed itself once ready, another is started; then rank 1 is SIGKILLed from outside
     (as the OOM killer does) and the spare forks its replacement, staying warm: the replacement, killed in turn once it
-    trains, is forked by the same spare. The run ends bitwise equal to an uninterrupted torchrun run, and no spare or
-    forked worker outlives the launcher."""
-    args = ("--epochs", "6", "--step-sleep", "0.25")  # 48 steps
+    trains, is forked by the same spare. The run ends bitwise equal to an uninterrupted torchrun run (the session's
+    shared straight run of as many epochs: its pacing changes no result), and no spare or forked worker outlives the
+    launcher."""
+    straight = shared_straight(tmp_path_factory, CLIENT, *EPOCHS_6, timeout=TIMEOUT)
     hold = tmp_path / "hold"  # the spared run waits after step 4 until both spares have warmed (at idle priority, as
     hold.touch()  # long as the other work on the host makes it)
-    straight = launch(CLIENT, tmp_path / "straight", "straight", *args)
-    reaped.append(straight)
-    spared = launch(CLIENT, tmp_path / "spared", "spared", *args, "--hold", f"{hold}:4", launcher=RUN,
-                    env=_tmp_env(tmp_path / "tmp"), max_restarts=2)  # one per replacement
+    spared = launch(CLIENT, tmp_path / "spared", "spared", *EPOCHS_6, "--step-sleep", "0.25", "--hold", f"{hold}:4",
+                    launcher=RUN, env=_tmp_env(tmp_path / "tmp"), max_restarts=2)  # one per replacement
     lines, reader = _reader(spared)
     try:
         how = "idle priority" if idle_possible() else "the workers' priority"  # (then theirs after 30 s: a busy host)
@@ -214,8 +214,7 @@ def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(
         hold.unlink(missing_ok=True)
         out = _ended(spared, reader, lines)
     assert spared.returncode == 0, out[-4000:]
-    succeeded(finish({"straight": straight}, TIMEOUT))
-    ends = {tag: results(tmp_path / tag, tag) for tag in ("straight", "spared")}
+    ends = {"straight": results(straight, "straight"), "spared": results(tmp_path / "spared", "spared")}
     for r in range(2):
         _same(ends["straight"][r][1], ends["spared"][r][1])
     assert len({second.group(1), one.group(1), two.group(1)}) == 3  # two forks; the spare itself was no worker
@@ -233,13 +232,14 @@ def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(
 
 
 @pytest.mark.timeout(400)
-def test_a_kill_inside_a_save_and_a_killed_replacement_still_end_bitwise(tmp_path, reaped):
+def test_a_kill_inside_a_save_and_a_killed_replacement_still_end_bitwise(tmp_path, tmp_path_factory, reaped):
     """Rank 1 SIGKILLed while its in-memory save's background part runs: the survivors resume from a complete step
     (never the half-replicated one) with the replacement. And a replacement SIGKILLed as soon as it starts (a death
-    during the recovery): the agent starts another, and the run still ends bitwise."""
+    during the recovery): the agent starts another, and the run still ends bitwise (as the session's shared straight
+    run: the pacing changes no result)."""
+    ref = results(shared_straight(tmp_path_factory, CLIENT, timeout=TIMEOUT), "straight")
     args = ("--step-sleep", "0.1")
-    procs = {"straight": launch(CLIENT, tmp_path / "straight", "straight", *args),
-             "save": launch(CLIENT, tmp_path / "save", "save", *args, "--kill", "1:9", "--kill-in-save",
+    procs = {"save": launch(CLIENT, tmp_path / "save", "save", *args, "--kill", "1:9", "--kill-in-save",
                             launcher=(*RUN, "--spares", "0"), max_restarts=3)}
     twice = launch(CLIENT, tmp_path / "twice", "twice", *args, "--kill", "1:9", launcher=(*RUN, "--spares", "0"),
                    max_restarts=3)
@@ -252,7 +252,6 @@ def test_a_kill_inside_a_save_and_a_killed_replacement_still_end_bitwise(tmp_pat
         out = _ended(twice, reader, lines)
     assert twice.returncode == 0, out[-4000:]
     logs = succeeded(finish(procs, TIMEOUT))
-    ref = results(tmp_path / "straight", "straight")
     for tag in ("save", "twice"):
         for r, (res, params) in enumerate(results(tmp_path / tag, tag)):
             _same(ref[r][1], params)

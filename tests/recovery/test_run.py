@@ -21,6 +21,7 @@ from robustdist.recovery import generation, history
 from robustdist.recovery.faults import FaultWatch
 from robustdist.runtime.errors import ConfigError
 from robustdist.testing.ranks import run_ranks
+from tests._torchrun import once_per_session
 from tests.clients.ray_train_v2 import send_to_a_stopping_peer
 
 pytestmark = pytest.mark.timeout(300)
@@ -138,11 +139,21 @@ def _job(rank: int, root: str, in_process: bool, faults: list[tuple[int, int, in
     return out
 
 
+def _straight(tmp_path_factory, in_process: bool) -> list[dict]:
+    """What each rank of a run without faults returns (``recovery.in_process`` as given): made once per session."""
+    def make(root):
+        out = run_ranks(_job, 2, args=(str(root), in_process, [], False), init=False, timeout=180)
+        torch.save(out, root / "out.pt")
+
+    made = once_per_session(tmp_path_factory, f"{__name__} straight in_process={in_process}", make)
+    return torch.load(made / "out.pt", weights_only=False)
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize("keep_old", [False, True], ids=["h-model", "kept-generation-0-module"])
-def test_h_run_recovers_a_nanogpt_shaped_loop_in_process_bitwise(tmp_path, keep_old):
+def test_h_run_recovers_a_nanogpt_shaped_loop_in_process_bitwise(tmp_path, tmp_path_factory, keep_old):
     faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [(1, 6, 0)], keep_old), init=False, timeout=180)
-    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), False, [], False), init=False, timeout=180)
+    straight = _straight(tmp_path_factory, in_process=False)
     for rank in range(2):
         got, ref = faulted[rank], straight[rank]
         assert got["end"] == ref["end"] == MAX_ITERS and got["closed"] and got["generation"] == 0
@@ -179,9 +190,9 @@ def test_a_lost_connection_seen_before_the_watch_wakes_is_the_other_rank_s_fault
     ([(1, 4, 0), (0, 5, 1)], [(0, 0), (1, 3), (2, 4)]),
     ([(-1, 6, 0)], [(0, 0), (1, 5)]),
 ], ids=["two-quick-faults-on-different-ranks", "every-rank-at-once"])
-def test_quick_and_simultaneous_faults_recover_bitwise(tmp_path, faults, generations):
+def test_quick_and_simultaneous_faults_recover_bitwise(tmp_path, tmp_path_factory, faults, generations):
     faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, faults, False), init=False, timeout=180)
-    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), True, [], False), init=False, timeout=180)
+    straight = _straight(tmp_path_factory, in_process=True)
     for rank in range(2):
         got, ref = faulted[rank], straight[rank]
         assert got["end"] == ref["end"] == MAX_ITERS and got["generation"] == 0
@@ -191,14 +202,14 @@ def test_quick_and_simultaneous_faults_recover_bitwise(tmp_path, faults, generat
 
 @pytest.mark.processes
 @pytest.mark.parametrize("how", ["sleep", "stop"])
-def test_a_stall_shorter_than_the_decision_bound_recovers_in_process_bitwise(tmp_path, how):
+def test_a_stall_shorter_than_the_decision_bound_recovers_in_process_bitwise(tmp_path, tmp_path_factory, how):
     """Rank 1 sleeps 6 s before its backward while rank 0 waits in the all-reduce (its heartbeats go on: the hang
     verdict, 3 s, is the fault), or is stopped for 6 s (SIGSTOP: its heartbeats stop, and rank 0 declares it
     faulty once they are stale, 2.25 s); rank 0 gets out of the collective, rank 1 fails its backward when it runs
     again, within the decision bound (15 s), and both recover."""
     faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), True, [], False, (1, 6, how, 6.0)), init=False,
                         timeout=240)
-    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), True, [], False), init=False, timeout=180)
+    straight = _straight(tmp_path_factory, in_process=True)
     for rank in range(2):
         got, ref = faulted[rank], straight[rank]
         assert "raised" not in got, got["raised"]

@@ -26,6 +26,7 @@ from robustdist import harden
 from robustdist.checkpoint import _faults
 from robustdist.recovery import generation
 from robustdist.testing.ranks import run_ranks
+from tests._torchrun import once_per_session
 from tests.recovery.test_loop import ToyModel  # the DDP tutorial's model
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
@@ -123,18 +124,24 @@ def _job(rank: int, root: str, held: dict[str, float] | None = None, fault_after
     return out
 
 
-def _straight(root: str) -> list[dict]:
-    return run_ranks(_job, 2, args=(root,), init=False, timeout=180)
+def _straight(tmp_path_factory) -> list[dict]:
+    """What each rank of a run without faults returns (in-memory saves every step), made once per session. How often
+    the in-memory tier saves and what extra state a save holds change no parameter: this run is the reference of
+    every faulted run here but the durable one (whose straight run's own checkpoints are checked too)."""
+    def make(root):
+        torch.save(run_ranks(_job, 2, args=(str(root),), init=False, timeout=180), root / "out.pt")
+
+    return torch.load(once_per_session(tmp_path_factory, f"{__name__} straight", make) / "out.pt", weights_only=False)
 
 
-def test_a_fault_while_an_in_memory_save_commits_resumes_from_the_copies_in_place_bitwise(tmp_path):
+def test_a_fault_while_an_in_memory_save_commits_resumes_from_the_copies_in_place_bitwise(tmp_path, tmp_path_factory):
     """Rank 1's background part of step 6 is held 1.5 s after writing its own copy, and rank 1 faults as soon as the
     save returns: the step's commit collective never runs, but the recovery waits for the copies being written
     (only a part stuck in a collective is left behind), so every rank's own copy of step 6, from one save, is in
     place, and both ranks resume step 6 from memory, bitwise."""
     faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), {"local_own_committed": 1.5}, 6), init=False,
                         timeout=180)
-    straight = _straight(str(tmp_path / "b"))
+    straight = _straight(tmp_path_factory)
     for rank in range(2):
         got, ref = faulted[rank], straight[rank]
         assert "raised" not in got, got["raised"]
@@ -168,12 +175,12 @@ def test_a_fault_while_a_durable_async_save_reports_recovers_bitwise_without_wai
                                                                                   straight[0]["steps"])
 
 
-def test_a_nan_is_rolled_back_in_place_under_h_run_bitwise(tmp_path):
+def test_a_nan_is_rolled_back_in_place_under_h_run_bitwise(tmp_path, tmp_path_factory):
     """nan_policy: rollback: rank 1's loss is NaN at step 5 once. Every rank restores step 4 from memory, in place:
     no recovery generation, and the run ends bitwise equal to one without the NaN."""
     rolled = run_ranks(_job, 2, args=(str(tmp_path / "a"), None, None, 100, (1, 5, False)), init=False,
                        timeout=180)
-    straight = _straight(str(tmp_path / "b"))
+    straight = _straight(tmp_path_factory)
     for rank in range(2):
         got, ref = rolled[rank], straight[rank]
         assert "raised" not in got, got["raised"]
@@ -196,11 +203,11 @@ def test_a_nan_on_every_pass_escalates_through_the_recovery(tmp_path):
         assert [g for g, _, _ in out[rank]["rollbacks"]] == [0, 0, 1, 1, 2, 2, 3, 3], out[rank]["rollbacks"]
 
 
-def test_a_fault_before_the_first_checkpoint_recovers_from_the_start_state_bitwise(tmp_path):
+def test_a_fault_before_the_first_checkpoint_recovers_from_the_start_state_bitwise(tmp_path, tmp_path_factory):
     """In-memory saves every 5 steps; rank 1 faults after step 3. A fresh start under h.run keeps the start state in
     the in-memory tier (step 0), so both ranks run again from it, not from step 0 with the moved model."""
     faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), None, 3, 100, None, 5), init=False, timeout=180)
-    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), None, None, 100, None, 5), init=False, timeout=180)
+    straight = _straight(tmp_path_factory)
     for rank in range(2):
         got, ref = faulted[rank], straight[rank]
         assert "raised" not in got, got["raised"]
@@ -220,14 +227,14 @@ def test_a_fault_before_the_first_checkpoint_without_an_in_memory_tier_escalates
         assert [(g, s) for g, s, _, _ in out[rank]["seen"]] == [(0, 0)], out[rank]["seen"]
 
 
-def test_a_restore_that_fails_during_the_recovery_is_a_fault_the_next_generation_recovers_bitwise(tmp_path):
+def test_a_restore_that_fails_during_the_recovery_is_a_fault_the_next_generation_recovers_bitwise(tmp_path,
+                                                                                                   tmp_path_factory):
     """A fault during the recovery itself: rank 1's fault after step 6, then in generation 1 a stateful extra's
     restore raises on rank 1. The live objects are put back on every rank and nothing else holds the run:
     generation 1 ends as a fault, and generation 2 resumes step 6 and ends bitwise equal to a run without faults."""
     faulted = run_ranks(_job, 2, args=(str(tmp_path / "a"), {"local_own_committed": 1.5}, 6, 100, None, 1, True),
                         init=False, timeout=240)
-    straight = run_ranks(_job, 2, args=(str(tmp_path / "b"), None, None, 100, None, 1, True), init=False,
-                         timeout=180)
+    straight = _straight(tmp_path_factory)
     for rank in range(2):
         got, ref = faulted[rank], straight[rank]
         assert "raised" not in got, got["raised"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._torchrun import ROOT, finish, launch, results, succeeded
+from tests._torchrun import ROOT, finish, launch, results, shared_straight, succeeded
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(420)]
 CLIENT = ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py"
@@ -22,17 +22,17 @@ def _events(workdir: Path, tag: str, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_a_fault_under_torchrun_recovers_in_the_same_processes_bitwise(tmp_path):
-    where = {"straight": tmp_path / "s", "fault": tmp_path / "f"}
-    logs = succeeded(finish({"straight": launch(CLIENT, where["straight"], "straight"),
-                             "fault": launch(CLIENT, where["fault"], "fault", "--fault", "1:11")}, 300))
-    got = {tag: results(w, tag) for tag, w in where.items()}
+def test_a_fault_under_torchrun_recovers_in_the_same_processes_bitwise(tmp_path, tmp_path_factory):
+    """rank 1 raises at step 11: both ranks recover in process and end bitwise as the session's shared straight run."""
+    straight = shared_straight(tmp_path_factory, CLIENT, timeout=300)
+    logs = succeeded(finish({"fault": launch(CLIENT, tmp_path / "f", "fault", "--fault", "1:11")}, 300))
+    got = {"straight": results(straight, "straight"), "fault": results(tmp_path / "f", "fault")}
     for rank in range(2):
         (ref, ref_params), (res, params) = got["straight"][rank], got["fault"][rank]
         assert res["end"] == ref["end"] == 24, logs["fault"][-3000:]
         assert res["attempt"] == 0  # torchrun restarted nothing
         assert params.keys() == ref_params.keys() and all(torch.equal(params[k], ref_params[k]) for k in params)
-        starts = [e for e in _events(where["fault"], "fault", rank) if e["event"] == "start"]
+        starts = [e for e in _events(tmp_path / "f", "fault", rank) if e["event"] == "start"]
         # generation 0 from the start; generation 1 from step 10, the in-memory copy before the fault at step 11
         # (the durable tier's newest is step 8), in the process that started the run
         assert [(e["attempt"], e["generation"], e["step"]) for e in starts] == [(0, 0, 0), (0, 1, 10)], starts

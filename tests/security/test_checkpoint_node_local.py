@@ -5,7 +5,9 @@ another rank just wrote with a random token. Whatever sits at a probe's name ins
 earlier run, a file with other content, a symbolic link, a FIFO, a directory, a huge file) must count as "not
 seen", at once; and a file planted at the name a rank is about to write must stop the check, never be
 written through. Ranks run as two "nodes" with private tmpfs mounts (see ``tests/test_checkpoint_shared_dir``);
-the test replaces the random probe names with fixed ones so that the hostile files can sit at them.
+the test replaces the random probe names with fixed ones so that the hostile files can sit at them. The two
+shared-directory scenarios run in one launch (stale probes first, at the directory's top, with the random names;
+then the planted files, each in a directory of its own), which both tests read.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import torch
 import torch.distributed as dist
 
 from robustdist.checkpoint import AtomicCheckpointer, _shared
-from tests.checkpoint.test_checkpoint_shared_dir import attempt, init_group, listing, needs_isolation, run_nodes
+from tests.checkpoint.test_checkpoint_shared_dir import (
+    attempt,
+    init_group,
+    listing,
+    needs_isolation,
+    run_nodes,
+)
 
 MODULE = "tests.security.test_checkpoint_node_local"
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
@@ -89,6 +97,13 @@ def planted_at_the_name_to_write(rank: int, ckpt: str) -> dict[str, Any]:
     return out
 
 
+def shared_dir_scenarios(rank: int, ckpt: str) -> dict[str, Any]:
+    """Stale probes first (random probe names, the directory's top listed before anything else is made there),
+    then the planted files (fixed names)."""
+    stale = stale_probes_on_a_shared_dir(rank, ckpt)
+    return {"stale": stale, "planted": planted_at_the_name_to_write(rank, ckpt)}
+
+
 def stale_probes_on_a_shared_dir(rank: int, ckpt: str) -> dict[str, Any]:
     init_group()
     stale = [f"{_shared.PROBE_PREFIX}{r:05d}-{uuid.UUID(int=r).hex}" for r in range(2)]
@@ -122,8 +137,17 @@ def test_a_forged_stale_linked_fifo_directory_or_huge_probe_is_not_seen_and_does
             assert got["seen"] == [got["other"]]  # only the planted file: no probe, lock, step or staging dir
 
 
-def test_a_file_planted_at_a_rank_s_probe_name_stops_the_check_and_is_not_written_through(tmp_path):
-    for rank, out in enumerate(run_nodes(MODULE, "planted_at_the_name_to_write", tmp_path, private=False)):
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
+    """The one launch on a shared directory both tests below read: its directory and each rank's results."""
+    tmp_path = tmp_path_factory.mktemp("shared")
+    return tmp_path, run_nodes(MODULE, "shared_dir_scenarios", tmp_path, private=False, timeout=90)
+
+
+@pytest.mark.xdist_group("node_local_shared")  # one worker makes the launch both tests read
+def test_a_file_planted_at_a_rank_s_probe_name_stops_the_check_and_is_not_written_through(shared_runs):
+    tmp_path, results = shared_runs
+    for rank, out in enumerate(r["planted"] for r in results):
         for kind in ("fifo", "symlink"):
             got = out[kind]
             for what, done in (("load", "loaded"), ("save", "saved")):
@@ -138,8 +162,9 @@ def test_a_file_planted_at_a_rank_s_probe_name_stops_the_check_and_is_not_writte
             assert got["seen"] == [f"{_shared.PROBE_PREFIX}00001-{kind}"] and not got["escaped"]
 
 
-def test_stale_probes_of_an_earlier_run_neither_fool_nor_block_a_shared_directory(tmp_path):
-    for out in run_nodes(MODULE, "stale_probes_on_a_shared_dir", tmp_path, private=False):
+@pytest.mark.xdist_group("node_local_shared")
+def test_stale_probes_of_an_earlier_run_neither_fool_nor_block_a_shared_directory(shared_runs):
+    for out in (r["stale"] for r in shared_runs[1]):
         assert (out["steps"], out["loaded"]) == ([1], 1) and out["seconds"] < 5
         assert out["top"] == sorted([".lock", "step_0000000001", *out["stale"]])  # left alone, never a step
 

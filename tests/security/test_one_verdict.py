@@ -4,6 +4,10 @@ Every hostile fixture below damages step 2 of a directory holding valid steps 1 
 write the directory would (re-checksumming the manifest). Each is fed to both ``load()`` and ``verify_all`` /
 ``robustdist verify-checkpoint``; they must agree, and the verifier must name the same file and problem.
 An undamaged directory is the control: both keep step 2.
+
+The command line runs as its own ``python -m robustdist`` process for the control and for a file that would run
+code (``CLI_PROCESS_CASES``); for the other cases its ``main()`` runs in the test's process, where a traceback
+would be an exception that fails the test, and its return value is the status ``python -m robustdist`` exits with.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import pytest
 import torch
 
 from robustdist.checkpoint import AtomicCheckpointer, verify_all
+from robustdist.cli import main as cli_main
 from tests.security._forge import (
     STEP2,
     adam_two_steps,
@@ -110,9 +115,12 @@ def _verdicts(directory: Path, state: dict[str, Any]) -> tuple[bool, bool, str]:
     return fell_back, rows[2]["status"] == "corrupt", rows[2]["reason"]
 
 
+CLI_PROCESS_CASES = ("undamaged", "code-replicated")
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize("case", list(PLAIN))
-def test_plain_checkpoints_get_one_verdict(tmp_path, case):
+def test_plain_checkpoints_get_one_verdict(tmp_path, case, capsys):
     directory = tmp_path / "ckpt"
     PLAIN[case](two_steps(directory), tmp_path)
     fell_back, corrupt, reason = _verdicts(directory, {"weights": torch.zeros(16)})
@@ -121,10 +129,17 @@ def test_plain_checkpoints_get_one_verdict(tmp_path, case):
     if case.startswith("payload-"):
         target, _, expected = PAYLOAD_CASES[int(case.split("-")[1])]
         assert f"{target}: " in reason and expected in reason
-    cli = subprocess.run([sys.executable, "-m", "robustdist", "verify-checkpoint", str(directory)],
-                         capture_output=True, text=True, timeout=120)
-    assert cli.returncode == (1 if corrupt else 0), cli.stdout + cli.stderr
-    assert "Traceback" not in cli.stderr
+    if case in CLI_PROCESS_CASES:
+        cli = subprocess.run([sys.executable, "-m", "robustdist", "verify-checkpoint", str(directory)],
+                             capture_output=True, text=True, timeout=120)
+        code, stdout, stderr = cli.returncode, cli.stdout, cli.stderr
+    else:
+        capsys.readouterr()
+        code = cli_main(["verify-checkpoint", str(directory)])
+        stdout, stderr = capsys.readouterr()
+    assert code == (1 if corrupt else 0), stdout + stderr
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "marker").exists()
 
 
 def test_an_expanded_optimizer_state_gets_one_verdict(tmp_path):

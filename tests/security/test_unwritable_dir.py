@@ -1,16 +1,20 @@
 """A checkpoint directory that cannot be written (a read-only mount, a path too long) is a named
 :class:`CheckpointError` on every rank, with the path and the fix: never a raw ``PermissionError``/``OSError`` on
 rank 0 and a wrapped one on the others. The read-only case runs in a private mount namespace (a read-only bind
-mount of a test directory), which dies with the process: nothing to tear down on the host."""
+mount of a test directory), which dies with the process: nothing to tear down on the host. One such process
+saves with one rank, then with two; both cases read its results."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,28 +58,51 @@ SCRIPT = textwrap.dedent("""
     from tests.security.test_unwritable_dir import _save
 
     if __name__ == "__main__":
-        print(json.dumps(run_ranks(_save, int(sys.argv[2]), args=(sys.argv[1],), timeout=60)))
+        print(json.dumps({world: run_ranks(_save, int(world), args=(sys.argv[1],), timeout=60)
+                          for world in sys.argv[2:]}))
 """)
+WORLDS = ("1", "2")
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare (and root)")
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_read_only_directory_is_named_on_every_rank(tmp_path, world):
+@pytest.fixture(scope="module")
+def read_only_runs(tmp_path_factory) -> tuple[Path, dict[str, list]]:
+    """One process in a private mount namespace, the checkpoint directory bind-mounted read-only there, saves with
+    one rank and then with two: the directory and each world size's results."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux unshare (and root)")
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here: {probe.stderr.decode()[:200]}")
+    tmp_path = tmp_path_factory.mktemp("read-only")
     directory = tmp_path / "ckpt"
     directory.mkdir()
     script = tmp_path / "save.py"
     script.write_text(SCRIPT)
     d = str(directory)
-    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no private mount namespace here: {probe.stderr.decode()[:200]}")
     cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-           f'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "$2" "$3" "$1" "$4"', "sh", d,
-           sys.executable, str(script), str(world)]
+           'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"', "sh", d,
+           sys.executable, str(script), d, *WORLDS]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return directory, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _on_one_worker(group: str) -> Callable[[Any], Any]:
+    """``xdist_group(group)``: under pytest-xdist's ``--dist loadgroup`` (``make test``) one worker runs every test
+    of the group, so the module fixture they read runs once. Without pytest-xdist the marker is not registered,
+    and one process runs every test anyway: no mark."""
+    try:
+        return pytest.mark.xdist_group(group)
+    except pytest.fail.Exception:
+        return lambda test: test
+
+
+@_on_one_worker("unwritable_read_only")  # one worker makes the launch both cases read
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_read_only_directory_is_named_on_every_rank(read_only_runs, world):
+    directory, runs = read_only_runs
+    out = runs[str(world)]
     _check(out, "Read-only file system")
     assert ("Fix: use a directory on a writable filesystem" if world == 1 else  # the shared-directory probe's fix
             "Fix: make checkpoint.dir writable by every rank") in out[0][1]
