@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -93,26 +93,27 @@ def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, make: 
     the same ``name``: the first to ask calls ``make(directory)`` holding a file lock in the session's base temporary
     directory (the one all workers share), the others wait for the lock and read what it made. Only for what is the
     same whoever makes it (a deterministic run). Its outcome is recorded: a ``make`` that raised or failed the test
-    (a run that overstayed) fails every test that asks for it, with its error."""
+    (a run that overstayed) fails every test that asks for it, with its error. A worker killed while making it
+    leaves no outcome: the next to ask makes it again, in a directory of its own (processes the killed one started
+    may still be writing into theirs)."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # each worker's base is a folder of the session's
-    root = base / f"once-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
-    outcome = root.parent / f"{root.name}.json"
-    with FileLock(f"{root}.lock"):
+    key = f"once-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+    outcome = base / f"{key}.json"
+    with FileLock(str(base / f"{key}.lock")):
         if not outcome.exists():
-            shutil.rmtree(root, ignore_errors=True)  # what a make that was itself killed left
-            root.mkdir()
+            made = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=base))
             try:
-                make(root)
+                make(made)
                 error = None
             except (Exception, pytest.fail.Exception):
                 error = traceback.format_exc()[-6000:]
-            outcome.write_text(json.dumps({"name": name, "error": error}))
+            outcome.write_text(json.dumps({"name": name, "directory": made.name, "error": error}))
     recorded = json.loads(outcome.read_text())
     if recorded["error"] is not None:
         pytest.fail(f"the session's shared {name} failed:\n{recorded['error']}")
-    return root
+    return base / recorded["directory"]
 
 
 def shared_straight(tmp_path_factory: pytest.TempPathFactory, client: Path, *args: str, timeout: float) -> Path:

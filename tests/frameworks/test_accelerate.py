@@ -322,6 +322,7 @@ def _load_all(directory: Path):
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("accelerate_three_saved")  # one worker saves the three steps they copy
 def test_the_newest_checkpoint_loads_bitwise_with_its_registered_objects(three):
     directory, kept = three
     names = sorted(p.name for p in (directory / "checkpoint_3").iterdir())
@@ -409,6 +410,7 @@ def _damage_zipbomb(folder: Path) -> None:
     (_damage_code, r"custom_checkpoint_0\.pkl: does not load with weights_only=True"),
     (_damage_zipbomb, r"holds compressed members"),
 ], ids=["truncated", "bit-flip", "unlisted-file", "symlink", "manifest", "missing-file", "code", "zip-bomb"])
+@pytest.mark.xdist_group("accelerate_three_saved")  # one worker saves the three steps they copy
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(three, damage, why, caplog):
     directory, kept = three
     damage(directory / "checkpoint_3")
@@ -429,6 +431,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(three, damage,
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("accelerate_three_saved")  # one worker saves the three steps they copy
 def test_when_no_checkpoint_verifies_the_error_names_each(three):
     directory, _ = three
     _damage_flip(directory / "checkpoint_3")
@@ -440,6 +443,7 @@ def test_when_no_checkpoint_verifies_the_error_names_each(three):
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("accelerate_three_saved")  # one worker saves the three steps they copy
 def test_staging_links_and_foreign_names_are_never_checkpoints(three, tmp_path):
     directory, _ = three
     (directory / ".tmp-checkpoint_9-abc").mkdir()  # a save killed before its commit
@@ -510,6 +514,7 @@ def _damage_deep_manifest(folder: Path) -> None:
     (_damage_polyglot, r"optimizer\.bin: not a torch zip file \(it does not start with a zip header"),
     (_damage_deep_manifest, r"robustdist-manifest\.json: (not JSON|unreadable)"),
 ], ids=["pickle-before-zip", "deep-manifest"])
+@pytest.mark.xdist_group("accelerate_three_saved")  # one worker saves the three steps they copy
 def test_hostile_files_that_pass_a_lax_check_are_refused(three, damage, why):
     directory, kept = three
     damage(directory / "checkpoint_3")
@@ -536,6 +541,7 @@ def _save_after_fallback(rank, directory):
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("accelerate_three_saved")  # one worker saves the three steps they copy
 def test_a_save_after_a_fallback_is_the_newest_and_the_abandoned_ones_are_kept_aside(three):
     directory, _ = three  # steps 2 and 3 kept
     (directory / "checkpoint_3" / "robustdist-manifest.json").write_text("{")  # 3 refused: resume from 2
@@ -546,6 +552,7 @@ def test_a_save_after_a_fallback_is_the_newest_and_the_abandoned_ones_are_kept_a
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("accelerate_three_saved")  # one worker saves the three steps they copy
 def test_a_resave_killed_between_its_renames_keeps_its_committed_copy(three):
     directory, kept = three
     (directory / "checkpoint_3").rename(directory / ".old-checkpoint_3-0123abcd")  # the instant between renames
@@ -557,6 +564,7 @@ def test_a_resave_killed_between_its_renames_keeps_its_committed_copy(three):
 
 
 @pytest.mark.processes
+@pytest.mark.xdist_group("accelerate_three_saved")  # one worker saves the three steps they copy
 def test_leading_zero_twins_and_accelerates_own_folders_are_not_checkpoints_and_never_deleted(three, caplog):
     directory, _ = three
     shutil.copytree(directory / "checkpoint_2", directory / "checkpoint_0002")

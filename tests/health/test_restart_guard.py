@@ -37,6 +37,18 @@ def _attempt(d: str, attempt: int, step: int | None, limit: int) -> str | None:
     return message
 
 
+def test_a_limit_of_one_names_the_one_attempt(tmp_path):
+    d = str(tmp_path)
+    assert _attempt(d, 0, None, 1) is None
+    guard.mark_progress(d, 4)
+    assert _attempt(d, 1, 4, 1) is None
+    guard.record_error(d, 1, 0, RuntimeError("boom"))
+    message = _attempt(d, 2, 4, 1)
+    assert message is not None
+    assert message.startswith("restart attempt 1 resumed from step 4 (or crashed while resuming) and committed no "
+                              "newer checkpoint; this is attempt 2."), message
+    assert "attempt 1 rank 0: RuntimeError: boom" in message
+
 def test_fires_after_n_attempts_in_a_row_without_progress(tmp_path):
     d = str(tmp_path)
     assert _attempt(d, 0, None, 3) is None  # fresh run, then it crashes

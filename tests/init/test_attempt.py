@@ -1,7 +1,8 @@
 """One attempt number for the whole job, from the job's store, never from TORCHELASTIC_RESTART_COUNT.
 
 * Under real torchrun --max-restarts=1: a rank SIGKILLs itself on attempt 0 and every rank of the restarted
-  group reports attempt 1, rank 0 having overwritten its TORCHELASTIC_RESTART_COUNT before init.
+  group reports attempt 1; and the same in the run in which rank 0 overwrites its TORCHELASTIC_RESTART_COUNT
+  before init (rank 1 leaves it as torchrun set it).
 * Without torchrun's processes, the same store protocol with a job-lifetime store hosted by the test (standing
   in for torchrun's agent): consecutive "attempts" count 0, 1, 2 on every rank whatever the variable says; rank
   0's count is shared without a per-attempt store; an adopted group is counted once.
@@ -68,7 +69,10 @@ WORKER = textwrap.dedent('''
 def _torchrun(tmp_path: Path, *args: str, env_extra: dict[str, str] | None = None) -> str:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    own_tmp = tmp_path / "tmp"  # torchrun leaves its log directory in its TMPDIR: this run's own, even for a
+    own_tmp.mkdir(exist_ok=True)  # module fixture's run (set up before the test's own TMPDIR)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(own_tmp),
+           **(env_extra or {})}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"):
         env.pop(var, None)

@@ -8,12 +8,11 @@ straight-through reference trained in the same processes. Each test checks where
 * a whole node is killed and replaced by a fresh agent with an empty in-memory directory (the multi-node lab):
   its rank restores from the replica its peer node holds ("replica"), the other from its own copy
   ("memory"), at the newest complete in-memory step, not the older durable one;
-* a rank SIGKILLed inside its in-memory save (two agents on this host, a node-local directory each): the
-  restarted job resumes from the previous complete step ("memory" on every rank), not from the half-written one,
-  and stops at the killed step keeping its copies;
-* corrupt copies, in the next launches on that launch's directories: one rank's own copy corrupt, that rank
-  restores from its replica, with a warning naming it; a rank's own copy and its replica both corrupt, the job
-  falls back to the durable tier ("durable", the durable step);
+* corrupt copies (two agents on this host, a node-local directory each): one rank's own copy corrupt, that
+  rank restores from its replica, with a warning naming it; a rank's own copy and its replica both corrupt,
+  the job falls back to the durable tier ("durable", the durable step);
+* a rank SIGKILLed inside its in-memory save: the restarted job resumes from the previous complete step
+  ("memory" on every rank), not from the half-written one;
 * (``run_ranks``, two "nodes" by GROUP_RANK) a copy whose restore fails in a user's stateful object ends the
   in-memory attempt once (the durable tier decides) instead of retrying the same copy for ever.
 
@@ -32,7 +31,6 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -105,10 +103,7 @@ class TwoAgents:
         assert found is not None  # checked by the fixture
         ifname, addr = found
         port, rdzv_id = _free_port(addr), uuid.uuid4().hex[:8]
-        own_tmp = self.tmp / "tmp"  # torchrun leaves its log directory in TMPDIR: this runner's, whoever made it
-        own_tmp.mkdir(exist_ok=True)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": ifname, "PYTHONPATH": str(ROOT),
-               "TMPDIR": str(own_tmp)}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": ifname, "PYTHONPATH": str(ROOT)}
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                     "TORCHELASTIC_USE_AGENT_STORE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
@@ -152,53 +147,16 @@ class TwoAgents:
             f.close()  # type: ignore[attr-defined]
 
 
-def _require_two_agents() -> None:
+@pytest.fixture
+def two_agents(tmp_path):
     reason = nodelab.unavailable() or (None if _host_interface() else "no non-loopback IPv4 address on this host")
     if reason is not None:
         if os.environ.get("CI"):
             pytest.fail(f"the in-memory tier's multi-node tests must run in CI: {reason}", pytrace=False)
         pytest.skip(reason)
-
-
-@pytest.fixture
-def two_agents(tmp_path):
-    _require_two_agents()
     runner = TwoAgents(tmp_path)
     try:
         yield runner
-    finally:
-        runner.close()
-
-
-@dataclass(frozen=True)
-class Launch:
-    """A finished two-agents launch: its directories, the agents' exit codes and their logs."""
-
-    ev: Path
-    ckpt: Path
-    local: Path
-    nodes: Path
-    codes: list[int]
-    logs: str
-
-    def base(self) -> list[str]:
-        """The arguments every launch on these directories shares."""
-        return ["--ckpt", str(self.ckpt), "--local-dir", str(self.local), "--node-dirs", str(self.nodes), *COMMON]
-
-
-@pytest.fixture(scope="module")
-def killed_in_save_of_8(tmp_path_factory) -> Launch:
-    """One launch read by two tests: attempt 0, rank 1 SIGKILLs itself inside its in-memory save of step 8 (its
-    files written, before its meta and rename); torchrun restarts both ranks, which resume and stop at step 8,
-    keeping the in-memory copies (``--stop-at 8``) for the corrupt-copy test's next launches."""
-    _require_two_agents()
-    tmp = tmp_path_factory.mktemp("killed-in-save-of-8")
-    runner = TwoAgents(tmp)
-    run = Launch(tmp / "events", tmp / "ckpt", tmp / "local", tmp / "nodes", [], "")
-    try:
-        codes = runner.run([*run.base(), "--events", str(run.ev), "--kill-local-save", "8", "--kill-rank", "1",
-                            "--stop-at", "8"], max_restarts=1)
-        return replace(run, codes=codes, logs=runner.logs())
     finally:
         runner.close()
 
@@ -288,19 +246,18 @@ def test_a_replaced_node_restores_its_ranks_from_the_replicas_its_peer_holds(nod
 
 
 # ---------------------------------------------------------------------- 2. corrupt copies
-@pytest.mark.xdist_group("fast-recovery-killed-in-save")  # one worker runs the launch both tests read
-@pytest.mark.timeout(300)
-def test_a_corrupt_copy_falls_back_to_the_replica_then_to_the_durable_tier(killed_in_save_of_8, two_agents):
-    """Launch 1 (``killed_in_save_of_8``) stops at step 8, keeping the in-memory copies. Rank 0's own copy corrupt
-    (its replicated entries, the model): launch 2 restores rank 0 from the replica on node 1, warning with the rank
-    and the copy, and stops at 14. Rank 1's own copy and its replica both corrupt: launch 3 resumes from the durable
+@pytest.mark.timeout(240)
+def test_a_corrupt_copy_falls_back_to_the_replica_then_to_the_durable_tier(two_agents, tmp_path):
+    """Launch 1 stops at step 8, keeping the in-memory copies. Rank 0's own copy corrupt (its replicated
+    entries, the model): launch 2 restores rank 0 from the replica on node 1, warning with the rank and the
+    copy, and stops at 14. Rank 1's own copy and its replica both corrupt: launch 3 resumes from the durable
     step 10. Every launch ends bitwise equal to the straight-through reference."""
-    run = killed_in_save_of_8
-    ev, ckpt, local, nodes, base = run.ev, run.ckpt, run.local, run.nodes, run.base()
+    ev, ckpt, local, nodes = tmp_path / "events", tmp_path / "ckpt", tmp_path / "local", tmp_path / "nodes"
+    base = ["--ckpt", str(ckpt), "--local-dir", str(local), "--node-dirs", str(nodes), *COMMON]
 
-    # Launch 1: trained to step 8 and stopped, keeping the in-memory copies.
-    assert run.codes == [0, 0], run.logs
-    evs = events(ev)
+    # Launch 1: train to step 8 and stop, keeping the in-memory copies.
+    assert two_agents.run([*base, "--events", str(ev / "1"), "--stop-at", "8"]) == [0, 0], two_agents.logs()
+    evs = events(ev / "1")
     _check_ends(evs, 8, where="launch 1")
     assert all(e["local_complete"] == 8 for e in of(evs, "end"))
     node0, node1 = _tier(nodes / "node0", ckpt), _tier(nodes / "node1", ckpt)
@@ -344,16 +301,16 @@ def test_a_corrupt_copy_falls_back_to_the_replica_then_to_the_durable_tier(kille
 
 
 # ---------------------------------------------------------------------- 3. a rank killed mid-save
-@pytest.mark.xdist_group("fast-recovery-killed-in-save")
 @pytest.mark.timeout(180)
-def test_a_rank_killed_inside_its_local_save_resumes_from_the_previous_complete_step(killed_in_save_of_8):
+def test_a_rank_killed_inside_its_local_save_resumes_from_the_previous_complete_step(two_agents, tmp_path):
     """Attempt 0: rank 1 SIGKILLs itself inside its in-memory save of step 8 (its files written, before its meta
     and rename). torchrun restarts both ranks; step 8 is incomplete (rank 0's own copy of it exists, rank 1's
-    does not), so every rank restores step 6 from its own copy, not 8, and not the durable step 5, then trains
-    steps 7 and 8 bitwise as the straight-through reference does."""
-    run = killed_in_save_of_8
-    assert run.codes == [0, 0], run.logs
-    evs = events(run.ev)
+    does not), so every rank restores step 6 from its own copy, not 8, and not the durable step 5."""
+    ev, ckpt, local, nodes = tmp_path / "events", tmp_path / "ckpt", tmp_path / "local", tmp_path / "nodes"
+    args = ["--events", str(ev), "--ckpt", str(ckpt), "--local-dir", str(local), "--node-dirs", str(nodes), *COMMON,
+            "--kill-local-save", "8", "--kill-rank", "1"]
+    assert two_agents.run(args, max_restarts=1) == [0, 0], two_agents.logs()
+    evs = events(ev)
     killed = of(evs, "killing")
     assert [(k["rank"], k["step"]) for k in killed] == [(1, 8)], killed
     first, again = _starts(evs, attempt=0), _starts(evs, attempt=1)
@@ -370,7 +327,7 @@ def test_a_rank_killed_inside_its_local_save_resumes_from_the_previous_complete_
         assert s["resumed"] == 6, f"rank {rank}: expected the previous complete in-memory step 6: {s}"
         assert s["source"] == "memory", s
         assert s["source_detail"] == f"its own copy of rank {rank}'s step 6 held by rank {rank}", s
-    _check_ends(evs, 8, where="after the kill mid-save")
+    _check_ends(evs, 20, where="after the kill mid-save")
 
 
 # ---------------------------------------------------------------------- 4. a restore that fails

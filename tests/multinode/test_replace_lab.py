@@ -82,7 +82,7 @@ def _at_step_12(node_lab, tmp_path: Path, tag: str, shape: tuple[str, ...], *, n
 
 
 def test_two_ranks_on_two_nodes_killed_at_once_are_each_replaced_alone(node_lab, tmp_path):
-    epochs = ("--epochs", "6")  # 4 ranks: 4 steps an epoch, 24 steps (the kill: after step 12)
+    epochs = ("--epochs", "8")  # 4 ranks: 4 steps an epoch, 32 steps
     with _straight_beside(tmp_path, 4, *epochs) as straight:
         lab, work, argv, agents = _at_step_12(node_lab, tmp_path, "two", (*epochs, "--step-sleep", "0.15"), nproc=2,
                                               launcher=(*RUN, "--spares", "0"), env=SHARED)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.processes
 
 CLIENT = ROOT / "tests" / "clients" / "ddp_tutorial_inprocess.py"
 RUN = ("robustdist", "run")
-TIMEOUT = 240.0  # three 2-rank jobs side by side on 2 cores: each ends in about 10 s alone
+TIMEOUT = 240.0  # a test's 2-rank jobs side by side on 2 cores: each ends in about 10 s alone
 EPOCHS_6 = ("--epochs", "6")  # the spared run's length (48 steps)
 LONG_LOOK = 60.0  # a --monitor-interval no look of the agent's may wait for: it wakes at a worker's end
 
@@ -55,7 +55,7 @@ def _tmp_env(path: Path) -> dict[str, str]:
     return {"TMPDIR": str(path)}  # torchrun's log directory (torchelastic_*) goes here: the test sees what is left
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)  # the shared straight run (made here or awaited), then its own runs
 def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path, tmp_path_factory):
     """SIGKILL of rank 1 mid-run, no spare: rank 0's process keeps running (one pid throughout), rank 1 is a new process that
     joins generation 1, nothing is restarted by torchrun (attempt 0 throughout), and the parameters are bitwise those
@@ -95,7 +95,7 @@ def test_a_killed_rank_is_replaced_alone_and_the_run_matches_torchrun(tmp_path, 
         assert not list((tmp_path / f"tmp-{tag}").glob("torchelastic_*")), tag
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)  # the shared straight run (made here or awaited), then its own runs
 def test_a_killed_rank_0_is_replaced_alone_where_the_agent_serves_the_store(tmp_path, tmp_path_factory):
     """Rank 0 killed mid-run: robustdist run's agent serves each attempt's store (not rank 0's process), so rank 0 is
     started again alone like any rank (rank 1 keeps one process), bitwise. With the agent's store not shared
@@ -176,7 +176,7 @@ def _await_line(lines: list[str], proc: subprocess.Popen, pattern: str, after: i
     pytest.fail(f"the run ended (exit {proc.returncode}) with no line matching {pattern!r}:\n{''.join(lines)[-4000:]}")
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)  # the shared straight run (made here or awaited), then its own runs
 def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(tmp_path, tmp_path_factory):
     """The agent's warm spare: killed itself once ready, another is started; then rank 1 is SIGKILLed from outside
     (as the OOM killer does) and the spare forks its replacement, staying warm: the replacement, killed in turn once it
@@ -231,7 +231,7 @@ def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(
     assert not left, f"processes of the run left behind: {left}"
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)  # the shared straight run (made here or awaited), then its own runs
 def test_a_kill_inside_a_save_and_a_killed_replacement_still_end_bitwise(tmp_path, tmp_path_factory, reaped):
     """Rank 1 SIGKILLed while its in-memory save's background part runs: the survivors resume from a complete step
     (never the half-replicated one) with the replacement. And a replacement SIGKILLed as soon as it starts (a death

@@ -22,9 +22,10 @@ def _events(workdir: Path, tag: str, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.timeout(660)
 def test_a_fault_under_torchrun_recovers_in_the_same_processes_bitwise(tmp_path, tmp_path_factory):
     """rank 1 raises at step 11: both ranks recover in process and end bitwise as the session's shared straight run."""
-    straight = shared_straight(tmp_path_factory, CLIENT, timeout=300)
+    straight = shared_straight(tmp_path_factory, CLIENT, timeout=300)  # made here or awaited; its own run follows
     logs = succeeded(finish({"fault": launch(CLIENT, tmp_path / "f", "fault", "--fault", "1:11")}, 300))
     got = {"straight": results(straight, "straight"), "fault": results(tmp_path / "f", "fault")}
     for rank in range(2):

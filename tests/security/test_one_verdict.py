@@ -115,7 +115,7 @@ def _verdicts(directory: Path, state: dict[str, Any]) -> tuple[bool, bool, str]:
     return fell_back, rows[2]["status"] == "corrupt", rows[2]["reason"]
 
 
-CLI_PROCESS_CASES = ("undamaged", "code-replicated")
+CLI_PROCESS_CASES = ("undamaged", "code-replicated", "code-rank")
 
 
 @pytest.mark.processes

@@ -12,9 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -88,17 +86,7 @@ def read_only_runs(tmp_path_factory) -> tuple[Path, dict[str, list]]:
     return directory, json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _on_one_worker(group: str) -> Callable[[Any], Any]:
-    """``xdist_group(group)``: under pytest-xdist's ``--dist loadgroup`` (``make test``) one worker runs every test
-    of the group, so the module fixture they read runs once. Without pytest-xdist the marker is not registered,
-    and one process runs every test anyway: no mark."""
-    try:
-        return pytest.mark.xdist_group(group)
-    except pytest.fail.Exception:
-        return lambda test: test
-
-
-@_on_one_worker("unwritable_read_only")  # one worker makes the launch both cases read
+@pytest.mark.xdist_group("unwritable_read_only")  # one worker makes the launch both cases read
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_read_only_directory_is_named_on_every_rank(read_only_runs, world):
     directory, runs = read_only_runs
