@@ -48,7 +48,7 @@ from robustdist.recovery import spare as _spare
 from robustdist.recovery.attempt_store import AttemptStore
 from robustdist.recovery.deaths import DeathWatch
 from robustdist.recovery.forked import Channel, ForkedWorker, NoAnswer, readable
-from robustdist.runtime import _torch_compat
+from robustdist.runtime import _elastic_compat
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info
 
 __all__ = ["SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
@@ -110,7 +110,7 @@ class Replacer:
         """The agent's wait before each look at its workers: until one ends, at most ``interval`` (its
         ``--monitor-interval``; :mod:`.deaths`)."""
         try:
-            self._death_watch.wait(_torch_compat.worker_processes(agent).values(), interval)
+            self._death_watch.wait(_elastic_compat.worker_processes(agent).values(), interval)
         except SignalException:
             raise
         except Exception as e:  # the look after it still sees every death, an interval late as under torchrun
@@ -146,7 +146,7 @@ class Replacer:
 
     def __call__(self, agent: Any, group: Any, monitor: Callable[[Any], Any]) -> Any:
         try:
-            procs = _torch_compat.worker_processes(agent)
+            procs = _elastic_compat.worker_processes(agent)
             codes = {lr: p.poll() for lr, p in procs.items()}
         except SignalException:  # torchrun's SIGTERM/SIGINT: the agent shuts the workers down
             raise
@@ -170,7 +170,7 @@ class Replacer:
         self._ids = ids
         dead = {lr: code for lr, code in codes.items() if code is not None and code != 0}
         if not dead:  # torch's look judges this view: a death after it is this hook's to handle at the next look
-            with _torch_compat.workers_seen_as([procs[lr] for lr, code in codes.items() if code is None]):
+            with _elastic_compat.workers_seen_as([procs[lr] for lr, code in codes.items() if code is None]):
                 return monitor(group)
         refused = self._refusal(agent, group, dead, codes)
         if refused is not None:
@@ -188,14 +188,14 @@ class Replacer:
             extra = {REPLACES_ENV: json.dumps(record)}
             try:
                 spare = self._from_spare(agent, worker, extra)
-                new = spare if spare is not None else _torch_compat.start_worker_again(agent, worker, extra)
+                new = spare if spare is not None else _elastic_compat.start_worker_again(agent, worker, extra)
             except SignalException:
                 raise
             except Exception as e:
                 log.error("robustdist run: could not start rank %d again alone (%s: %s); expected torchrun's process "
                           "context to take a new worker. Every worker restarts instead.", worker.global_rank,
                           type(e).__name__, str(e)[:300])
-                _torch_compat.take_restarts(agent, -(len(dead) - len(self.replaced) + before))  # not started: the
+                _elastic_compat.take_restarts(agent, -(len(dead) - len(self.replaced) + before))  # not started: the
                 self._forget(group)  # restart torchrun now makes is charged by torchrun itself
                 return monitor(group)
             record.update(new_pid=new, wall=time.time(), spare=spare is not None)
@@ -281,7 +281,7 @@ class Replacer:
                 self._ready = None
             self._drop_channel()
         self._spare_after = time.monotonic() + SPARE_LOOK_S
-        if self._failures >= SPARE_TRIES or _torch_compat.restarts_left(agent) <= 0 or not self._in_process(group):
+        if self._failures >= SPARE_TRIES or _elastic_compat.restarts_left(agent) <= 0 or not self._in_process(group):
             return
         ready_r, ready_w = os.pipe()
         try:
@@ -336,7 +336,7 @@ class Replacer:
         spare = self._spare
         if spare is None or spare.poll() is not None or spare.stdin is None or not self._warm:
             return None  # one still warming would start the worker later than a cold start (and block the order)
-        launch = _torch_compat.worker_launch(agent, worker)
+        launch = _elastic_compat.worker_launch(agent, worker)
         if launch["entrypoint"] != sys.executable or launch["numa"] is not None or not _spare.usable(
                 list(launch["args"])):
             return None
@@ -354,7 +354,7 @@ class Replacer:
         if self._ready is not None:
             os.close(self._ready)
             self._ready = None
-        return _torch_compat.adopt_worker(agent, worker, spare)
+        return _elastic_compat.adopt_worker(agent, worker, spare)
 
     def _fork(self, agent: Any, worker: Any, spare: subprocess.Popen[bytes], order: dict[str, Any]) -> int | None:
         """The forking spare's child becomes ``worker``; the spare stays warm (None: start the worker cold). The child
@@ -380,7 +380,7 @@ class Replacer:
             return None
         forked = ForkedWorker(got, self._channel)
         try:
-            return _torch_compat.adopt_worker(agent, worker, forked)
+            return _elastic_compat.adopt_worker(agent, worker, forked)
         except BaseException:
             forked.kill()  # never a rank running unwatched beside the one torchrun then starts
             raise
@@ -440,7 +440,7 @@ class Replacer:
             return restart, ("The run takes no replacement (it does not recover in process: recovery.in_process is "
                              "off, unsupported for this run, or the run is not training now). Fix: "
                              "recovery.in_process: true in the config given to harden(), and h.run(train).")
-        if not _torch_compat.take_restarts(agent, len(dead)):  # one per worker started again
-            return (f"{_torch_compat.restarts_left(agent)} --max-restarts left for {len(dead)} dead worker(s), so the "
+        if not _elastic_compat.take_restarts(agent, len(dead)):  # one per worker started again
+            return (f"{_elastic_compat.restarts_left(agent)} --max-restarts left for {len(dead)} dead worker(s), so the "
                     "job fails or restarts as torchrun decides"), "Fix: raise --max-restarts."
         return None

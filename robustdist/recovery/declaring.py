@@ -25,7 +25,7 @@ from robustdist.runtime.log import get_logger
 __all__ = ["cut_collective", "declared_fault", "hang_declarer"]
 
 log = get_logger(__name__)
-READ_FAULT_S = 2.0  # a rank whose collective was cut reads the store for another rank's fault within this
+READ_FAULT_S = 5.0  # a rank whose collective was cut reads the store for another rank's fault within this
 
 
 def cut_collective(error: BaseException) -> bool:
@@ -35,9 +35,9 @@ def cut_collective(error: BaseException) -> bool:
 
 
 def declared_fault(store: Any, gen: int, rank: int, world: int, scope: str) -> Fault | None:
-    """Generation ``gen``'s fault if another rank has declared one, read (bounded, 2 s) on a store connection of
-    its own; every rank's watch is woken again (the declaring rank may have died before it woke them all). None
-    where none is declared, or the store does not answer in time."""
+    """Generation ``gen``'s fault if another rank has declared one, read (within ``READ_FAULT_S``) on a store
+    connection of its own; every rank's watch is woken again (the declaring rank may have died before it woke them
+    all). None where none is declared, or the store does not answer in time."""
     def read() -> Fault | None:
         client = connect()
         fault = read_fault(client, generation=gen, world_size=world, scope=scope)
@@ -49,8 +49,10 @@ def declared_fault(store: Any, gen: int, rank: int, world: int, scope: str) -> F
     connect = connector(store, READ_FAULT_S)
     fault, error, _ = bounded(read, time.monotonic() + READ_FAULT_S, "fault-read",
                               ends_by=time.monotonic() + 2 * READ_FAULT_S)
-    if error is not None:
-        log.debug("rank %d could not look for generation %d's fault: %s", rank, gen, error)
+    if error is not None:  # the cut is then taken for this rank's own fault
+        log.warning("rank %d: its collective was cut, and the store did not say within %g s whether another rank "
+                    "declared generation %d's fault (%s); taking the cut for this rank's own fault", rank,
+                    READ_FAULT_S, gen, error)
     return fault
 
 

@@ -17,7 +17,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 
-from robustdist.runtime import _torch_compat
+from robustdist.runtime import _elastic_compat
 from robustdist.runtime.log import logging_configured
 from robustdist.runtime.replacing import RUN_ENV
 
@@ -55,8 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             agent_log.setLevel(logging.INFO)
     replacer = Replacer(spares=args.spares)
     try:
-        agent = _torch_compat.elastic_agent_class(replacer, replacer.starting, replacer.stopped, replacer.wait)
-        with _torch_compat.launcher_agent(agent):
+        agent = _elastic_compat.elastic_agent_class(replacer, replacer.starting, replacer.stopped, replacer.wait)
+        with _elastic_compat.launcher_agent(agent):
             record(torch_run.run)(args)
     finally:
         replacer.close()

@@ -156,18 +156,27 @@ def send_to_a_stopping_peer(rank: int, stop_for: float = 8.0) -> None:
 
 
 def _fail_report(out: str, rank: int, report_at: int | None, stage_at: int | None) -> None:
-    """Once, on rank 1: Ray's ``ray.train.report`` of step ``report_at``'s checkpoint raises (rank 0 then waits in
-    Ray's report barrier), or the staging of step ``stage_at``'s files for Ray fails (before any rank enters
-    Ray's barrier)."""
+    """Once, on rank 1: Ray's ``ray.train.report`` of step ``report_at``'s checkpoint raises once rank 0 is in its
+    own ``ray.train.report`` of that step (rank 0 then waits in Ray's report barrier: a rank 0 slower to get there
+    would see the fault first and join an in-process recovery instead), or the staging of step ``stage_at``'s
+    files for Ray fails (before any rank enters Ray's barrier)."""
     import ray.train
 
     from robustdist.ray import train as ray_train
 
     original_report, original_stage = ray.train.report, ray_train._stage
+    entered = os.path.join(out, f"report-{report_at}-entered-by-rank-0")
 
     def report(metrics: Any, *args: Any, **kwargs: Any) -> Any:
-        if rank == 1 and metrics.get("step") == report_at and _first_time(out, "report"):
-            raise OSError(f"Ray's report of step {report_at} failed (simulated)")
+        if report_at is not None and metrics.get("step") == report_at:
+            if rank == 0:
+                open(entered, "a").close()  # robustdist has marked this rank as waiting in ray.train.report
+            elif rank == 1 and _first_time(out, "report"):
+                deadline = time.monotonic() + 60
+                while not os.path.exists(entered) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.5)  # rank 0 on into Ray's barrier
+                raise OSError(f"Ray's report of step {report_at} failed (simulated)")
         return original_report(metrics, *args, **kwargs)
 
     def stage(step_dir: str, *args: Any, **kwargs: Any) -> Any:

@@ -203,12 +203,12 @@ def test_a_death_between_the_agents_look_and_torchs_is_left_for_its_next_look():
 
 
 def test_the_view_torch_judges_is_put_back_even_when_its_look_fails_and_a_stray_shadow_is_inert():
-    from robustdist.runtime import _torch_compat
+    from robustdist.runtime import _elastic_compat
 
     proc = _sleeper()
     try:
         with pytest.raises(RuntimeError, match="torch's look failed"):
-            with _torch_compat.workers_seen_as([proc]):
+            with _elastic_compat.workers_seen_as([proc]):
                 stray = proc.poll  # what a signal between the shadow's lines could leave installed
                 proc.kill()
                 os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
