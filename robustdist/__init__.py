@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         CheckpointBusyError,
         CheckpointCorruptError,
         CheckpointError,
+        CheckpointVersionError,
         ConfigError,
         HangError,
         InitError,
@@ -82,8 +83,8 @@ _LAZY: dict[str, str] = {
         "robustdist.config.schema",
     ),
     **dict.fromkeys(
-        ["CheckpointBusyError", "CheckpointCorruptError", "CheckpointError", "ConfigError", "HangError", "InitError",
-         "MissingDependencyError", "NonFiniteLossError", "RankDivergenceError", "RanksFailed", "RanksTimeout",
+        ["CheckpointBusyError", "CheckpointCorruptError", "CheckpointError", "CheckpointVersionError", "ConfigError",
+         "HangError", "InitError", "MissingDependencyError", "NonFiniteLossError", "RankDivergenceError", "RanksFailed", "RanksTimeout",
          "RecoveryError", "RestartLoopError", "RobustDistDeprecationWarning", "RobustDistError",
          "RobustDistWarning", "StateDictMismatchError", "TopologyError", "UnsupportedVersionError"],
         "robustdist.runtime.errors",

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -300,7 +301,11 @@ class Hardened(RayReporting):
         loaded = self.last_loaded
         source = loaded.source_detail or loaded.source if loaded else "durable"
         where = loaded.path if loaded is not None and source == "ray" else self.checkpointer.directory
-        log.log(level, "resumed from checkpoint step %d (%s%s) in %s", step, source, f"; {why}" if why else "", where)
+        written = loaded.manifest.get("torch") if loaded is not None else None
+        versions = (f"; written by torch {written[:40]}, resumed under torch {torch.__version__}"
+                    if isinstance(written, str) and written != torch.__version__ else "")
+        log.log(level, "resumed from checkpoint step %d (%s%s) in %s%s", step, source, f"; {why}" if why else "",
+                where, versions)
         return step
 
     def _guard_restarts(self) -> None:

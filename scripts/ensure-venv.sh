@@ -5,15 +5,35 @@
 # ([bench]: the peers benchmarks/peers/ compares with, which its smoke test in `make test` runs).
 # Re-running is fast: the install is skipped while a stamp holding the SHA-256 of constraints.txt,
 # pyproject.toml and this script still matches.
+#
+# An install that did not finish (interrupted, killed) leaves a marker: the next run reinstalls every package
+# (pip takes a package whose files it wrote only in part for installed). Before stamping, the commands the
+# project runs from the venv (torchrun, robustdist) must exist; a missing one has its package reinstalled, and if
+# it is still missing the script fails naming it.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 stamp="$VENV/.robustdist-install-stamp"
+unfinished="$VENV/.robustdist-install-unfinished"
 want=$(cat constraints.txt pyproject.toml scripts/ensure-venv.sh | sha256sum | cut -d' ' -f1)
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+# The commands the project runs from the venv, each with the package that installs it.
+entry_points() {
+    echo "torchrun torch"
+    echo "robustdist -e ."
+}
+
+missing_entry_points() {
+    local script package
+    while read -r script package; do
+        [ -x "$VENV/bin/$script" ] || echo "$script $package"
+    done < <(entry_points)
+}
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ] && [ ! -f "$unfinished" ] \
+        && [ -z "$(missing_entry_points)" ]; then
     exit 0
 fi
 
@@ -21,9 +41,33 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "ensure-venv: creating $VENV with $($PYTHON --version 2>&1)" >&2
     "$PYTHON" -m venv "$VENV"
 fi
-echo "ensure-venv: installing pinned dependencies and robustdist[dev,bench] (editable) into $VENV" >&2
+pip_install() {
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@"
+}
+
 rm -f "$stamp"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -c constraints.txt -e ".[dev,bench]"
+if [ -f "$unfinished" ]; then
+    echo "ensure-venv: the last install into $VENV did not finish; reinstalling every package" >&2
+    pip_install --force-reinstall -e ".[dev,bench]"
+else
+    echo "ensure-venv: installing pinned dependencies and robustdist[dev,bench] (editable) into $VENV" >&2
+    touch "$unfinished"
+    pip_install -e ".[dev,bench]"
+fi
+missing=$(missing_entry_points)
+if [ -n "$missing" ]; then
+    while read -r script package; do
+        echo "ensure-venv: $VENV/bin/$script is missing; reinstalling $package" >&2
+        # shellcheck disable=SC2086  # "-e ." is two words
+        pip_install --force-reinstall --no-deps $package
+    done <<< "$missing"
+    missing=$(missing_entry_points)
+    if [ -n "$missing" ]; then
+        echo "ensure-venv: $(echo "$missing" | cut -d' ' -f1 | xargs) still missing from $VENV/bin after reinstalling;" \
+            "expected pip to install them. Fix: rm -rf $VENV and run make again." >&2
+        exit 1
+    fi
+fi
+rm -f "$unfinished"
 "$VENV/bin/python" -c "import robustdist, torch; print('ensure-venv: robustdist', robustdist.__version__, 'torch', torch.__version__)" >&2
 echo "$want" > "$stamp"

@@ -207,6 +207,13 @@ def test_resume_is_not_silent_when_the_script_configured_no_logging(single_proce
     assert "nothing to resume in" in runs[0].stderr
     assert "resumed from checkpoint step 1" in runs[1].stderr
     assert "hardened:" not in runs[1].stderr  # only what the user must see is raised to WARNING
+    assert "written by torch" not in runs[1].stderr  # this torch wrote it
+    manifest = tmp_path / "ckpt" / "step_0000000002" / "manifest.json"  # as another torch would have written it
+    manifest.write_text(manifest.read_text().replace(f'"torch": "{torch.__version__}"', '"torch": "2.99.0"'))
+    third = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert (f"resumed from checkpoint step 2 (durable) in {tmp_path / 'ckpt'}; written by torch 2.99.0, resumed under "
+            f"torch {torch.__version__}") in third.stderr, third.stderr[-2000:]
 
 
 def _warning_through_the_context_manager(rank: int) -> list[str]:

@@ -62,7 +62,7 @@ from robustdist.checkpoint._safeio import check_torch_zip
 from robustdist.checkpoint._schema import weights_only_reason
 from robustdist.checkpoint._sharded import read_metadata
 from robustdist.checkpoint._types import Context, LoadedCheckpoint
-from robustdist.runtime.errors import CheckpointBusyError, CheckpointCorruptError, CheckpointError
+from robustdist.runtime.errors import CheckpointBusyError, CheckpointCorruptError, CheckpointError, CheckpointVersionError
 from robustdist.runtime.log import user_stacklevel, warn
 
 if TYPE_CHECKING:
@@ -100,6 +100,9 @@ def torch_load(step_dir: str, name: str, manifest: dict[str, Any], map_location:
             return torch.load(fh, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as e:
             reason = weights_only_reason(e)
+            version = _schema.another_torchs(e, manifest.get("torch"))
+            if version is not None:
+                raise CheckpointVersionError(f"{path}: this torch cannot load it: {version}.") from e
             if "global" in reason.lower() or "class" in reason.lower():
                 raise CheckpointCorruptError(
                     f"{path}: refused to load: {reason}. torch.load(weights_only=True) found objects robustdist "
@@ -243,26 +246,30 @@ def _finish(ctx: Context, checked: _Checked) -> LoadedCheckpoint:
 
 @dataclass
 class _Outcome:
-    """One candidate on this rank: loaded, or the problems by rank, whether it vanished while read, and
-    whether a rank found its files corrupt (not just unfit for the live objects)."""
+    """One candidate on this rank: loaded, or the problems by rank, whether it vanished while read, whether a
+    rank found its files corrupt (not just unfit for the live objects), and whether a rank found it needs another
+    torch (:class:`CheckpointVersionError`)."""
 
     loaded: LoadedCheckpoint | None = None
     bad: dict[int, str] = field(default_factory=dict)
     gone: bool = False
     corrupt: bool = False
+    another_torch: bool = False
 
 
 def _check_here(ctx: Context, step: int | None, step_dir: str, state: dict[str, Any], per_rank: dict[str, Any],
                 map_location: MAP_LOCATION, listed: bool) -> tuple[_Checked | None, tuple[Any, ...]]:
-    """Step 2 on this rank: the checked candidate (or None) and ``(problem, gone, corrupt, needs copies)``."""
+    """Step 2 on this rank: the checked candidate (or None) and ``(problem, gone, corrupt, needs copies, another
+    torch)``."""
     try:
         checked = _check(ctx.rank, step, step_dir, state, per_rank, map_location, ctx.max_file_bytes)
-        return checked, (None, False, False, checked.plan.needs_copies)
+        return checked, (None, False, False, checked.plan.needs_copies, False)
     except CheckpointError as e:  # a listed candidate that no longer exists was rotated away, not damaged
         gone = step is not None and listed and not os.path.lexists(step_dir)
-        return None, (_problem_of(e), gone, isinstance(e, CheckpointCorruptError), False)
+        return None, (_problem_of(e), gone, isinstance(e, CheckpointCorruptError), False,
+                      isinstance(e, CheckpointVersionError))
     except Exception as e:  # a check that itself failed on a crafted value: still this candidate's problem
-        return None, (f"{step_dir}: could not be checked ({_problem_of(e)})", False, True, False)
+        return None, (f"{step_dir}: could not be checked ({_problem_of(e)})", False, True, False, False)
 
 
 def _try(ctx: Context, step: int | None, step_dir: str, state: dict[str, Any], per_rank: dict[str, Any],
@@ -272,7 +279,8 @@ def _try(ctx: Context, step: int | None, step_dir: str, state: dict[str, Any], p
     everyone = _agree(ctx, mine, "load check")
     bad = _bad(everyone)
     if bad or checked is None:
-        return _Outcome(bad=bad, gone=any(row[1] for row in everyone), corrupt=any(row[2] for row in everyone))
+        return _Outcome(bad=bad, gone=any(row[1] for row in everyone), corrupt=any(row[2] for row in everyone),
+                        another_torch=any(row[4] for row in everyone))
     copies: list[Any] = []
     if any(row[3] for row in everyone):  # some rank restores an object step 2 could not check: copy first
         copies, problem = _restore.restore_unchecked(checked.plan, step_dir, checked.dcp_metadata, ctx.group)
@@ -315,6 +323,11 @@ def load_checkpoint(ctx: Context, step: Any, state: dict[str, Any] | None, per_r
                     rejected[candidate] = identity
                 corrupt = corrupt or out.corrupt
                 reason = "; ".join(f"rank {r}: {p}" for r, p in sorted(out.bad.items()))
+                if out.another_torch:  # an older step would resume older work, where upgrading resumes this one
+                    raise CheckpointVersionError(
+                        f"checkpoint step {shown} needs another torch than this one ({reason}). Nothing was restored, "
+                        "and no older checkpoint was tried (it would resume older work). Fix: as the reason says; "
+                        "the checkpoint is intact.", rank=ctx.err_rank, ranks=sorted(out.bad))
                 tried.append(f"step {shown}: {reason}")
                 if step is not None:
                     _raise_failed(ctx, f"checkpoint step {shown}", reason, out.corrupt, sorted(out.bad))

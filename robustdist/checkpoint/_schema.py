@@ -50,6 +50,30 @@ def weights_only_reason(e: BaseException) -> str:
     return (found or [line for line in lines if line] or [type(e).__name__])[0].split(". Please")[0][:300]
 
 
+_TORCH_NAME = re.compile(r"\btorch\.([A-Za-z_][A-Za-z0-9_]{0,99})\b")
+
+
+def another_torchs(refusal: BaseException, written_by: Any) -> str | None:
+    """Where torch's weights-only refusal names a ``torch.<name>`` the installed torch lacks (a dtype a newer torch
+    added, say) and the checkpoint's manifest says another torch wrote it: what to tell the user. None otherwise
+    (the same torch lacking it: a crafted pickle)."""
+    if not isinstance(written_by, str) or not written_by or written_by == torch.__version__:
+        return None
+    missing = next((n for n in _TORCH_NAME.findall(str(refusal)) if not hasattr(torch, n)), None)
+    if missing is None:
+        return None
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        newer = Version(written_by) > Version(torch.__version__)
+    except InvalidVersion:
+        newer = False
+    fix = (f"upgrade torch to {written_by[:40]} or newer to load it" if newer else
+           f"load it under torch {written_by[:40]} (or a torch that has torch.{missing})")
+    return (f"it holds torch.{missing}, which torch {torch.__version__} (installed) does not have; it was written by "
+            f"torch {written_by[:40]}. The checkpoint is intact. Fix: {fix}")
+
+
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 

@@ -57,7 +57,7 @@ from robustdist.init import rendezvous as _rendezvous
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import InitError
 from robustdist.runtime.log import get_logger
-from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, ATTEMPT_TOKEN_KEY, RUN_ENV, attempt_store_info
+from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, ATTEMPT_TOKEN_KEY, RUN_ENV, attempt_store_info, job_of
 
 log = get_logger(__name__)
 _KEY = "robustdist/attempt_store"
@@ -203,9 +203,7 @@ def served_by_agent(rank: int) -> dict[str, Any] | None:
         raise InitError(f"{ATTEMPT_STORE_ENV}={raw[:200]!r}; expected the JSON robustdist run's agent sets "
                         '({"addr": host, "port": 1-65535, "token": 32 hex digits, "master": "host:port", "run": '
                         'run id}). Fix: unset it (only the launcher sets it).', rank=rank)
-    mine = (f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}",
-            os.environ.get("TORCHELASTIC_RUN_ID", ""))
-    if (info["master"], info["run"]) != mine:
+    if (info["master"], info["run"]) != job_of():
         log.debug("%s names the job at %s (run %r), not this one: not used", ATTEMPT_STORE_ENV, info["master"],
                   info["run"])
         return None

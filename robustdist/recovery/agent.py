@@ -49,7 +49,7 @@ from robustdist.recovery.attempt_store import AttemptStore
 from robustdist.recovery.deaths import DeathWatch
 from robustdist.recovery.forked import Channel, ForkedWorker, NoAnswer, readable
 from robustdist.runtime import _elastic_compat
-from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info
+from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info, job_of
 
 __all__ = ["SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
 
@@ -184,9 +184,11 @@ class Replacer:
         for lr, code in sorted(dead.items()):
             worker = group.workers[lr]
             old = worker.id
-            record = {"rank": worker.global_rank, "pid": old, "died": describe_exit(code), "n": len(self.replaced) + 1}
-            extra = {REPLACES_ENV: json.dumps(record)}
+            record: dict[str, Any] = {"rank": worker.global_rank, "pid": old, "died": describe_exit(code),
+                                      "n": len(self.replaced) + 1}
             try:
+                master, run = job_of(_elastic_compat.worker_launch(agent, worker)["env"])
+                extra = {REPLACES_ENV: json.dumps({**record, "master": master, "run": run})}
                 spare = self._from_spare(agent, worker, extra)
                 new = spare if spare is not None else _elastic_compat.start_worker_again(agent, worker, extra)
             except SignalException:

@@ -47,12 +47,12 @@ def declared_fault(store: Any, gen: int, rank: int, world: int, scope: str) -> F
         return None
 
     connect = connector(store, READ_FAULT_S)
-    fault, error, _ = bounded(read, time.monotonic() + READ_FAULT_S, "fault-read",
-                              ends_by=time.monotonic() + 2 * READ_FAULT_S)
-    if error is not None:  # the cut is then taken for this rank's own fault
+    fault, error, finished = bounded(read, time.monotonic() + READ_FAULT_S, "fault-read",
+                                     ends_by=time.monotonic() + 2 * READ_FAULT_S)
+    if error is not None or not finished:  # the cut is then taken for this rank's own fault
         log.warning("rank %d: its collective was cut, and the store did not say within %g s whether another rank "
                     "declared generation %d's fault (%s); taking the cut for this rank's own fault", rank,
-                    READ_FAULT_S, gen, error)
+                    READ_FAULT_S, gen, error if error is not None else "no answer")
     return fault
 
 

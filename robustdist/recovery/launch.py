@@ -8,12 +8,17 @@ worker's end instead of at its next ``--monitor-interval`` look (:mod:`.deaths`)
 leaves its temporary ``torchelastic_*`` directory behind, which ``robustdist run`` removes at the end unless a file
 was written there (a failed worker's error file, a redirected log). The launcher's own process sets
 :data:`~robustdist.runtime.replacing.RUN_ENV` for its workers.
+
+Its agent holds more open files than torchrun's (the attempt's store, the warm spare's pipes, a pidfd per worker:
+about 40 where torchrun's holds 25, with 2 to 4 workers). Under an open-file limit (``ulimit -n``) below
+:func:`descriptors_needed` it says so and runs exactly as torchrun, whose agent fits where this one may not.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import tempfile
 from collections.abc import Sequence
 
@@ -21,7 +26,16 @@ from robustdist.runtime import _elastic_compat
 from robustdist.runtime.log import logging_configured
 from robustdist.runtime.replacing import RUN_ENV
 
-__all__ = ["main"]
+__all__ = ["descriptors_needed", "main"]
+
+log = logging.getLogger(__name__)  # the launcher is no rank: no rank prefix
+
+
+def descriptors_needed(nproc_per_node: str) -> int:
+    """The open-file limit under which ``robustdist run``'s agent runs as torchrun's: 64 plus 4 per local worker
+    (8 workers where ``--nproc-per-node`` is not a number: ``gpu``, ``auto``), above the ~40 it holds."""
+    workers = int(nproc_per_node) if str(nproc_per_node).isdigit() else 8
+    return 64 + 4 * workers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,17 +56,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "use done), each forking the next worker killed there (default 1; 0: a replacement starts "
                              "cold). Started only while the run can take a replacement.")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if not logging_configured():  # the launcher's own news (a worker replaced, the spare ready) to stderr, at INFO
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        for name in ("robustdist.recovery.agent", "robustdist.recovery.attempt_store", "robustdist.recovery.forked",
+                     __name__):
+            agent_log = logging.getLogger(name)
+            agent_log.addHandler(handler)
+            agent_log.setLevel(logging.INFO)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    needed = descriptors_needed(args.nproc_per_node)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning("robustdist run: the open-file limit is %d (ulimit -n); expected at least %d for its agent (the "
+                    "attempt's store, the warm spare) with %s local worker(s). Running exactly as torchrun: a killed "
+                    "worker restarts every worker. Fix: raise the limit (ulimit -n 1024) before robustdist run.",
+                    soft, needed, args.nproc_per_node)
+        record(torch_run.run)(args)
+        return 0
     os.environ[RUN_ENV] = "1"  # this process is the launcher: its workers inherit it
     made = None
     if getattr(args, "log_dir", "") is None:  # torchrun's default: a temporary directory it never removes
         made = args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
-    if not logging_configured():  # the launcher's own news (a worker replaced, the spare ready) to stderr, at INFO
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        for name in ("robustdist.recovery.agent", "robustdist.recovery.attempt_store", "robustdist.recovery.forked"):
-            agent_log = logging.getLogger(name)
-            agent_log.addHandler(handler)
-            agent_log.setLevel(logging.INFO)
     replacer = Replacer(spares=args.spares)
     try:
         agent = _elastic_compat.elastic_agent_class(replacer, replacer.starting, replacer.stopped, replacer.wait)

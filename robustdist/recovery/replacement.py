@@ -44,7 +44,7 @@ from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import InitError, RecoveryError
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
-from robustdist.runtime.replacing import REPLACES_ENV, RUN_ENV, STATE_KEY
+from robustdist.runtime.replacing import REPLACES_ENV, RUN_ENV, STATE_KEY, job_of
 
 __all__ = ["COUNTERS", "counters", "join", "publish", "withdraw"]
 
@@ -161,16 +161,26 @@ def _state(raw: bytes, world: int, rank: int) -> dict[str, Any]:
 
 
 def _replaces(rank: int) -> dict[str, Any] | None:
+    """What :data:`REPLACES_ENV` says, where it was set for this rank of this job (under ``robustdist run``); None
+    where it is unset or was set for another job (inherited by a process a worker started). Anything else it holds
+    is a named error."""
     raw = os.environ.get(REPLACES_ENV)
-    if raw is None:
+    if raw is None or os.environ.get(RUN_ENV) != "1":
         return None
     try:
-        info = json.loads(raw[:4096])
+        info = json.loads(raw) if len(raw) <= 4096 else None
     except (ValueError, RecursionError):
         info = None
-    if not isinstance(info, dict) or info.get("rank") != rank:
+    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in ("master", "run")):
+        info = None
+    elif (info["master"], info["run"]) != job_of():
+        log.debug("%s names a replacement in the job at %s (run %r), not this one: not used", REPLACES_ENV,
+                  info["master"][:300], info["run"][:300])
+        return None
+    if info is None or info.get("rank") != rank or isinstance(info.get("rank"), bool):
         raise RecoveryError(f"{REPLACES_ENV}={raw[:200]!r}; expected the JSON robustdist run sets for a replacement of "
-                            f"this rank ({rank}). Fix: unset it (only the launcher sets it).", rank=rank)
+                            f'this rank ({rank}): {{"rank": {rank}, "pid", "died", "n", "master": "host:port", "run": '
+                            "run id}. Fix: unset it (only the launcher sets it).", rank=rank)
     return info
 
 

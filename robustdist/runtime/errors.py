@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointBusyError",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointVersionError",
     "ConfigError",
     "HangError",
     "InitError",
@@ -120,6 +121,11 @@ class CheckpointError(RobustDistError):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint file is missing, truncated, malformed, unsafe, or fails its checksum."""
+
+
+class CheckpointVersionError(CheckpointError, UnsupportedVersionError):
+    """A checkpoint holds what only a newer torch than the installed one has (a dtype, say): intact, but this torch
+    cannot read it. The message names the writer's version and this one; the fix is to upgrade."""
 
 
 class CheckpointBusyError(CheckpointError):

@@ -5,17 +5,22 @@ are peers)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ATTEMPT_STORE_ENV", "ATTEMPT_STORE_KEY", "ATTEMPT_TOKEN_KEY", "attempt_store_info", "REPLACES_ENV", "RUN_ENV", "STATE_KEY"]
+__all__ = ["ATTEMPT_STORE_ENV", "ATTEMPT_STORE_KEY", "ATTEMPT_TOKEN_KEY", "attempt_store_info", "REPLACES_ENV", "RUN_ENV",
+           "STATE_KEY", "job_of"]
 
 RUN_ENV = "ROBUSTDIST_RUN"
 """Set to ``"1"`` by ``robustdist run`` for its workers: rank 0 then publishes its in-process recovery state."""
 
 REPLACES_ENV = "ROBUSTDIST_REPLACES"
-"""Set for a worker the agent started in place of a dead one: JSON ``{"rank", "pid", "died", "n"}`` (the global
-rank, the dead process's pid, how it died, and the how-manyth replacement of this agent this is)."""
+"""Set for a worker the agent started in place of a dead one: JSON ``{"rank", "pid", "died", "n", "master", "run"}``
+(the global rank, the dead process's pid, how it died, the how-manyth replacement of this agent this is, and the job
+it replaces a rank of, as :func:`job_of` the worker's environment: a process that inherited the value in another
+job, such as a torchrun started inside the replacement, ignores it)."""
 
 STATE_KEY = "robustdist/launcher/state"
 """In the agent's store (the job's lifetime): rank 0's current in-process recovery generation, as JSON
@@ -55,3 +60,11 @@ def attempt_store_info(raw: str) -> dict[str, Any] | None:
           and isinstance(info.get("token"), str) and _TOKEN_RE.fullmatch(info["token"]) is not None
           and all(isinstance(info.get(k), str) and len(info[k]) <= 300 for k in ("master", "run")))
     return {k: info[k] for k in ("addr", "port", "token", "master", "run")} if ok else None
+
+
+def job_of(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """``("MASTER_ADDR:MASTER_PORT", TORCHELASTIC_RUN_ID)`` of a worker's environment (this process's by default):
+    the job a value ``robustdist run``'s agent sets for its workers belongs to. A process started inside a worker
+    (a torchrun, another ``robustdist run``) inherits the value but has a job of its own."""
+    env = os.environ if environ is None else environ
+    return f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}", env.get("TORCHELASTIC_RUN_ID", "")

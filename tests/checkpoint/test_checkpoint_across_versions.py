@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "tests" / "clients" / "checkpoint_across_versions.py"
@@ -43,3 +44,64 @@ def test_checkpoint_resumes_bitwise_across_torch_versions(tmp_path, lane):
     written = _run(sys.executable, "write", ours)
     resumed = _run(other, "read", ours)
     assert resumed["digest"] == written["digest"], f"written by torch {written['torch']}, resumed by {resumed['torch']}"
+
+
+
+def _as_if_written_by_a_newer_torch(step_dir: Path, version: str) -> None:
+    """Step ``step_dir`` as a newer torch would write it: its float8_e8m0fnu tensor's dtype renamed to
+    float8_e9m9fnu (same length: a dtype this torch does not have), the zip records' and the manifest's CRC-32s
+    and the manifest's writer version updated to match."""
+    import zipfile
+    import zlib
+
+    path = step_dir / "replicated.pt"
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as z:
+        pkl = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+        old = z.read(pkl)
+        crc = z.getinfo(pkl).CRC
+    new = old.replace(b"torch\nfloat8_e8m0fnu\n", b"torch\nfloat8_e9m9fnu\n")
+    assert new != old and raw.count(old) == 1
+    raw = raw.replace(old, new).replace(crc.to_bytes(4, "little"), zlib.crc32(new).to_bytes(4, "little"))
+    path.write_bytes(raw)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"]["replicated.pt"]["crc32"] = f"{zlib.crc32(raw):08x}"
+    manifest["torch"] = version
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_holding_a_dtype_this_torch_lacks_names_both_torches_and_no_older_step_is_tried(tmp_path):
+    """A newer torch's checkpoint holding a dtype this torch does not have is intact: the error says which torch
+    wrote it and to upgrade, never "corrupt" or "start from scratch", and the older step beside it is not loaded
+    instead (it would resume older work)."""
+    from robustdist.checkpoint import AtomicCheckpointer
+    from robustdist.runtime.errors import CheckpointCorruptError, CheckpointVersionError, UnsupportedVersionError
+
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"x": torch.zeros(2, dtype=torch.float8_e8m0fnu)})
+        ckpt.save(2, {"x": torch.zeros(2, dtype=torch.float8_e8m0fnu)})
+        _as_if_written_by_a_newer_torch(tmp_path / "step_0000000002", "2.99.0")
+        with pytest.raises(CheckpointVersionError) as raised:
+            ckpt.load(state={"x": torch.zeros(2, dtype=torch.float8_e8m0fnu)})
+    message = str(raised.value)
+    assert isinstance(raised.value, UnsupportedVersionError) and not isinstance(raised.value, CheckpointCorruptError)
+    assert f"it holds torch.float8_e9m9fnu, which torch {torch.__version__} (installed) does not have; it was " \
+           "written by torch 2.99.0. The checkpoint is intact. Fix: upgrade torch to 2.99.0 or newer to load it" \
+           in message, message
+    assert "checkpoint step 2 needs another torch than this one" in message
+    assert "no older checkpoint was tried (it would resume older work)" in message
+    assert "start from scratch" not in message and "could run code" not in message
+
+
+def test_the_same_name_in_a_checkpoint_this_torch_wrote_is_still_a_refused_pickle(tmp_path):
+    """A name this torch lacks in a checkpoint whose manifest says this very torch wrote it: crafted, not another
+    version's (the refused pickle's message stays, and the older step is loaded instead, with a warning)."""
+    from robustdist.checkpoint import AtomicCheckpointer
+
+    with AtomicCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"x": torch.zeros(2, dtype=torch.float8_e8m0fnu)})
+        ckpt.save(2, {"x": torch.zeros(2, dtype=torch.float8_e8m0fnu)})
+        _as_if_written_by_a_newer_torch(tmp_path / "step_0000000002", torch.__version__)
+        with pytest.warns(UserWarning, match="found objects robustdist never writes .a pickle that could run code."):
+            loaded = ckpt.load(state={"x": torch.zeros(2, dtype=torch.float8_e8m0fnu)})
+    assert loaded.step == 1

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from robustdist.recovery import faults, replacement
 from robustdist.runtime.errors import RecoveryError
-from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, RUN_ENV, STATE_KEY
+from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, RUN_ENV, STATE_KEY, job_of
 
 PACKAGE = Path(replacement.__file__).resolve().parents[1]
 SCOPE = f"{faults.SCOPE}/1"  # the script's first h.run: the only one a replacement can stand in for
@@ -45,8 +45,12 @@ def _state(store, **over):
     return state
 
 
-def _replacing(monkeypatch, rank=1):
-    monkeypatch.setenv(REPLACES_ENV, json.dumps({"rank": rank, "pid": 4242, "died": "signal 9 (SIGKILL)", "n": 1}))
+def _replacing(monkeypatch, rank=1, **over):
+    """This process replaces dead ``rank`` of the job its environment names, as robustdist run's agent says."""
+    monkeypatch.setenv(RUN_ENV, "1")
+    master, run = job_of()
+    monkeypatch.setenv(REPLACES_ENV, json.dumps({"rank": rank, "pid": 4242, "died": "signal 9 (SIGKILL)", "n": 1,
+                                                 "master": master, "run": run, **over}))
 
 
 def _rank0(store, verdict: str, stop: threading.Event) -> threading.Thread:
@@ -189,11 +193,39 @@ def test_a_hostile_state_is_a_named_error(server, monkeypatch, raw, found):
     assert replacement.counters() != {"rendezvous": 2**40, "reach": 1, "barrier": 1, "watchdog": 1}
 
 
-@pytest.mark.parametrize("value", ["{oops", json.dumps({"rank": 0}), json.dumps([1]), "[" * 4000])
+@pytest.mark.parametrize("value", ["{oops", json.dumps({"rank": 0}), json.dumps([1]), "[" * 4000,
+                                   json.dumps({"rank": 1, "master": 5, "run": ""}), "1" * 5000])
 def test_a_hostile_environment_is_a_named_error(server, monkeypatch, value):
+    monkeypatch.setenv(RUN_ENV, "1")
     monkeypatch.setenv(REPLACES_ENV, value)
     with pytest.raises(RecoveryError, match=rf"\[rank 1\] {REPLACES_ENV}=.*expected the JSON robustdist run sets.*Fix"):
         replacement.join(in_process=True, rank=1, world=2, init_timeout=15)
+
+
+@pytest.mark.parametrize("rank", [0, 1, "1", True])
+def test_a_value_set_for_this_job_names_this_rank_or_is_a_named_error(server, monkeypatch, rank):
+    _replacing(monkeypatch, rank=rank)
+    if rank == 1 and rank is not True:
+        server.set(STATE_KEY, "{oops")  # it is taken: the join goes on to read the state
+        with pytest.raises(RecoveryError, match="expected the JSON rank 0 publishes"):
+            replacement.join(in_process=True, rank=1, world=2, init_timeout=15)
+    else:
+        with pytest.raises(RecoveryError, match=rf"\[rank 1\] {REPLACES_ENV}=.*for a replacement of this rank \(1\)"):
+            replacement.join(in_process=True, rank=1, world=2, init_timeout=15)
+
+
+@pytest.mark.parametrize("other", [{"run": "outer-job"}, {"master": "10.0.0.9:29500"}])
+def test_a_value_inherited_from_another_job_is_not_this_process_s(server, monkeypatch, other):
+    """A torchrun (or another robustdist run) started inside a replaced worker inherits ROBUSTDIST_REPLACES and
+    ROBUSTDIST_RUN; its ranks are no replacements, whatever their rank."""
+    for rank in (0, 1):
+        _replacing(monkeypatch, rank=rank, **other)
+        monkeypatch.setattr(replacement, "_published", {})
+        assert replacement.join(in_process=True, rank=rank, world=2, init_timeout=15) is None
+    monkeypatch.delenv(RUN_ENV)  # not under robustdist run at all: not read
+    _replacing(monkeypatch, rank=1)
+    monkeypatch.delenv(RUN_ENV)
+    assert replacement.join(in_process=True, rank=1, world=2, init_timeout=15) is None
 
 
 def test_a_replacement_without_in_process_recovery_says_so(server, monkeypatch):

@@ -158,9 +158,9 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
         _rewrite(copy, "payload.pt", _zip_bomb())
     elif kind == "wrong_shape":
         _rewrite(copy, "payload.pt", _torch_file([1, 2, 3]))
-    elif kind == "optimizer_mismatch":  # well-formed, CRC-valid, but not this optimizer's state
+    elif kind == "optimizer_mismatch":  # well-formed, CRC-valid, bound to this copy, but not this optimizer's state
         saved = torch.load(copy / "replicated.pt", weights_only=True)
-        saved["optimizer"]["param_groups"][0]["params"] = [0]
+        saved["value"]["optimizer"]["param_groups"][0]["params"] = [0]
         _rewrite(copy, "replicated.pt", _torch_file(saved))
     elif kind in ("sparse", "sparse_crc"):  # 2 GiB that take no disk, meta.json agreeing on the size (and CRC)
         size = 2 << 30
@@ -180,8 +180,13 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
         meta = json.loads((copy / "meta.json").read_text())
         meta["files"]["payload.pt"] = {"size": size, "crc32": "00000000"}
         (copy / "meta.json").write_text(json.dumps(meta))
-    elif kind == "other_model":
-        _rewrite(copy, "replicated.pt", _torch_file({"model": {"0.weight": torch.zeros(3, 3)}, "optimizer": {}}))
+    elif kind == "other_model":  # bound to this copy (a forger who knows the format)
+        saved = torch.load(copy / "replicated.pt", weights_only=True)
+        saved["value"] = {"model": {"0.weight": torch.zeros(3, 3)}, "optimizer": {}}
+        _rewrite(copy, "replicated.pt", _torch_file(saved))
+    elif kind == "unbound":  # what the copy's files held, without the binding to their copy
+        for name in ("payload.pt", "replicated.pt"):
+            _rewrite(copy, name, _torch_file(torch.load(copy / name, weights_only=True)["value"]))
     else:
         raise AssertionError(kind)
 
@@ -189,7 +194,7 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
 KINDS = ["code", "code_replicated", "flipped", "flipped_tensor", "truncated", "symlink_file", "fifo", "symlink_step",
          "symlink_owner",
          "meta_huge", "meta_escape", "meta_types", "meta_other_step", "zip_bomb", "wrong_shape", "other_model",
-         "optimizer_mismatch", "sparse", "sparse_crc", "sparse_beyond_ram"]
+         "optimizer_mismatch", "sparse", "sparse_crc", "sparse_beyond_ram", "unbound"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -229,6 +234,39 @@ def test_a_sparse_copy_claiming_gigabytes_costs_no_gigabytes(tiers, kind):
     assert loaded is not None and loaded.source == "durable"
     assert grew < 256 << 20, f"peak memory grew by {grew >> 20} MiB for a 2 GiB sparse file"
     assert "not a torch zip file" in " ".join(str(w.message) for w in seen)
+
+
+def test_an_older_step_copied_over_the_newest_is_not_restored_as_the_newest(tmp_path):
+    """Step 6's copy put where step 8's was, its meta.json edited to say step 8 (every CRC still right: the files
+    are step 6's own): the files are bound to step 6, so the copy is refused, naming what it is bound to, and the
+    load takes the next source, step 6's own copy, as step 6."""
+    state, durable = _state(0), AtomicCheckpointer(tmp_path / "durable")
+    local = LocalTier(tmp_path / "shm", lineage="mixed", keep_last=2)
+    weights = {}
+    try:
+        for step in range(1, 9):
+            _step(state)
+            if step in (6, 8):
+                state.save_local(local, step)
+                local.wait()
+                weights[step] = [p.detach().clone() for p in state.model.parameters()]
+        own = Path(local.directory, "owner_00000", "own")
+        shutil.rmtree(own / "step_0000000008")
+        shutil.copytree(own / "step_0000000006", own / "step_0000000008")
+        meta = json.loads((own / "step_0000000008" / "meta.json").read_text())
+        meta["step"] = 8
+        (own / "step_0000000008" / "meta.json").write_text(json.dumps(meta))
+        fresh = _state(1)
+        with pytest.warns(Warning) as seen:
+            loaded = fresh.load(durable, local=local)
+        assert loaded is not None and (loaded.step, loaded.source) == (6, "memory")
+        assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), weights[6]))
+        text = " ".join(str(w.message) for w in seen)
+        assert "its data is bound to {'file': 'replicated.pt', 'step': '6'," in text, text
+        assert "expected replicated.pt of rank 0's step 8" in text and "not a source" in text, text
+    finally:
+        local.close()
+        durable.close()
 
 
 def test_the_undamaged_copy_is_used(tiers):

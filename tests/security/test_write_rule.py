@@ -35,7 +35,7 @@ LEGIT = {
     "recovery/launch.py": 2,  # robustdist run's own temporary log directory (made, and removed when left empty)
     "recovery/idle.py": 2,  # /proc/self/autogroup (read, and written: the spare's own session, lowered and put back)
     "recovery/spare.py": 3,  # /dev/null, the worker's output file torchrun chose (appended), /proc/self/maps (read)
-    "runtime/_torch_compat.py": 2,  # a replaced worker's output files torchrun chose (appended)
+    "runtime/_elastic_compat.py": 2,  # a replaced worker's output files torchrun chose (appended)
     "runtime/group_sockets.py": 1,  # /dev/null, put in place of a DataLoader worker's inherited listeners
     "testing/nodelab.py": 8,  # the test harness
     "testing/ranks.py": 4,

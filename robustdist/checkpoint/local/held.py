@@ -27,7 +27,8 @@ __all__ = ["Held", "carry", "discard", "take"]
 @dataclass
 class Held:
     """Rank ``rank``'s snapshot of step ``step`` (save ``save``): its ``payload`` (``{"mine", "shards"}``) and, on
-    rank 0, the ``replicated`` entries: the objects the tier serialised into its files."""
+    rank 0, the ``replicated`` entries, each bound to its copy (:func:`.layout.bind`): the objects the tier
+    serialised into its files."""
 
     step: int
     save: str

@@ -11,6 +11,12 @@ owner, world size, lineage (which durable directory, and which configuration, th
 and each file's size and CRC-32. A copy is written into ``.tmp-step_<step>-<token>`` and renamed into place
 after its meta, so it is never half-visible: a crash mid-write leaves the previous step's copy as it was.
 
+Each data file is bound to its copy (:func:`bind`): what it serialises is ``{"copy": {"file", "step", "owner",
+"lineage", "save"}, "value": ...}``, inside the bytes its CRC-32 covers, and a restore takes the value only where
+the binding is the copy it asked for (:func:`unbind`). A copy whose ``meta.json`` was edited to another step, or a
+step directory copied over another, or another rank's or run's file, is then a corrupt copy, not a restore of the
+wrong state.
+
 The directory is input like a durable one (a stale tmpfs, another job, a hostile user on a shared node):
 every name is matched by pattern, directories are real directories (never links), ``meta.json`` is read
 bounded and validated, and data files are read through :func:`.._safeio.open_in` (confined, regular files,
@@ -38,10 +44,10 @@ from robustdist.checkpoint.local import memory
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger
 
-__all__ = ["PAYLOAD", "REPLICATED", "Holding", "check_root", "commit_copy", "make_root", "open_root", "read_verified",
+__all__ = ["PAYLOAD", "REPLICATED", "Holding", "bind", "unbind", "check_root", "commit_copy", "make_root", "open_root", "read_verified",
            "remove_root", "remove_stale", "rotate", "rotate_all", "scan", "siblings", "step_path", "tier_root"]
 
-FORMAT = 1
+FORMAT = 2
 META = "meta.json"
 PAYLOAD = "payload.pt"
 REPLICATED = "replicated.pt"
@@ -191,6 +197,26 @@ def _remove(folder: Confined, name: str, pattern: re.Pattern[str]) -> None:
         folder.remove_tree(name, pattern)
     except CheckpointError as e:
         log.warning("in-memory tier: could not remove %s: %s", os.path.join(folder.path, name), e)
+
+
+def bind(value: Any, name: str, *, step: int, owner: int, lineage: str, save: str) -> dict[str, Any]:
+    """``value`` as data file ``name`` of owner ``owner``'s copy of step ``step`` (save ``save``) of the tier of
+    ``lineage`` serialises it."""
+    return {"copy": {"file": name, "step": step, "owner": owner, "lineage": lineage, "save": save}, "value": value}
+
+
+def unbind(found: Any, name: str, *, step: int, owner: int, lineage: str, save: str, where: str) -> Any:
+    """The value :func:`bind` wrapped, where ``found`` is bound to exactly this file of this copy; else
+    CheckpointCorruptError naming what it is bound to."""
+    want = {"file": name, "step": step, "owner": owner, "lineage": lineage, "save": save}
+    copy = found.get("copy") if isinstance(found, dict) and set(found) == {"copy", "value"} else None
+    if copy != want:
+        shown = ({k: str(v)[:80] for k, v in copy.items()} if isinstance(copy, dict) and len(copy) <= 8 else
+                 "nothing (not a bound file)")
+        raise CheckpointCorruptError(f"{where}: its data is bound to {shown}; expected {name} of rank {owner}'s step "
+                                     f"{step} (save {save}) of this run's tier. The copy was moved, renamed or "
+                                     "edited (a stale copy of another step, rank or run): not a source.")
+    return found["value"]
 
 
 def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: dict[str, Any],

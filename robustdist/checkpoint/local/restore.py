@@ -324,12 +324,16 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     try:
         where0 = f"{_describe(source0, step)} ({layout.REPLICATED})"
         corrupt_of = source0
-        check = lambda value: _schema.check_replicated(where0, value, kinds)  # noqa: E731
+        copy = dict(step=step, lineage=tier.lineage, save=cand[1])
+
+        def check(value: Any) -> Any:
+            return _schema.check_replicated(where0, layout.unbind(value, layout.REPLICATED, owner=0, where=where0,
+                                                                  **copy), kinds)
         replicated = _held_or_file(tier, held.replicated, check, own_src, cand, layout.REPLICATED, where0, read) \
             if held is not None and mem_replicated else check(_torch_loads(replicated_bytes.numpy(), where0))
         where = f"{_describe(mine_src, step)} ({layout.PAYLOAD})"
         corrupt_of = mine_src
-        check_own = _payload_check(where)
+        check_own = _payload_check(where, rank, copy)
         payload, mine = _held_or_file(tier, held.payload, check_own, own_src, cand, layout.PAYLOAD, where, read) \
             if held is not None and mem_payload else check_own(_torch_loads(payload_bytes.numpy(), where))
     except CheckpointCorruptError as e:  # the bytes of one copy are wrong: exclude it, try the next source
@@ -363,9 +367,11 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     return _restore_all(tier, step, checked, state, mine_src, mem_payload and layout.PAYLOAD not in read) or "unfit"
 
 
-def _payload_check(where: str) -> Callable[[Any], tuple[dict[str, Any], dict[str, Any]]]:
-    """A rank's payload, checked: ``(payload, its "mine" entry)``."""
-    def check(payload: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _payload_check(where: str, owner: int, copy: dict[str, Any]
+                   ) -> Callable[[Any], tuple[dict[str, Any], dict[str, Any]]]:
+    """Rank ``owner``'s payload of the copy ``copy`` names, checked: ``(payload, its "mine" entry)``."""
+    def check(found: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        payload = layout.unbind(found, layout.PAYLOAD, owner=owner, where=where, **copy)
         if not isinstance(payload, dict) or not isinstance(payload.get("shards"), dict):
             raise CheckpointCorruptError(f"{where}: expected a dict with 'mine' and 'shards'")
         return payload, _schema.check_rank_payload(where, payload.get("mine"))

@@ -273,6 +273,9 @@ class LocalTier:
                              payload: dict[str, Any]) -> int:
         token = uuid.uuid4().hex[:12]
         meta = {"world_size": self.world_size, "lineage": self.lineage, "kinds": kinds, "save": save_id}
+        copy = dict(step=step, owner=self.rank, lineage=self.lineage, save=save_id)
+        payload = layout.bind(payload, layout.PAYLOAD, **copy)
+        replicated = layout.bind(replicated, layout.REPLICATED, **copy)
         blobs = [Blob.of(serialise(payload))] + ([Blob.of(serialise(replicated))] if self.rank == 0 else [])
         names, written, problem = (layout.PAYLOAD, layout.REPLICATED), 0, None
         try:
