@@ -6,8 +6,9 @@
 # Re-running is fast: the install is skipped while a stamp holding the SHA-256 of constraints.txt,
 # pyproject.toml and this script still matches.
 #
-# An install that did not finish (interrupted, killed) leaves a marker: the next run reinstalls every package
-# (pip takes a package whose files it wrote only in part for installed). Before stamping, the commands the
+# An install that did not finish (interrupted, killed, or failed: the venv's creation, pip, the closing import
+# check) leaves a marker: the next run reinstalls every package (pip takes a package whose files it wrote only in
+# part for installed), and a venv without a working pip is made again. Before stamping, the commands the
 # project runs from the venv (torchrun, robustdist) must exist; a missing one has its package reinstalled, and if
 # it is still missing the script fails naming it.
 set -euo pipefail
@@ -37,16 +38,22 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python"
     exit 0
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "ensure-venv: creating $VENV with $($PYTHON --version 2>&1)" >&2
-    "$PYTHON" -m venv "$VENV"
-fi
 pip_install() {
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@" < /dev/null
 }
 
+again=0
+[ -f "$unfinished" ] && again=1
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version > /dev/null 2>&1; then
+    echo "ensure-venv: creating $VENV with $($PYTHON --version 2>&1)" >&2
+    mkdir -p "$VENV"
+    touch "$unfinished"  # from here until the end: an interruption is seen by the next run
+    "$PYTHON" -m venv --clear "$VENV"
+    touch "$unfinished"  # --clear emptied the directory
+fi
+
 rm -f "$stamp"
-if [ -f "$unfinished" ]; then
+if [ "$again" = 1 ]; then
     echo "ensure-venv: the last install into $VENV did not finish; reinstalling every package" >&2
     pip_install --force-reinstall -e ".[dev,bench]"
 else
@@ -68,6 +75,6 @@ if [ -n "$missing" ]; then
         exit 1
     fi
 fi
-rm -f "$unfinished"
 "$VENV/bin/python" -c "import robustdist, torch; print('ensure-venv: robustdist', robustdist.__version__, 'torch', torch.__version__)" >&2
+rm -f "$unfinished"
 echo "$want" > "$stamp"

@@ -21,6 +21,10 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]
 # project writes its entry point, unless FAKE_BROKEN_PIP is set) and the closing import check.
 _PYTHON = """#!/usr/bin/env bash
 venv="$(cd "$(dirname "$0")/.." && pwd)"
+if [ "$1 $2 $3" = "-m pip --version" ]; then
+    [ -z "${FAKE_NO_PIP:-}" ] || [ -f "$venv/made" ]
+    exit $?
+fi
 if [ "$1 $2" = "-m pip" ]; then
     echo "${@:3}" >> "$venv/pip.log"
     if [ -z "${FAKE_BROKEN_PIP:-}" ] && [[ " $* " == *" --force-reinstall "* ]]; then
@@ -30,6 +34,18 @@ if [ "$1 $2" = "-m pip" ]; then
     exit 0
 fi
 echo "import check"
+"""
+
+
+# The interpreter a venv is made with: "-m venv --clear DIR" makes DIR a stand-in venv as above (logged).
+_MAKER = """#!/usr/bin/env bash
+if [ "$1 $2 $3" = "-m venv --clear" ]; then
+    rm -rf "$4"/* "$4"/.robustdist-*; mkdir -p "$4/bin"; cp "$(dirname "$0")/python-template" "$4/bin/python"
+    chmod +x "$4/bin/python"
+    touch "$4/made"; echo "venv" >> "$4/pip.log"
+    exit 0
+fi
+echo "Python 3.11 (stand-in)"
 """
 
 
@@ -92,3 +108,29 @@ def test_an_entry_point_a_reinstall_does_not_bring_back_is_named_and_nothing_is_
             "pip to install them. Fix: rm -rf " + str(venv) + " and run make again.") in done.stderr
     assert not (venv / ".robustdist-install-stamp").exists()
     assert (venv / ".robustdist-install-unfinished").exists()  # the next make reinstalls every package
+
+
+def test_a_venv_whose_creation_was_interrupted_is_made_again(tmp_path):
+    """``python -m venv`` interrupted during ensurepip: bin/python exists, pip does not. The venv is made again
+    (--clear), then installed."""
+    venv = _venv(tmp_path, stamped=False, unfinished=False, scripts=())
+    maker = tmp_path / "maker"
+    maker.mkdir()
+    (maker / "python-template").write_text(_PYTHON)
+    (maker / "python3").write_text(_MAKER)
+    (maker / "python3").chmod(0o755)
+    done = _ensure(venv, FAKE_NO_PIP="1", PYTHON=str(maker / "python3"))
+    assert done.returncode == 0, done.stderr
+    assert "ensure-venv: creating " + str(venv) + " with Python 3.11 (stand-in)" in done.stderr
+    calls = _pip_calls(venv)
+    assert calls[0] == "venv" and calls[1].endswith("-c constraints.txt -e .[dev,bench]"), calls
+    assert (venv / ".robustdist-install-stamp").exists() and not (venv / ".robustdist-install-unfinished").exists()
+
+
+def test_a_failing_import_check_leaves_the_install_unfinished(tmp_path):
+    venv = _venv(tmp_path, stamped=False, unfinished=False, scripts=("robustdist", "torchrun"))
+    python = venv / "bin" / "python"
+    python.write_text(python.read_text().replace('echo "import check"', 'echo "ImportError: torch" >&2; exit 1'))
+    done = _ensure(venv)
+    assert done.returncode == 1 and "ImportError: torch" in done.stderr
+    assert (venv / ".robustdist-install-unfinished").exists() and not (venv / ".robustdist-install-stamp").exists()

@@ -211,7 +211,14 @@ def _check(rank: int, step: int | None, step_dir: str, state: dict[str, Any], pe
                                           _load_payload(step_dir, own, manifest, map_location))
     if any(kinds.get(name) == "sharded" for name in state):
         _layout.verify(step_dir, manifest, [f for f in manifest["files"] if f.startswith(_layout.SHARDED_DIR + "/")])
-        dcp_metadata = read_metadata(step_dir, manifest["files"])
+        try:
+            dcp_metadata = read_metadata(step_dir, manifest["files"])
+        except CheckpointCorruptError as e:  # DCP's metadata names a torch.<dtype> only another torch has
+            version = _schema.another_torchs(e, manifest.get("torch"))
+            if version is None:
+                raise
+            raise CheckpointVersionError(f"{os.path.join(step_dir, _layout.SHARDED_DIR)}: this torch cannot load "
+                                         f"it: {version}.") from e
     saved_per_rank = (mine or {}).get("per_rank", {})
     _check_entries(step_dir, kinds, replicated, state, saved_per_rank, per_rank)
     plan = _restore.plan(kinds, replicated, state, saved_per_rank, per_rank)

@@ -51,15 +51,20 @@ def weights_only_reason(e: BaseException) -> str:
 
 
 _TORCH_NAME = re.compile(r"\btorch\.([A-Za-z_][A-Za-z0-9_]{0,99})\b")
+_VERSION = re.compile(r"[0-9][0-9A-Za-z.+_-]{0,39}")
 
 
 def another_torchs(refusal: BaseException, written_by: Any) -> str | None:
     """Where torch's weights-only refusal names a ``torch.<name>`` the installed torch lacks (a dtype a newer torch
     added, say) and the checkpoint's manifest says another torch wrote it: what to tell the user. None otherwise
-    (the same torch lacking it: a crafted pickle)."""
-    if not isinstance(written_by, str) or not written_by or written_by == torch.__version__:
+    (the same torch lacking it, or a manifest whose version is no version: a crafted pickle)."""
+    if not isinstance(written_by, str) or not _VERSION.fullmatch(written_by) or written_by == torch.__version__:
         return None
-    missing = next((n for n in _TORCH_NAME.findall(str(refusal)) if not hasattr(torch, n)), None)
+    import importlib.util
+
+    names = vars(torch)  # not getattr: a name from the file must not import a torch submodule (find_spec runs none)
+    missing = next((n for n in _TORCH_NAME.findall(str(refusal))
+                    if n not in names and importlib.util.find_spec(f"torch.{n}") is None), None)
     if missing is None:
         return None
     from packaging.version import InvalidVersion, Version
@@ -70,8 +75,9 @@ def another_torchs(refusal: BaseException, written_by: Any) -> str | None:
         newer = False
     fix = (f"upgrade torch to {written_by[:40]} or newer to load it" if newer else
            f"load it under torch {written_by[:40]} (or a torch that has torch.{missing})")
-    return (f"it holds torch.{missing}, which torch {torch.__version__} (installed) does not have; it was written by "
-            f"torch {written_by[:40]}. The checkpoint is intact. Fix: {fix}")
+    return (f"it holds torch.{missing}, which torch {torch.__version__} (installed) does not have; its manifest says "
+            f"torch {written_by} wrote it, so it is intact if that torch did (a file you do not trust can be made to "
+            f"look like this: nothing of it was run). Fix: {fix}")
 
 
 def rank_file(rank: int) -> str:

@@ -354,7 +354,7 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
         if not store.check([f"{base}/abandoned"]):
             log.debug("all %d ranks arrived at the rendezvous (%s)", world, where)
             return
-        missing = json.loads(store.get(f"{base}/abandoned"))
+        raw = store.get(f"{base}/abandoned")
     except (RuntimeError, OSError, ValueError) as e:  # DistError is a RuntimeError
         lost = InitError(
             f"the c10d store at {where} stopped answering while this rank waited for the others to arrive ({e}). "
@@ -363,6 +363,7 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
             rank=rank)
         lost.store_lost = True  # type: ignore[attr-defined]
         raise lost from e
+    missing = _absent_ranks(raw, world, f"{base}/abandoned", rank, where)
     if rank in missing:  # the others gave up before this rank came: their list names it, not the ones to blame
         raise InitError(
             f"this rank reached the rendezvous (the c10d store at {where}) after the other ranks stopped waiting: "
@@ -372,6 +373,23 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
             "re-initialises, the step that held it); raise distributed.init_timeout if the delay is expected.",
             rank=rank, ranks=missing)
     raise _absent(missing, topo, rank, where, init_timeout)
+
+
+def _absent_ranks(raw: bytes, world: int, key: str, rank: int, where: str) -> list[int]:
+    """The absent ranks a rank that gave up wrote under ``key``: a JSON list of distinct ranks of this world, at
+    most ``world`` long; anything else (the store is input) is an InitError naming the key."""
+    try:
+        found = json.loads(raw) if len(raw) <= 12 * world + 16 else None
+    except (ValueError, RecursionError):
+        found = None
+    if not (isinstance(found, list) and all(type(r) is int and 0 <= r < world for r in found)
+            and len(set(found)) == len(found)):
+        raise InitError(f"the rendezvous read {bytes(raw[:200])!r} from the key {key!r} of the c10d store at {where}; "
+                        f"expected the JSON list of absent ranks (0 to {world - 1}, each once) a rank of this job "
+                        "writes when it gives up waiting. Fix: another process writes into this job's store (a "
+                        "second job on the same MASTER_ADDR:MASTER_PORT, or a stale one): give each job its own port.",
+                        rank=rank)
+    return sorted(found)
 
 
 def _absent(missing: list[int], topo: Topology, rank: int, where: str, init_timeout: float) -> InitError:

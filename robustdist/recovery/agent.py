@@ -89,6 +89,8 @@ class Replacer:
         self._started = 0.0
         self._failures = 0  # spares in a row that ended before they were warm
         self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
+        # local rank -> the generation rank 0 had published when it was started again: joining until a later one is
+        self._joining: dict[int, int] = {}
         self.attempt = AttemptStore()  # each attempt's store, served here on node 0 (outlives rank 0's process)
         self._death_watch = DeathWatch()
 
@@ -176,11 +178,14 @@ class Replacer:
         if refused is not None:
             log.warning("robustdist run: %s; %s, as torchrun does. %s", self._deaths(group, dead), refused[0],
                         refused[1])
+            # torchrun's restart is charged for the whole group: the replacements that never joined are not
+            _elastic_compat.take_restarts(agent, -len(self._still_joining(group)))
             self._forget(group)  # before torch stops the workers: no death of the next ones is replaced from it
             return monitor(group)
         from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
         before = len(self.replaced)
+        generation = self._published_generation(group)
         for lr, code in sorted(dead.items()):
             worker = group.workers[lr]
             old = worker.id
@@ -202,6 +207,7 @@ class Replacer:
                 return monitor(group)
             record.update(new_pid=new, wall=time.time(), spare=spare is not None)
             self.replaced.append(record)
+            self._joining[lr] = -1 if generation is None else generation
             self._ids.discard(old)
             self._ids.add(new)
             how = "" if spare is None else ", from the warm spare" if self._channel is None else \
@@ -214,6 +220,7 @@ class Replacer:
     def _forget(self, group: Any) -> None:
         """The workers are about to be stopped and started again (torchrun's path): rank 0's state names processes
         about to be gone, so no death of the next ones may be replaced from it (rank 0 publishes afresh)."""
+        self._joining.clear()
         try:
             self._store(group).delete_key(STATE_KEY)
         except SignalException:
@@ -250,6 +257,28 @@ class Replacer:
                       group.master_port, type(e).__name__, str(e)[:200])
             self._client = None
             return False
+
+    def _published_generation(self, group: Any) -> int | None:
+        """The in-process generation rank 0's published state names (None: none, or unreadable)."""
+        try:
+            raw = self._store(group).get(STATE_KEY)
+            state = json.loads(raw) if len(raw) <= 8192 else None
+        except SignalException:
+            raise
+        except Exception:  # no state, or not JSON
+            return None
+        generation = state.get("generation") if isinstance(state, dict) else None
+        return generation if type(generation) is int and generation >= 0 else None
+
+    def _still_joining(self, group: Any) -> set[int]:
+        """The local ranks started again alone that have not joined the others yet (rank 0 has published no
+        generation after the one it had published when they were started)."""
+        if self._joining:
+            now = self._published_generation(group)
+            for lr, then in list(self._joining.items()):
+                if now is not None and then >= 0 and now > then:
+                    del self._joining[lr]
+        return set(self._joining)
 
     def _outlives_rank0(self, group: Any) -> bool:
         """Whether rank 0's published state says its generations live in the store this agent serves (not in one
@@ -426,6 +455,11 @@ class Replacer:
                  codes: dict[int, int | None]) -> tuple[str, str] | None:
         """Why these deaths end in torchrun's path (what happens, the fix), or None: replace them."""
         restart = "every worker is stopped and started again (or the job fails when no --max-restarts is left)"
+        local = {w.local_rank for w in group.workers}
+        if set(dead) | self._still_joining(group) >= local and all(w.world_size == len(local) for w in group.workers):
+            return restart, ("Every worker died, or died while the ones started again before it were still joining: "
+                             "no survivor is left to take a replacement in (it would wait for a verdict no rank can "
+                             "give), so torchrun's restart of every worker is taken at once.")
         exited = [lr for lr, c in dead.items() if c > 0]
         if exited:
             return restart, ("A worker that exits with a code asked for it (an exception, or its in-process recovery "

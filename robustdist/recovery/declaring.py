@@ -25,7 +25,7 @@ from robustdist.runtime.log import get_logger
 __all__ = ["cut_collective", "declared_fault", "hang_declarer"]
 
 log = get_logger(__name__)
-READ_FAULT_S = 5.0  # a rank whose collective was cut reads the store for another rank's fault within this
+READ_FAULT_S = 2.0  # a rank whose collective was cut reads the store for another rank's fault within this
 
 
 def cut_collective(error: BaseException) -> bool:

@@ -9,9 +9,12 @@ handler stops it with ``killpg``: the child made its session before the spare sa
 waited on with ``poll(2)``, never ``select(2)``, whose 1024 limit a node-0 agent holding every rank's store
 connection can pass.
 
-Where the spare itself dies before a worker it forked (SIGKILLed, say), that worker's end is still seen, through a
-pidfd the agent opened on it, but not its exit code: it is reported as exit code 1 (torchrun's path then restarts the
-workers, never a replacement), with a warning saying why.
+A worker's end is seen through a pidfd the agent opened on it, whatever the spare does. Its exit code is what the
+spare says; where the spare has not said it (stopped, say: SIGSTOP, or starved), the ended worker is the spare's
+unreaped child, and its code is read from ``/proc/<pid>/stat`` (the ``exit_code`` field, Linux 3.5+), which holds it
+until its parent reaps it. Only where neither is there (the spare died first and its child was reaped by another) is
+it reported as exit code 1 (torchrun's path then restarts the workers, never a replacement), with a warning saying
+why.
 """
 
 from __future__ import annotations
@@ -131,6 +134,8 @@ class ForkedWorker:
         self._channel.pump()
         if self.pid in self._channel.ended:
             self._set(self._channel.ended.pop(self.pid))
+        elif self._gone() and (code := _zombie_exit(self.pid)) is not None:  # ended; the spare has not said it
+            self._set(code)
         elif self._channel.closed and self._gone():
             log.warning("robustdist run: worker pid %d ended after the warm spare that forked it (pid %d); its exit "
                         "code is unknown (only its parent could read it), taken as exit code %d: every worker is "
@@ -150,6 +155,7 @@ class ForkedWorker:
         if self._pidfd is None:
             return True
         return readable(self._pidfd)
+
 
     def _set(self, code: int) -> None:
         self.returncode = code
@@ -181,3 +187,17 @@ class ForkedWorker:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _zombie_exit(pid: int) -> int | None:
+    """How ``pid`` ended, as ``Popen.returncode`` says it (``-signal`` or the exit code), while it is a zombie its
+    parent has not reaped (the pid cannot be reused before that); None where it is not one (running, or reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read(4096).rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 50 or fields[0] != b"Z" or not fields[49].isdigit():
+        return None
+    status = int(fields[49])
+    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF

@@ -31,11 +31,23 @@ __all__ = ["descriptors_needed", "main"]
 log = logging.getLogger(__name__)  # the launcher is no rank: no rank prefix
 
 
-def descriptors_needed(nproc_per_node: str) -> int:
-    """The open-file limit under which ``robustdist run``'s agent runs as torchrun's: 64 plus 4 per local worker
-    (8 workers where ``--nproc-per-node`` is not a number: ``gpu``, ``auto``), above the ~40 it holds."""
-    workers = int(nproc_per_node) if str(nproc_per_node).isdigit() else 8
-    return 64 + 4 * workers
+def descriptors_needed(nproc_per_node: str, nnodes: str = "1") -> tuple[int, int, int]:
+    """``(limit, local workers, nodes at most)``: the open-file limit under which ``robustdist run``'s agent runs as torchrun's, 64
+    plus 4 per local worker plus one per worker of the job (node 0's agent serves the attempt's store, which every
+    worker connects to), above the ~40 it holds with 2 to 4 workers. ``--nproc-per-node`` and ``--nnodes`` as
+    torchrun reads them (``cpu``, ``auto``: this host's count; 8 where torchrun cannot tell either)."""
+    from torch.distributed import run as torch_run
+
+    try:
+        local = int(torch_run.determine_local_world_size(nproc_per_node))
+    except Exception:  # torchrun itself then names the bad value
+        local = 8
+    try:
+        nodes = int(torch_run.parse_min_max_nnodes(nnodes)[1])
+    except Exception:
+        nodes = 1
+    nodes = max(1, nodes)
+    return 64 + 4 * local + nodes * local, local, nodes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,12 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             agent_log.addHandler(handler)
             agent_log.setLevel(logging.INFO)
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    needed = descriptors_needed(args.nproc_per_node)
+    needed, local, nodes = descriptors_needed(args.nproc_per_node, args.nnodes)
     if soft != resource.RLIM_INFINITY and soft < needed:
         log.warning("robustdist run: the open-file limit is %d (ulimit -n); expected at least %d for its agent (the "
-                    "attempt's store, the warm spare) with %s local worker(s). Running exactly as torchrun: a killed "
-                    "worker restarts every worker. Fix: raise the limit (ulimit -n 1024) before robustdist run.",
-                    soft, needed, args.nproc_per_node)
+                    "attempt's store, the warm spare) with %d local worker(s) on up to %d node(s). Running exactly as "
+                    "torchrun: a killed worker restarts every worker. Fix: raise the limit (ulimit -n %d or more) "
+                    "before robustdist run.", soft, needed, local, nodes, max(1024, needed))
+        os.environ.pop(RUN_ENV, None)  # one inherited (a launch inside a worker) would tell the workers otherwise
         record(torch_run.run)(args)
         return 0
     os.environ[RUN_ENV] = "1"  # this process is the launcher: its workers inherit it

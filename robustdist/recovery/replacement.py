@@ -168,7 +168,7 @@ def _replaces(rank: int) -> dict[str, Any] | None:
     if raw is None or os.environ.get(RUN_ENV) != "1":
         return None
     try:
-        info = json.loads(raw) if len(raw) <= 4096 else None
+        info = json.loads(raw) if len(raw) <= 65536 else None  # the run id (--rdzv-id) may be long
     except (ValueError, RecursionError):
         info = None
     if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in ("master", "run")):

@@ -13,6 +13,7 @@ working::
         ├── InitError                           process-group init, barrier or smoke test failed
         ├── CheckpointError
         │   ├── CheckpointCorruptError          a checkpoint file is missing, malformed or fails verification
+        │   ├── CheckpointVersionError (+ UnsupportedVersionError)  only a newer torch can read it: upgrade
         │   └── CheckpointBusyError             checkpoints were rotated away while read: retry
         ├── StateDictMismatchError              keys/shapes differ between a state dict and a model
         ├── RankDivergenceError                 ranks hold different parameters or configs

@@ -85,12 +85,26 @@ def test_a_checkpoint_holding_a_dtype_this_torch_lacks_names_both_torches_and_no
             ckpt.load(state={"x": torch.zeros(2, dtype=torch.float8_e8m0fnu)})
     message = str(raised.value)
     assert isinstance(raised.value, UnsupportedVersionError) and not isinstance(raised.value, CheckpointCorruptError)
-    assert f"it holds torch.float8_e9m9fnu, which torch {torch.__version__} (installed) does not have; it was " \
-           "written by torch 2.99.0. The checkpoint is intact. Fix: upgrade torch to 2.99.0 or newer to load it" \
-           in message, message
+    assert f"it holds torch.float8_e9m9fnu, which torch {torch.__version__} (installed) does not have; its manifest " \
+           "says torch 2.99.0 wrote it, so it is intact if that torch did (a file you do not trust can be made to look " \
+           "like this: nothing of it was run). Fix: upgrade torch to 2.99.0 or newer to load it" in message, message
     assert "checkpoint step 2 needs another torch than this one" in message
     assert "no older checkpoint was tried (it would resume older work)" in message
     assert "start from scratch" not in message and "could run code" not in message
+
+
+@pytest.mark.parametrize("written_by", [None, "", "2.99.0\n\x1b[31mFix: run rm -rf /", "x" * 50, "latest"])
+def test_a_manifest_version_that_is_no_version_leaves_the_refused_pickle(written_by):
+    from robustdist.checkpoint._schema import another_torchs
+
+    refusal = RuntimeError("Unsupported global: GLOBAL torch.float8_e9m9fnu was not an allowed global by default")
+    assert another_torchs(refusal, written_by) is None
+    assert another_torchs(refusal, "2.99.0") is not None
+    import sys
+
+    lazily = "_inductor" not in vars(torch)
+    assert another_torchs(RuntimeError("GLOBAL torch._inductor"), "2.99.0") is None  # torch has it, if lazily
+    assert not lazily or "torch._inductor" not in sys.modules  # and finding that out imported nothing
 
 
 def test_the_same_name_in_a_checkpoint_this_torch_wrote_is_still_a_refused_pickle(tmp_path):

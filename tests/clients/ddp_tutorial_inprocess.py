@@ -10,8 +10,8 @@ in-memory tier every step.
 ``--epochs`` (3), ``--step-sleep`` (seconds per step), ``--hang-timeout`` (the watchdog's) and ``--log-steps`` (an
 event per step) and ``--local-every`` (the in-memory tier's interval, 1) shape a run for tests that act on it mid-run. ``--fault RANK:STEP`` raises ``ValueError`` on that rank after the optimizer step of global step STEP (its peer then
 waits in the save's arrival check), in generation 0 of attempt 0 only, or with ``--always`` in every generation of
-every attempt (a deterministic fault). ``--kill RANK:STEP`` SIGKILLs that rank there instead, in its first process
-only (not in a replacement ``robustdist run`` started), or with ``--always`` in every process; ``--kill-in-save`` right after that step's ``save()``
+every attempt (a deterministic fault). ``--kill RANK:STEP`` SIGKILLs that rank (-1: every rank) there instead, in its
+first process only (not in a replacement ``robustdist run`` started), or with ``--always`` in every process; ``--kill-in-save`` right after that step's ``save()``
 returns (its background part under way). ``--hold FILE:STEP``: every rank waits after step STEP's save while FILE
 exists (a test acts meanwhile; the results are those of a run without it). Each rank writes ``events-<tag>-rank<r>.jsonl`` (every start of the
 training function and the restart-loop guard's stop), and at the end ``result-<tag>-rank<r>.json`` and
@@ -94,7 +94,8 @@ class Trainer:
             if self.fault == (self.rank, step) and (self.always or first):
                 raise ValueError(f"boom at step {step} (attempt {h.attempt}, generation {generation()})")
             replaced = "ROBUSTDIST_REPLACES" in os.environ
-            doomed = self.kill == (self.rank, step) and (self.always or (first and not replaced))
+            doomed = (self.kill is not None and self.kill[1] == step and self.kill[0] in (-1, self.rank)
+                      and (self.always or (first and not replaced)))
             if doomed and not self.kill_in_save:
                 self.note(event="kill", step=step)
                 os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer's way: no exception, no exit code

@@ -6,6 +6,7 @@ The real two-interface case, across network namespaces, is in tests/multinode/te
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -300,3 +301,90 @@ def test_a_store_that_goes_away_is_named_as_such():
     assert message.startswith("[rank 1] the c10d store failed during the gloo reachability check"), message
     assert "Fix: check the log of the rank hosting the store (MASTER_ADDR)" in message
     assert seconds < 15
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("failures/n", 10**8, "expected a count from 0 to 2 (the world size)"),
+    ("failures/1", b"{oops", "expected JSON (JSONDecodeError)"),
+    ("failures/1", b'{"prober": 5, "failures": []}', "expected a failure list of one of ranks ["),
+    ("failures/1", b'{"prober": REP, "failures": [{"target": "REP"}]}', "expected failures naming a probed rank"),
+    ("failures/1", b"[" * 100_000, "expected at most 65536 bytes of JSON"),
+    ("reps/1", b"7", "expected a rank from 0 to 1"),
+])
+def test_a_hostile_value_in_the_store_is_a_named_error_on_every_rank(key, value, expected):
+    """Two ranks in threads on one store; before they finish, another process's value lands under one of the
+    check's keys. Each rank raises an InitError naming the key and what it expected; none builds a list as long
+    as a counter says (10**8 here), none raises a raw error."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    prefix = "robustdist/reach/4242"
+    planted, lock = threading.Event(), threading.Lock()
+
+    def plant() -> None:  # once both ranks are past their arrival: as if written meanwhile
+        with lock:
+            if planted.is_set():
+                return
+            planted.set()
+            if key.endswith("/n"):
+                store.add(f"{prefix}/{key}", int(value))
+            else:
+                if key.startswith("failures/"):
+                    store.add(f"{prefix}/failures/n", 1)
+                rep = store.get(f"{prefix}/reps/1")  # the ranks' one representative (one node): the prober
+                store.set(f"{prefix}/{key}", value.replace(b"REP", rep) if isinstance(value, bytes) else value)
+
+    results: dict[int, BaseException | None] = {}
+
+    class Planting:
+        """A rank's store connection; the first rank to wait for the probes plants the value: both read after."""
+
+        def __init__(self) -> None:
+            self.store = dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, timeout=timedelta(seconds=30))
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.store, name)
+
+        def wait(self, keys, *args):
+            if f"{prefix}/probed" in keys:
+                plant()
+            return self.store.wait(keys, *args)
+
+    def rank(r: int) -> None:
+        client = Planting()
+        try:
+            _reach.check_peers(client, r, 2, timeout_s=20, env={"GLOO_SOCKET_IFNAME": "lo"}, generation=4242)
+            results[r] = None
+        except BaseException as e:  # noqa: BLE001 - the test reports what each rank raised
+            results[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert planted.is_set()
+    for r, error in results.items():
+        assert isinstance(error, InitError) and error.rank == r, (r, error)
+        assert f"from the c10d store's key '{prefix}/{key.split('/')[0]}" in str(error), str(error)
+        assert expected in str(error) and "give each job its own port" in str(error), str(error)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (b'{"rank": 0}', "a description with text fields"),
+    (b'{"rank": 1, "node": "n", "label": "l", "how": "h", "group": "g", "binds": [], "ifaces": []}',
+     "a description of rank 0"),
+    (b'{"rank": 0, "node": "n", "label": "l", "how": "h", "group": "g", "binds": [], "ifaces": []}',
+     "a description with lists of interfaces"),
+    (b'{"rank": 0, "node": "n", "label": "l", "how": "h", "group": "g", "binds": [{"if": "lo", "addr": 1}], '
+     b'"ifaces": []}', "a description with lists of interfaces"),
+    (b'{"rank": 0, "node": "n", "label": "l", "how": "h", "group": "g", "binds": [{"if": "lo", "addr": "a", '
+     b'"port": 70000}], "ifaces": []}', "a description with lists of interfaces"),
+])
+def test_a_hostile_description_is_a_named_error(value, expected):
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store.set("p/desc/0", value)
+    with pytest.raises(InitError, match=f"from the c10d store's key 'p/desc/0'; expected {expected}"):
+        _reach._descriptions(store, "p", [0], 2)
+    good = b'{"rank": 0, "node": "n", "label": "l", "how": "h", "group": "g", "binds": [{"if": "lo", "addr": "a"}], ' \
+           b'"ifaces": [{"if": "lo", "addr": "a", "port": 5}]}'
+    store.set("p/desc/0", good)
+    assert _reach._descriptions(store, "p", [0], 2)[0]["binds"] == [{"if": "lo", "addr": "a"}]

@@ -380,6 +380,29 @@ def test_a_rank_arriving_after_the_others_gave_up_says_it_was_late():
                                      serves_it=False, generation=77)
 
 
+@pytest.mark.parametrize("abandoned", ['"1"', "1", '{"1": 1}', "[[1]]", "[true]", "[1, 1]", "[2]", "[-1]",
+                                       "[" * 5000, "not json", "[" + "0," * 100 + "0]"])
+def test_a_hostile_abandoned_list_is_a_named_error(abandoned):
+    """The store is input: what another process wrote under the key the ranks that gave up write is an InitError
+    naming the key, never a raw TypeError, a wrong verdict or a list as long as the value says."""
+    import torch
+
+    from robustdist.runtime.topology import Topology
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    topo = Topology(rank=1, world_size=2, local_rank=1, local_world_size=2, node_rank=0, num_nodes=1,
+                    launcher="torchrun", device=torch.device("cpu"), master_addr="127.0.0.1", master_port=store.port,
+                    visible_devices=None)
+    base = "robustdist/rendezvous/78"
+    store.set(f"{base}/abandoned", abandoned)
+    with pytest.raises(InitError) as info:
+        rendezvous.wait_for_arrivals(store, 1, topo, time.monotonic() + 5, where="127.0.0.1:1", init_timeout=INIT,
+                                     serves_it=False, generation=78)
+    message = str(info.value)
+    assert message.startswith("[rank 1] the rendezvous read b") and f"from the key '{base}/abandoned'" in message
+    assert "expected the JSON list of absent ranks (0 to 1, each once)" in message and "Fix: " in message
+
+
 # ---------------------------------------------------------------------------------------------- the setting
 def test_init_timeout_is_a_validated_seconds_setting_with_an_env_var():
     assert DistributedConfig().init_timeout == 300.0 and DistributedConfig().timeout == 1800.0

@@ -191,7 +191,7 @@ def test_a_child_runs_only_once_let_go_and_a_late_reply_is_never_the_next_orders
 
 @pytest.mark.processes
 @pytest.mark.timeout(240)
-def test_the_end_of_its_input_waits_for_its_workers_and_a_dead_spare_leaves_them_an_unknown_code(tmp_path, caplog):
+def test_the_end_of_its_input_waits_for_its_workers_and_a_dead_spares_worker_ends_with_its_code_or_unknown(tmp_path, caplog):
     proc, channel = _start()
     following = _launch()  # the second part's spare warms while the first part waits for its workers
     workers: list[ForkedWorker] = []
@@ -218,15 +218,18 @@ def test_the_end_of_its_input_waits_for_its_workers_and_a_dead_spare_leaves_them
         _stop(proc, channel, *workers)
     proc, channel = _ready(*following)
     try:
-        orphan = _worker(proc, channel, tmp_path, "4", 1.5, 0)
+        orphan = _worker(proc, channel, tmp_path, "4", 1.5, 7)
         _seen(tmp_path / "4.json")
         os.killpg(proc.pid, signal.SIGKILL)  # the spare dies first: only a pidfd still sees the worker end
         proc.wait()
         with caplog.at_level(logging.WARNING, "robustdist.recovery.forked"):
-            assert orphan.wait(60) == UNKNOWN_EXIT
+            code = orphan.wait(60)
         assert channel.closed
-        assert f"worker pid {orphan.pid} ended after the warm spare that forked it (pid {proc.pid}); its exit code " \
-               "is unknown" in caplog.text and "Fix:" in caplog.text
+        # its code, read while whoever adopted it has not reaped it yet; else unknown, and said so
+        unknown = f"worker pid {orphan.pid} ended after the warm spare that forked it (pid {proc.pid}); its exit " \
+                  "code is unknown"
+        assert (code == 7 and unknown not in caplog.text) or (
+            code == UNKNOWN_EXIT and unknown in caplog.text and "Fix:" in caplog.text), (code, caplog.text)
     finally:
         _stop(proc, channel)
 
@@ -322,3 +325,40 @@ def test_the_agents_wait_wakes_at_a_forked_workers_end_then_at_the_spares_word_o
     finally:
         _stop(proc, channel, *workers)
         watch.close()
+
+
+_PARENT = """
+import os, sys, time
+for code in (3, None):  # one child exits with 3; the other waits to be killed
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(1.0 if code is not None else 600)
+        os._exit(code or 0)
+    print(pid, flush=True)
+time.sleep(600)  # never reaps them (it is stopped meanwhile, as a SIGSTOPped spare is)
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_forked_workers_end_is_seen_with_its_code_while_the_spare_is_stopped():
+    """The spare that forked two workers is stopped (SIGSTOP) and says nothing more; one worker exits with code 3,
+    the other is SIGKILLed. Each one's end is seen from its own pidfd, with its code read from the unreaped child,
+    not left waiting for a spare that cannot speak."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, start_new_session=True)
+    said_r, said_w = os.pipe()  # the spare's pipe: its writer open and silent, as a stopped spare's is
+    channel = Channel(said_r, parent.pid)
+    try:
+        assert parent.stdout is not None
+        pids = [int(parent.stdout.readline()) for _ in range(2)]
+        exiting, killed = (ForkedWorker(pid, channel) for pid in pids)
+        os.kill(parent.pid, signal.SIGSTOP)
+        assert exiting.poll() is None and killed.poll() is None
+        os.kill(killed.pid, signal.SIGKILL)
+        assert exiting.wait(timeout=20) == 3 and killed.wait(timeout=20) == -signal.SIGKILL
+        assert not channel.closed  # the spare is still there, stopped: nothing was read from it
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        os.close(said_w)
+        channel.close()

@@ -143,6 +143,27 @@ def test_a_killed_rank_0_is_replaced_alone_where_the_agent_serves_the_store(tmp_
     assert "The run takes no replacement (it does not recover in process" in logs["demo"], logs["demo"][-3000:]
 
 
+@pytest.mark.timeout(600)  # the shared straight run (made here or awaited), then its own run
+def test_every_rank_killed_at_once_takes_torchruns_restart_at_once(tmp_path, tmp_path_factory):
+    """Both ranks SIGKILLed at step 5 with --max-restarts=1: no survivor is left to take a replacement in, so the
+    agent does not start them again alone (each would wait for a verdict no rank can give, then the restarts are
+    gone); torchrun's one restart runs the job to its end, bitwise. A rank the agent had already started again
+    alone before the other's death was seen is not charged: the one restart is torchrun's."""
+    straight = results(shared_straight(tmp_path_factory, CLIENT, timeout=TIMEOUT), "straight")
+    proc = launch(CLIENT, tmp_path / "all", "all", "--kill=-1:5", launcher=(*RUN, "--spares", "0"),
+                  max_restarts=1, env=_tmp_env(tmp_path / "tmp-all"))
+    out = succeeded(finish({"all": proc}, TIMEOUT))["all"]
+    assert "no survivor is left to take a replacement in" in out, out[-3000:]
+    assert "every worker is stopped and started again" in out, out[-3000:]
+    ended = results(tmp_path / "all", "all")
+    for r in range(2):
+        events = _events(tmp_path / "all", "all", r)
+        assert "kill" in [e["event"] for e in events if e["attempt"] == 0], events
+        assert max(e["attempt"] for e in events) == 1, events  # torchrun's restart, once
+        _same(straight[r][1], ended[r][1])
+        assert ended[r][0]["end"] == 24
+
+
 def _reader(proc: subprocess.Popen) -> tuple[list[str], threading.Thread]:
     lines: list[str] = []
     thread = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)

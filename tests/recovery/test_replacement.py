@@ -194,7 +194,7 @@ def test_a_hostile_state_is_a_named_error(server, monkeypatch, raw, found):
 
 
 @pytest.mark.parametrize("value", ["{oops", json.dumps({"rank": 0}), json.dumps([1]), "[" * 4000,
-                                   json.dumps({"rank": 1, "master": 5, "run": ""}), "1" * 5000])
+                                   json.dumps({"rank": 1, "master": 5, "run": ""}), "1" * 70000])
 def test_a_hostile_environment_is_a_named_error(server, monkeypatch, value):
     monkeypatch.setenv(RUN_ENV, "1")
     monkeypatch.setenv(REPLACES_ENV, value)

@@ -184,6 +184,10 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
         saved = torch.load(copy / "replicated.pt", weights_only=True)
         saved["value"] = {"model": {"0.weight": torch.zeros(3, 3)}, "optimizer": {}}
         _rewrite(copy, "replicated.pt", _torch_file(saved))
+    elif kind == "older_format":  # a copy an older robustdist wrote (its files bound to nothing)
+        meta = json.loads((copy / "meta.json").read_text())
+        meta["format"] = 1
+        (copy / "meta.json").write_text(json.dumps(meta))
     elif kind == "unbound":  # what the copy's files held, without the binding to their copy
         for name in ("payload.pt", "replicated.pt"):
             _rewrite(copy, name, _torch_file(torch.load(copy / name, weights_only=True)["value"]))
@@ -194,7 +198,7 @@ def _damage(kind: str, copy: Path, tmp: Path) -> None:
 KINDS = ["code", "code_replicated", "flipped", "flipped_tensor", "truncated", "symlink_file", "fifo", "symlink_step",
          "symlink_owner",
          "meta_huge", "meta_escape", "meta_types", "meta_other_step", "zip_bomb", "wrong_shape", "other_model",
-         "optimizer_mismatch", "sparse", "sparse_crc", "sparse_beyond_ram", "unbound"]
+         "optimizer_mismatch", "sparse", "sparse_crc", "sparse_beyond_ram", "unbound", "older_format"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -214,6 +218,8 @@ def test_a_damaged_copy_falls_back_to_the_durable_tier(tiers, kind):
     assert "in-memory checkpoint" in text, text
     if kind == "sparse_beyond_ram":
         assert "more than the RAM available" in text and "refused without reading it" in text
+    if kind == "older_format":
+        assert "a copy in format 1 (an older robustdist's), not 2: ignored" in text, text
 
 
 @pytest.mark.parametrize("kind", ["sparse", "sparse_crc"])

@@ -279,6 +279,8 @@ def _check_meta(path: str, meta: Any, owner: int, step: int) -> dict[str, Any]:
     def bad(problem: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{os.path.join(path, META)}: {problem}")
 
+    if isinstance(meta, dict) and type(meta.get("format")) is int and 0 < meta["format"] < FORMAT:
+        raise bad(f"a copy in format {meta['format']} (an older robustdist's), not {FORMAT}: ignored")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise bad(f"expected a dict with format {FORMAT}")
     if meta.get("owner") != owner or meta.get("step") != step:
