@@ -7,7 +7,8 @@
   rank (see :mod:`robustdist.doctor`). Exit code 0 when no check found an error, 1 otherwise.
 * ``robustdist verify-checkpoint DIR [--json]`` verifies every committed checkpoint with the checks ``load()``
   runs short of the live objects (:mod:`robustdist.checkpoint._verify`) and prints step, files, bytes, status and
-  reason. Exit code 1 if any is corrupt (exactly where a load would fall back past it).
+  reason. Exit code 1 if any is not "ok": "corrupt" exactly where a load would fall back past it, "another torch"
+  where a load stops at it (only a newer torch reads it).
 * ``robustdist run [torchrun's flags] SCRIPT [ARGS]`` is torchrun whose agent starts a worker killed by a signal
   again alone when the script recovers in process (:mod:`robustdist.recovery.launch`); otherwise exactly torchrun.
 """

@@ -91,6 +91,19 @@ class _Checked:
     plan: _restore.Plan
 
 
+def dcp_metadata_of(step_dir: str, manifest: dict[str, Any]) -> Any:
+    """The step's DCP metadata (:func:`read_metadata`); one naming a ``torch.<dtype>`` only the torch that wrote it
+    has (the manifest says which) is a :class:`CheckpointVersionError`."""
+    try:
+        return read_metadata(step_dir, manifest["files"])
+    except CheckpointCorruptError as e:
+        version = _schema.another_torchs(e, manifest.get("torch"))
+        if version is None:
+            raise
+        raise CheckpointVersionError(f"{os.path.join(step_dir, _layout.SHARDED_DIR)}: this torch cannot load it: "
+                                     f"{version}.") from e
+
+
 def torch_load(step_dir: str, name: str, manifest: dict[str, Any], map_location: MAP_LOCATION) -> Any:
     """Verify one file against the manifest and deserialise it from the same open file, weights only."""
     path = os.path.join(step_dir, name)
@@ -211,14 +224,7 @@ def _check(rank: int, step: int | None, step_dir: str, state: dict[str, Any], pe
                                           _load_payload(step_dir, own, manifest, map_location))
     if any(kinds.get(name) == "sharded" for name in state):
         _layout.verify(step_dir, manifest, [f for f in manifest["files"] if f.startswith(_layout.SHARDED_DIR + "/")])
-        try:
-            dcp_metadata = read_metadata(step_dir, manifest["files"])
-        except CheckpointCorruptError as e:  # DCP's metadata names a torch.<dtype> only another torch has
-            version = _schema.another_torchs(e, manifest.get("torch"))
-            if version is None:
-                raise
-            raise CheckpointVersionError(f"{os.path.join(step_dir, _layout.SHARDED_DIR)}: this torch cannot load "
-                                         f"it: {version}.") from e
+        dcp_metadata = dcp_metadata_of(step_dir, manifest)
     saved_per_rank = (mine or {}).get("per_rank", {})
     _check_entries(step_dir, kinds, replicated, state, saved_per_rank, per_rank)
     plan = _restore.plan(kinds, replicated, state, saved_per_rank, per_rank)

@@ -5,7 +5,8 @@ touches a live object: the manifest, every file's size and CRC-32, each torch fi
 scan, the ``weights_only`` load itself, the payload schema (entries, RNG states that a generator accepts,
 expanded tensor views in plain data and in object state), and for a sharded step the DCP metadata and every
 slice of every data file (each a torch zip, each non-tensor item loaded ``weights_only``). A step is "corrupt"
-exactly where a load would fall back past it, with the reason the load gives. What only a live object can
+exactly where a load would fall back past it, with the reason the load gives; "another torch" where a load stops
+at it, naming the torch that wrote it (:class:`~robustdist.runtime.errors.CheckpointVersionError`). What only a live object can
 decide (a model of another shape, a scheduler key the live one lacks) is not corruption and is not checked.
 """
 
@@ -20,11 +21,10 @@ import torch
 
 from robustdist.checkpoint import _layout, _live, _schema
 from robustdist.checkpoint._layout import DCP_METADATA, REPLICATED, SHARDED_DIR
-from robustdist.checkpoint._loading import torch_load
+from robustdist.checkpoint._loading import dcp_metadata_of, torch_load
 from robustdist.checkpoint._safeio import check_torch_zip, open_in
 from robustdist.checkpoint._schema import weights_only_reason
-from robustdist.checkpoint._sharded import read_metadata
-from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, CheckpointVersionError
 
 __all__ = ["verify_all", "verify_step"]
 
@@ -32,14 +32,15 @@ _RANK_FILE = re.compile(r"rank_\d{5,}\.pt")
 
 
 def verify_all(directory: str) -> list[dict[str, Any]]:
-    """One row per step directory: step, files, bytes, status ("ok"/"corrupt") and reason."""
+    """One row per step directory: step, files, bytes, status ("ok", "corrupt", "another torch") and reason."""
     rows = []
     for step, name in _layout.step_dirs(directory).items():
         try:
             manifest = verify_step(os.path.join(directory, name), step)
         except (CheckpointError, OSError, MemoryError, RecursionError) as e:
             reason = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {str(e)[:300]}"
-            rows.append({"step": step, "files": None, "bytes": None, "status": "corrupt", "reason": reason})
+            status = "another torch" if isinstance(e, CheckpointVersionError) else "corrupt"
+            rows.append({"step": step, "files": None, "bytes": None, "status": status, "reason": reason})
             continue
         files = manifest["files"]
         rows.append({"step": step, "files": len(files), "bytes": sum(f["size"] for f in files.values()),
@@ -72,7 +73,7 @@ def verify_step(step_dir: str, step: int | None = None) -> dict[str, Any]:
             for entry, value in payload["per_rank"].items():
                 _refuse_state_views(path, f"per_rank {entry}", value)
     if DCP_METADATA in files:
-        _verify_items(step_dir, read_metadata(step_dir, files))
+        _verify_items(step_dir, dcp_metadata_of(step_dir, manifest))
     return manifest
 
 

@@ -84,6 +84,11 @@ def test_a_checkpoint_holding_a_dtype_this_torch_lacks_names_both_torches_and_no
         with pytest.raises(CheckpointVersionError) as raised:
             ckpt.load(state={"x": torch.zeros(2, dtype=torch.float8_e8m0fnu)})
     message = str(raised.value)
+    from robustdist.checkpoint._verify import verify_all
+
+    rows = {r["step"]: r for r in verify_all(str(tmp_path))}  # verify-checkpoint gives the same verdict
+    assert rows[1]["status"] == "ok" and rows[2]["status"] == "another torch", rows
+    assert "written by" not in rows[2]["reason"] and "says torch 2.99.0 wrote it" in rows[2]["reason"], rows
     assert isinstance(raised.value, UnsupportedVersionError) and not isinstance(raised.value, CheckpointCorruptError)
     assert f"it holds torch.float8_e9m9fnu, which torch {torch.__version__} (installed) does not have; its manifest " \
            "says torch 2.99.0 wrote it, so it is intact if that torch did (a file you do not trust can be made to look " \
