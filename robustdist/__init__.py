@@ -84,7 +84,8 @@ _LAZY: dict[str, str] = {
     ),
     **dict.fromkeys(
         ["CheckpointBusyError", "CheckpointCorruptError", "CheckpointError", "CheckpointVersionError", "ConfigError",
-         "HangError", "InitError", "MissingDependencyError", "NonFiniteLossError", "RankDivergenceError", "RanksFailed", "RanksTimeout",
+         "HangError", "InitError", "MissingDependencyError", "NonFiniteLossError", "RankDivergenceError", "RanksFailed",
+         "RanksTimeout",
          "RecoveryError", "RestartLoopError", "RobustDistDeprecationWarning", "RobustDistError",
          "RobustDistWarning", "StateDictMismatchError", "TopologyError", "UnsupportedVersionError"],
         "robustdist.runtime.errors",

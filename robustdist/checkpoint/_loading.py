@@ -62,7 +62,8 @@ from robustdist.checkpoint._safeio import check_torch_zip
 from robustdist.checkpoint._schema import weights_only_reason
 from robustdist.checkpoint._sharded import read_metadata
 from robustdist.checkpoint._types import Context, LoadedCheckpoint
-from robustdist.runtime.errors import CheckpointBusyError, CheckpointCorruptError, CheckpointError, CheckpointVersionError
+from robustdist.runtime.errors import (CheckpointBusyError, CheckpointCorruptError, CheckpointError,
+                                      CheckpointVersionError)
 from robustdist.runtime.log import user_stacklevel, warn
 
 if TYPE_CHECKING:

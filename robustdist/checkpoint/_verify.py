@@ -6,8 +6,9 @@ scan, the ``weights_only`` load itself, the payload schema (entries, RNG states 
 expanded tensor views in plain data and in object state), and for a sharded step the DCP metadata and every
 slice of every data file (each a torch zip, each non-tensor item loaded ``weights_only``). A step is "corrupt"
 exactly where a load would fall back past it, with the reason the load gives; "another torch" where a load stops
-at it, naming the torch that wrote it (:class:`~robustdist.runtime.errors.CheckpointVersionError`). What only a live object can
-decide (a model of another shape, a scheduler key the live one lacks) is not corruption and is not checked.
+at it, naming the torch that wrote it (:class:`~robustdist.runtime.errors.CheckpointVersionError`). What only a live
+object can decide (a model of another shape, a scheduler key the live one lacks) is not corruption and is not
+checked.
 """
 
 from __future__ import annotations

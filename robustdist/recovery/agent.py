@@ -455,15 +455,16 @@ class Replacer:
                  codes: dict[int, int | None]) -> tuple[str, str] | None:
         """Why these deaths end in torchrun's path (what happens, the fix), or None: replace them."""
         restart = "every worker is stopped and started again (or the job fails when no --max-restarts is left)"
-        local = {w.local_rank for w in group.workers}
-        if set(dead) | self._still_joining(group) >= local and all(w.world_size == len(local) for w in group.workers):
-            return restart, ("Every worker died, or died while the ones started again before it were still joining: "
-                             "no survivor is left to take a replacement in (it would wait for a verdict no rank can "
-                             "give), so torchrun's restart of every worker is taken at once.")
         exited = [lr for lr, c in dead.items() if c > 0]
         if exited:
             return restart, ("A worker that exits with a code asked for it (an exception, or its in-process recovery "
                              "escalated): only a worker killed by a signal is started again alone.")
+        local = {w.local_rank for w in group.workers}
+        alone = all(w.world_size == len(local) for w in group.workers)  # one node: no survivor elsewhere
+        if alone and set(dead) | self._still_joining(group) >= local:
+            return restart, ("Every worker died, or died while the ones started again before it were still joining: "
+                             "no survivor is left to take a replacement in (it would wait for a verdict no rank can "
+                             "give), so torchrun's restart of every worker is taken at once.")
         if any(group.workers[lr].global_rank == 0 for lr in dead) and not (self.attempt.serves
                                                                            and self._outlives_rank0(group)):
             return restart, ("Rank 0 is replaced alone only where this agent serves the attempt's store (c10d "
@@ -477,6 +478,6 @@ class Replacer:
                              "off, unsupported for this run, or the run is not training now). Fix: "
                              "recovery.in_process: true in the config given to harden(), and h.run(train).")
         if not _elastic_compat.take_restarts(agent, len(dead)):  # one per worker started again
-            return (f"{_elastic_compat.restarts_left(agent)} --max-restarts left for {len(dead)} dead worker(s), so the "
-                    "job fails or restarts as torchrun decides"), "Fix: raise --max-restarts."
+            return (f"{_elastic_compat.restarts_left(agent)} --max-restarts left for {len(dead)} dead worker(s), so "
+                    "the job fails or restarts as torchrun decides"), "Fix: raise --max-restarts."
         return None

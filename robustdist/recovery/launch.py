@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)  # the launcher is no rank: no rank prefix
 
 
 def descriptors_needed(nproc_per_node: str, nnodes: str = "1") -> tuple[int, int, int]:
-    """``(limit, local workers, nodes at most)``: the open-file limit under which ``robustdist run``'s agent runs as torchrun's, 64
-    plus 4 per local worker plus one per worker of the job (node 0's agent serves the attempt's store, which every
-    worker connects to), above the ~40 it holds with 2 to 4 workers. ``--nproc-per-node`` and ``--nnodes`` as
-    torchrun reads them (``cpu``, ``auto``: this host's count; 8 where torchrun cannot tell either)."""
+    """``(limit, local workers, nodes at most)``: the open-file limit under which ``robustdist run``'s agent runs as
+    torchrun's, 64 plus 4 per local worker plus one per worker of the job (node 0's agent serves the attempt's store,
+    which every worker connects to), above the ~40 it holds with 2 to 4 workers. ``--nproc-per-node`` and
+    ``--nnodes`` as torchrun reads them (``cpu``, ``auto``: this host's count; 8 where torchrun cannot tell either)."""
     from torch.distributed import run as torch_run
 
     try:

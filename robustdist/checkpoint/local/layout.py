@@ -44,8 +44,9 @@ from robustdist.checkpoint.local import memory
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger
 
-__all__ = ["PAYLOAD", "REPLICATED", "Holding", "bind", "unbind", "check_root", "commit_copy", "make_root", "open_root", "read_verified",
-           "remove_root", "remove_stale", "rotate", "rotate_all", "scan", "siblings", "step_path", "tier_root"]
+__all__ = ["PAYLOAD", "REPLICATED", "Holding", "bind", "unbind", "check_root", "commit_copy", "make_root", "open_root",
+           "read_verified", "remove_root", "remove_stale", "rotate", "rotate_all", "scan", "siblings", "step_path",
+           "tier_root"]
 
 FORMAT = 2
 META = "meta.json"
