@@ -156,7 +156,6 @@ class ForkedWorker:
             return True
         return readable(self._pidfd)
 
-
     def _set(self, code: int) -> None:
         self.returncode = code
         if self._pidfd is not None:
