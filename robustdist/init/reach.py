@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
+from robustdist.init import reach_store as _store
 from robustdist.init.reach_verdict import MAX_DIAGNOSED, build_message, diagnose, ranks_phrase
 from robustdist.runtime import netenv
 from robustdist.runtime.errors import InitError
@@ -296,22 +297,22 @@ def check_peers(store: Any, rank: int, world_size: int, *, timeout_s: float, env
         arrived = {r: f"{prefix}/arrived/{r}" for r in range(world_size)}
         _store_wait(store, [f"{prefix}/all"], deadline - 3 * ct, lambda: ranks_phrase(_absent(store, arrived))
                     + f" did not arrive within {timeout_s - 3 * ct:.3g} s", rank)
-        if not _count(store, f"{prefix}/reps/n", world_size):
+        if not _store.count(store, f"{prefix}/reps/n", world_size):
             return  # no rank could tell where gloo binds: nothing to probe
         if listeners is not None:
             _probe_and_publish(store, prefix, me, ct, world_size)
         _store_wait(store, [f"{prefix}/probed"], deadline, lambda: ranks_phrase(_absent(store, {
-            r: f"{prefix}/probed/{r}" for r in _rep_ranks(store, prefix, world_size)})) + " did not finish probing",
+            r: f"{prefix}/probed/{r}" for r in _store.rep_ranks(store, prefix, world_size)})) + " did not finish probing",
             rank)
-        ranks = _rep_ranks(store, prefix, world_size)
-        failures = [_stored(f"{prefix}/failures/{i}", v, lambda f: _failures_of(f, ranks))
-                    for i, v in enumerate(_items(store, f"{prefix}/failures", world_size), 1)]
+        ranks = _store.rep_ranks(store, prefix, world_size)
+        failures = [_store.stored(f"{prefix}/failures/{i}", v, lambda f: _store.failures_of(f, ranks))
+                    for i, v in enumerate(_store.items(store, f"{prefix}/failures", world_size), 1)]
         if not failures:
             log.debug("gloo reachability: every node reaches every other node's gloo address")
             return
-        reps = _descriptions(store, prefix, ranks, world_size)
+        reps = _store.descriptions(store, prefix, ranks, world_size)
         problems = diagnose(list(reps.values()), {f["prober"]: f["failures"] for f in failures})
-        members = {r["group"]: _member_ranks(store, prefix, r["group"], world_size) for r in reps.values()}
+        members = {r["group"]: _store.member_ranks(store, prefix, r["group"], world_size) for r in reps.values()}
         _ack(store, prefix, rank, world_size, ct)
     except InitError as e:
         if e.rank is None:  # a value read from the store: the rank that read it
@@ -348,8 +349,8 @@ def _listen(store: Any, prefix: str, me: dict[str, Any], world_size: int) -> Lis
 def _probe_and_publish(store: Any, prefix: str, me: dict[str, Any], ct: float, world_size: int) -> None:
     """A representative probes the others, publishes its failures (if any), and counts itself done; the last
     one sets ``probed``, which every rank waits for. Only representatives read the descriptions."""
-    ranks = _rep_ranks(store, prefix, world_size)
-    reps = list(_descriptions(store, prefix, ranks, world_size).values())
+    ranks = _store.rep_ranks(store, prefix, world_size)
+    reps = list(_store.descriptions(store, prefix, ranks, world_size).values())
     failures = _probe_all(me, reps, prefix, ct)
     if failures or me.get("error"):
         _push(store, f"{prefix}/failures", json.dumps({"prober": me["rank"], "failures": failures}))
@@ -362,118 +363,6 @@ def _push(store: Any, key: str, value: str) -> None:
     """Add ``value`` to the list ``key`` with ``add`` and ``set`` only: atomic on every store (``append`` is
     not on a FileStore)."""
     store.set(f"{key}/{int(store.add(f'{key}/n', 1))}", value)
-
-
-# ---------------------------------------------------------------------- what is read back from the store
-# The store is input (torch's has no authentication; another job on the same port, a stale key): every value is
-# checked by type and bounded by the world size before use, and anything else is an InitError naming the key.
-_MAX_VALUE = 1 << 16  # bytes of one description or failure list (a real one is a few hundred)
-_MAX_TEXT = 2000
-_MAX_NICS = 256
-
-
-def _hostile(key: str, found: Any, expected: str) -> InitError:
-    shown = found[:200] if isinstance(found, (bytes, str)) else str(found)[:200]
-    return InitError(f"the gloo reachability check read {shown!r} from the c10d store's key {key!r}; expected "
-                     f"{expected}, as a rank of this job writes it. Nothing was probed from it. Fix: another process "
-                     "writes into this job's store (a second job on the same MASTER_ADDR:MASTER_PORT, or a stale "
-                     "one): give each job its own port.")
-
-
-def _count(store: Any, key: str, limit: int) -> int:
-    """The counter ``key``: at most ``limit`` (the world size bounds every list the check keeps)."""
-    count = int(store.add(key, 0))
-    if not 0 <= count <= limit:
-        raise _hostile(key, str(count), f"a count from 0 to {limit} (the world size)")
-    return count
-
-
-def _items(store: Any, key: str, limit: int) -> list[bytes]:
-    count = _count(store, f"{key}/n", limit)
-    return list(store.multi_get([f"{key}/{i}" for i in range(1, count + 1)])) if count else []
-
-
-def _ranks(store: Any, key: str, world_size: int) -> list[int]:
-    out = []
-    for i, raw in enumerate(_items(store, key, world_size), 1):
-        text = bytes(raw).decode("ascii", "replace")
-        if not (text.isdigit() and len(text) <= 9 and int(text) < world_size):
-            raise _hostile(f"{key}/{i}", raw, f"a rank from 0 to {world_size - 1}")
-        out.append(int(text))
-    if len(set(out)) != len(out):
-        raise _hostile(key, str(out), "each rank once")
-    return sorted(out)
-
-
-def _rep_ranks(store: Any, prefix: str, world_size: int) -> list[int]:
-    return _ranks(store, f"{prefix}/reps", world_size)
-
-
-def _member_ranks(store: Any, prefix: str, group: str, world_size: int) -> list[int]:
-    return _ranks(store, f"{prefix}/members/{group}", world_size)
-
-
-class _Unlike(ValueError):
-    """A value read from the store is not what a rank of this job writes (its message: what was expected)."""
-
-
-def _stored(key: str, raw: bytes, check: Callable[[Any], Any]) -> Any:
-    """``check(the JSON in raw)``, or the InitError naming ``key``."""
-    try:
-        if len(raw) > _MAX_VALUE:
-            raise _Unlike(f"at most {_MAX_VALUE} bytes of JSON")
-        return check(json.loads(raw))
-    except _Unlike as e:
-        raise _hostile(key, raw, str(e)) from None
-    except (ValueError, TypeError, RecursionError) as e:  # not JSON (UnicodeDecodeError is a ValueError)
-        raise _hostile(key, raw, f"JSON ({type(e).__name__})") from None
-
-
-def _need(ok: bool, what: str) -> None:
-    if not ok:
-        raise _Unlike(what)
-
-
-def _text(value: Any, limit: int = _MAX_TEXT) -> bool:
-    return isinstance(value, str) and len(value) <= limit
-
-
-def _nics(value: Any, *, least: int = 0) -> bool:
-    return isinstance(value, list) and least <= len(value) <= _MAX_NICS and all(
-        isinstance(i, dict) and (i.get("if") is None or _text(i["if"], 64)) and _text(i.get("addr"), 64)
-        and (i.get("port") is None or (type(i["port"]) is int and 0 < i["port"] < 65536)) for i in value)
-
-
-def _description(d: Any, rank: int) -> dict[str, Any]:
-    _need(isinstance(d, dict) and d.get("rank") == rank and type(d["rank"]) is int,
-          f"a description of rank {rank}")
-    _need(all(_text(d.get(k)) for k in ("node", "label", "how", "group")), "a description with text fields")
-    _need(d.get("node_rank") is None or type(d["node_rank"]) is int, "a description whose node_rank is an int")
-    _need(d.get("default") is None or _text(d["default"], 64), "a description whose default address is text")
-    _need(d.get("error") is None or _text(d["error"]), "a description whose error is text")
-    _need(_nics(d.get("binds"), least=1) and _nics(d.get("ifaces")), "a description with lists of interfaces")
-    return d
-
-
-def _descriptions(store: Any, prefix: str, ranks: list[int], world_size: int) -> dict[int, dict[str, Any]]:
-    keys = [f"{prefix}/desc/{r}" for r in ranks]
-    return {r: _stored(k, v, lambda d, r=r: _description(d, r)) for r, k, v in zip(ranks, keys,
-                                                                                    store.multi_get(keys))}
-
-
-def _failures_of(f: Any, ranks: list[int]) -> dict[str, Any]:
-    _need(isinstance(f, dict) and f.get("prober") in ranks and type(f["prober"]) is int,
-          f"a failure list of one of ranks {ranks}")
-    items = f.get("failures")
-    _need(isinstance(items, list) and len(items) <= _MAX_NICS * len(ranks), "a list of failures")
-    for item in items:
-        _need(isinstance(item, dict) and item.get("target") in ranks and type(item["target"]) is int
-              and _text(item.get("addr"), 64) and _text(item.get("detail"))
-              and isinstance(item.get("diagnosed", True), bool)
-              and all(isinstance(item.get(side), list) and len(item[side]) <= _MAX_NICS
-                      and all(_text(n, 64) for n in item[side]) for side in ("theirs", "mine")),
-              "failures naming a probed rank, its address, the error, and interface names")
-    return f
 
 
 def _ack(store: Any, prefix: str, rank: int, world_size: int, timeout: float) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from robustdist import doctor
 from robustdist.init import reach as _reach
+from robustdist.init import reach_store
 from robustdist.runtime.errors import InitError
 from robustdist.testing.ranks import free_port, run_ranks
 
@@ -383,8 +384,8 @@ def test_a_hostile_description_is_a_named_error(value, expected):
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     store.set("p/desc/0", value)
     with pytest.raises(InitError, match=f"from the c10d store's key 'p/desc/0'; expected {expected}"):
-        _reach._descriptions(store, "p", [0], 2)
+        reach_store.descriptions(store, "p", [0], 2)
     good = b'{"rank": 0, "node": "n", "label": "l", "how": "h", "group": "g", "binds": [{"if": "lo", "addr": "a"}], ' \
            b'"ifaces": [{"if": "lo", "addr": "a", "port": 5}]}'
     store.set("p/desc/0", good)
-    assert _reach._descriptions(store, "p", [0], 2)[0]["binds"] == [{"if": "lo", "addr": "a"}]
+    assert reach_store.descriptions(store, "p", [0], 2)[0]["binds"] == [{"if": "lo", "addr": "a"}]
