@@ -107,6 +107,7 @@ class Watchdog:
         self._last = time.monotonic()
         self._where: str | None = None  # the main thread's frame while a reported hang lasts
         self._fired_seq: int | None = None
+        self._fired_at = 0.0  # time.monotonic() of the last hang reported
         self.reports: list[HangReport] = []
         self._stop = threading.Event()
         self._tick = min(1.0, self.hang_timeout / 10)
@@ -227,7 +228,7 @@ class Watchdog:
             return
         if self._fired_seq == seq:
             return
-        self._fired_seq = seq
+        self._fired_seq, self._fired_at = seq, now
         self._on_hang(seq, idle)
 
     def _on_hang(self, seq: int, idle: float) -> None:
@@ -271,10 +272,7 @@ class Watchdog:
                       all_ranks=True)
             if self._stop.wait(self._hand_over_grace):
                 return
-            log.error("health.hang_action='abort': exiting with code %d so the launcher restarts this worker",
-                      HANG_EXIT_CODE, all_ranks=True)
-            _flush()
-            os._exit(HANG_EXIT_CODE)
+            self._exit()
         if self._hand_over is not None and report.waiting_on:
             # A rank waiting in a collective on a stuck peer stops beating too. The launcher shows the first error
             # it sees, so the ranks this one waits on (live, their own watchdogs firing now) hand theirs over first.
@@ -293,6 +291,17 @@ class Watchdog:
                       all_ranks=True)
             if self._stop.wait(self._hand_over_grace):
                 return  # closed meanwhile (the launcher tore the worker down gracefully)
+        self._exit()
+
+    def _exit(self) -> None:
+        """Exit with :data:`HANG_EXIT_CODE`. The rank that serves the store exits last: the other ranks' watchdogs
+        fire within a tick of this one and their reports read the store for at most ``grace`` plus half a second;
+        without the store they could not name the lost ranks."""
+        left = self._fired_at + self._tick + self.grace + 0.5 - time.monotonic()
+        if left > 0 and ws.serves(self.store):
+            log.error("health.hang_action='abort': this rank serves the store; exiting with code %d in %.1f s, once "
+                      "the other ranks' hang reports have read it", HANG_EXIT_CODE, left, all_ranks=True)
+            time.sleep(left)
         log.error("health.hang_action='abort': exiting with code %d so the launcher restarts this worker",
                   HANG_EXIT_CODE, all_ranks=True)
         _flush()

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from robustdist.runtime import _torch_compat
+from robustdist.runtime import _torch_compat, group_sockets
 from robustdist.runtime.errors import ranks_phrase
 from robustdist.runtime.log import get_logger
 
@@ -67,6 +67,13 @@ def connector(store: Any, timeout: float) -> Callable[[], Any]:
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
     return connect
+
+
+def serves(store: Any) -> bool:
+    """Whether this process serves ``store``'s TCPStore (holds the socket listening on its port)."""
+    inner = _torch_compat.innermost_store(store)
+    port = getattr(inner, "port", None) if isinstance(inner, dist.TCPStore) else None
+    return isinstance(port, int) and port > 0 and group_sockets.listens_on(port)
 
 
 def store_name(store: Any) -> str:

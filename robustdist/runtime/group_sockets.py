@@ -39,7 +39,7 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator
 
-__all__ = ["GroupSockets", "close_listeners", "open_sockets", "sockets_on_port"]
+__all__ = ["GroupSockets", "close_listeners", "listens_on", "open_sockets", "sockets_on_port"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,11 @@ def close_listeners() -> list[int]:
     finally:
         os.close(null)
     return closed
+
+
+def listens_on(port: int) -> bool:
+    """Whether this process holds a TCP socket listening on ``port`` (False where ``/proc`` is missing)."""
+    return any(_listening_port(fd, link) == port for fd, link in open_sockets().items())
 
 
 def sockets_on_port(port: int) -> int:

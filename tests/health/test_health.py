@@ -150,6 +150,41 @@ def test_a_rank_waiting_on_a_stuck_peer_hands_its_hang_over_after_the_peer(singl
     assert _handing_over(0, waiting_on=(1,), beat_after=0.3) == []  # beats resumed meanwhile: not a hang any more
 
 
+def test_the_rank_serving_the_store_exits_after_the_other_ranks_reports(single_process, monkeypatch):
+    """With action="abort", a rank whose process serves the store waits before exiting until the other ranks'
+    reports (which fire within a tick of its own and read the store for at most grace + 0.5 s) are done; a rank
+    whose store is served elsewhere (here: a store of another kind, which no socket of this process serves) exits at
+    once."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from robustdist.health import watchdog as wdmod
+
+    served = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    slept, exits = [], []
+    monkeypatch.setattr(wdmod.time, "sleep", slept.append)
+    monkeypatch.setattr(wdmod.os, "_exit", exits.append)
+    for store, lingers in ((served, True), (dist.PrefixStore("x", dist.HashStore()), False)):
+        w = Watchdog(10, action="abort", rank=0, world_size=1, grace=0.5, store=store)
+        try:
+            slept.clear()
+            w._fired_at = time.monotonic()
+            w._exit()
+            assert exits[-1] == HANG_EXIT_CODE
+            if lingers:  # tick 1 s + grace 0.5 s + 0.5 s after its own hang fired
+                assert len(slept) == 1 and 1.9 < slept[0] <= 2.0, slept
+            else:
+                assert slept == []
+            w._fired_at = time.monotonic() - 5  # the reports are long done: no wait
+            slept.clear()
+            w._exit()
+            assert slept == []
+        finally:
+            w.close()
+    del served
+
+
 def _rec(step, seq, beat_wall):
     return {"step": step, "seq": seq, "beat_wall": beat_wall}
 
