@@ -15,15 +15,15 @@ PYTEST_PARALLEL ?= -n 3 --dist loadgroup
 venv:
 	@VENV=$(VENV) bash scripts/ensure-venv.sh
 
-# The resilient-training demo: 2 CPU ranks, rank 1 SIGKILLs itself mid-run, torchrun restarts the group,
-# training resumes from the last committed checkpoint, and the result is checked bitwise against a
-# straight-through run. Exits non-zero if it is not bit-identical. The demo starts from an empty $(DEMO_DIR):
-# the script itself never deletes it (a restarted attempt must find its checkpoints there).
+# The resilient-training demo (scripts/demo.py): 2 CPU ranks, rank 1 SIGKILLed mid-run, recovered two ways: torchrun
+# restarting every worker, and robustdist run forking only rank 1 again from its warm spare while rank 0 recovers in
+# its own process. Prints each one's kill-to-next-step time and checks each bitwise against a run without the fault;
+# exits non-zero if either differs. Each run's output (the killed rank's tracebacks) goes to a log in $(DEMO_DIR),
+# which the demo empties first (the job itself never deletes it: a restarted attempt must find its checkpoints there).
 DEMO_DIR ?= .demo-run
 demo: venv
 	rm -rf $(DEMO_DIR)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 --max-restarts=1 \
-		examples/resilient_training.py --workdir $(DEMO_DIR)
+	$(PY) scripts/demo.py --workdir $(DEMO_DIR)
 
 # The same demo across 2 simulated nodes (network namespaces, one torchrun agent each; needs root and
 # iproute2): rank 1 on node 1 SIGKILLs itself, both nodes restart, the result is checked bitwise.

@@ -31,6 +31,7 @@ Run: .venv/bin/python benchmarks/bench_replace.py [--ideal-seconds 62] [--host] 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import statistics
 import tempfile
@@ -51,24 +52,44 @@ INTERVALS = p9.INTERVALS
 ENV = {k: v for k, v in p9.ENV.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}  # torchrun's store shared
 
 
+EARLY_S = 2.0  # the early kill: this long after the first step
+EARLY_STEPS = 200  # its run: long enough for the kill and the recovery (~50 ms steps)
+READY_RE = re.compile(r"the warm spare \(pid \d+\) is ready after [\d.]+ s, ([\d.]+) s after this attempt's "
+                      r"workers started \(started with the workers")
+
+
+def spare_ready(work: Path, tags: list[str]) -> list[float]:
+    """Each agent's first spare of ``tags``' runs: seconds from the workers' start to the spare's "warm"."""
+    out = []
+    for tag in tags:
+        for log in sorted((work / "logs").glob(f"{tag}-n*.log")):
+            if found := READY_RE.search(log.read_text(errors="replace")):
+                out.append(float(found.group(1)))
+    return out
+
+
 def target(n: int) -> int:
     """The rank the n-th kill takes: rank 1, rank 0, rank 1, ... (P9's order, without its replaced node)."""
     return 1 if n % 2 == 0 else 0
 
 
 def kill_run(nodes: p9.Nodes, work: Path, variant: str, a: Any, *, faults: bool, tag: str,
-             launcher: tuple[str, ...] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
-    """Run ``variant`` (``faults``: a rank SIGKILLed on the schedule, :func:`target`); returns its events, the kills,
-    and when the agents were started (wall clock)."""
+             launcher: tuple[str, ...] | None = None, early: float | None = None
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    """Run ``variant`` (``faults``: a rank SIGKILLed on the schedule, :func:`target`; ``early``: instead, rank 1 once,
+    that many seconds after the first step, in a run of :data:`EARLY_STEPS`); returns its events, the kills, and when
+    the agents were started (wall clock)."""
     ev, ckpt = work / f"{tag}-events", work / f"{tag}-ckpt"
     ckpt.mkdir(parents=True)
-    args = p9.job_args(JOB_VARIANT[variant], ev, ckpt, a, a.steps if faults else a.quiet_steps, a.every)
+    steps = EARLY_STEPS if early is not None else a.steps if faults else a.quiet_steps
+    args = p9.job_args(JOB_VARIANT[variant], ev, ckpt, a, steps, a.every)
     launched = time.time()
     agents = [nodes.agent(i, args, rdzv_id=f"p11-{tag}", name=f"{tag}-n{i}", sub=tag,
                           launcher=launcher or LAUNCHER[variant], base_env=ENV) for i in range(2)]
     p9.wait_until(lambda: p9._tail_has(ev, "rank0-*.jsonl", '"event": "step"'), 120, f"{tag}'s first step", agents)
     first = min(t for p in p9.processes(p9.read_events(ev)).values() for t, _ in p.steps)
-    due, kills = first + INTERVALS[0], []
+    due, kills = first + (INTERVALS[0] if early is None else early), []
+    faults = faults or early is not None
     deadline = time.monotonic() + a.variant_timeout
     while any(agent.poll() is None for agent in agents):
         if time.monotonic() > deadline:
@@ -81,7 +102,7 @@ def kill_run(nodes: p9.Nodes, work: Path, variant: str, a: Any, *, faults: bool,
             if pid is not None:  # between two processes: the kill waits for the new one
                 os.kill(pid, signal.SIGKILL)
                 kills.append({"t": time.time(), "rank": rank})
-                due += INTERVALS[len(kills) % len(INTERVALS)]
+                due += INTERVALS[len(kills) % len(INTERVALS)] if early is None else float("inf")
         time.sleep(0.05)
     p9.finish(agents, 10, tag)
     return p9.read_events(ev), kills, launched
@@ -156,6 +177,7 @@ def main() -> None:
     p.add_argument("--baseline-steps", type=int, default=130)
     p.add_argument("--quiet-steps", type=int, default=40, help="steps of each fault-free start run")
     p.add_argument("--pairs", type=int, default=3, help="fault-free torchrun/robustdist run start pairs")
+    p.add_argument("--early-runs", type=int, default=3, help=f"runs with one kill {EARLY_S:g} s after the first step")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--variant-timeout", type=float, default=300)
     p.add_argument("--host", action="store_true", help="two agents on this host even where the lab can run")
@@ -172,6 +194,8 @@ def main() -> None:
     lost: dict[str, dict[str, float]] = {}
     drift: dict[str, float] = {}
     starts: list[float] = []
+    early: list[float] = []
+    ready: list[float] = []
     extra: dict[str, list[str]] = {}
     try:
         nodes = p9.Nodes(work, use_lab)
@@ -198,6 +222,13 @@ def main() -> None:
                                                launcher=LAUNCHER["restart" if who == "torchrun" else "spare"])[::2])
                         for who in order}
                 starts.append(took["robustdist"] - took["torchrun"])
+            if "spare" in runs:
+                for i in range(a.early_runs):
+                    events, kills, _ = kill_run(nodes, work, "spare", a, faults=False, tag=f"early-{i}",
+                                                early=EARLY_S)
+                    early.extend(f["recovery"] for f in p10.per_fault(events, kills))
+                ready = spare_ready(work, ["spare", *(f"start-robustdist-{i}" for i in range(a.pairs)),
+                                           *(f"early-{i}" for i in range(a.early_runs))])
         finally:
             nodes.close()
     except BaseException:
@@ -206,12 +237,13 @@ def main() -> None:
     finally:
         p9.tidy(work, a.keep)
     report(a, use_lab, why, ideal, runs, walls, lost, drift, starts, time.time() - began,
-           (load0, os.getloadavg()[0]), extra)
+           (load0, os.getloadavg()[0]), extra, early, ready)
 
 
 def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]], runs: dict[str, list[dict[str, Any]]],
            walls: dict[str, float], lost: dict[str, dict[str, float]], drift: dict[str, float], starts: list[float],
-           seconds: float, load: tuple[float, float], extra: dict[str, list[str]]) -> None:
+           seconds: float, load: tuple[float, float], extra: dict[str, list[str]], early: list[float],
+           ready: list[float]) -> None:
     times: dict[str, list[float]] = {}
     metrics: dict[str, float] = {"lab": float(use_lab)}
     for v, kills in runs.items():
@@ -227,6 +259,12 @@ def report(a: Any, use_lab: bool, why: str | None, ideal: dict[str, list[float]]
     if starts:
         times["no faults: robustdist run start - torchrun start, same job (per pair)"] = starts
         metrics["start_delta_seconds"] = statistics.median(starts)
+    if ready:
+        times["spare: the workers' start -> the first spare warm (each agent, each robustdist run run)"] = ready
+        metrics["spare_ready_seconds"] = statistics.median(ready)
+    if early:
+        times[f"spare: SIGKILL of rank 1 {EARLY_S:g} s after the first step -> first new step"] = early
+        metrics["early_kill_recovery_seconds"] = statistics.median(early)
     if "spare" in runs and "cold" in runs:
         metrics["spare_saves_seconds"] = metrics["recovery_seconds_cold"] - metrics["recovery_seconds_spare"]
     if "restart" in runs and "spare" in runs:

@@ -170,7 +170,25 @@ def goodput_table(results: dict) -> str:
             lines.append(f"| {name} | {num(f'failures_{key}', '.0f')} | {num(f'goodput_{key}', '.2f')} | "
                          f"{num(f'ceiling_{key}', '.2f')} | {num(f'steps_lost_mean_{key}', '.1f')} | "
                          f"{num(f'recovery_seconds_{key}', '.1f')} | {num(f'restore_seconds_{key}', '.2f')} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _kill_costs(results))
+
+
+def _kill_costs(results: dict) -> list[str]:
+    """What a killed rank costs (benchmark P11): torchrun's restart, robustdist run cold and with its warm spare."""
+    record = results["benchmarks"].get("P11")
+    if record is None:
+        return []
+    m = record["metrics"]
+
+    def sec(key: str) -> str:
+        value = m.get(key)
+        return "-" if value is None or value != value else f"{value:.2f} s"
+
+    return ["", f"A killed rank (P11, {record.get('date', '?')}; SIGKILL to the next step, medians): torchrun's "
+            f"restart {sec('recovery_seconds_restart')}; `robustdist run` cold {sec('recovery_seconds_cold')}, warm "
+            f"spare {sec('recovery_seconds_spare')}; the spare warm {sec('spare_ready_seconds')} after the workers' "
+            f"start; a kill 2 s after the first step {sec('early_kill_recovery_seconds')}; start "
+            f"+{sec('start_delta_seconds')} against torchrun."]
 
 
 def render_readme(results: dict) -> None:

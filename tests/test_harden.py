@@ -205,7 +205,8 @@ def test_demo_resumes_bit_identically_after_a_real_sigkill_under_torchrun(tmp_pa
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=220)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert json.loads((work / "fault.json").read_text()) == {"rank": 1, "step": 21, "signal": "SIGKILL"}
+    fault = json.loads((work / "fault.json").read_text())
+    assert {k: fault[k] for k in ("rank", "step", "signal")} == {"rank": 1, "step": 21, "signal": "SIGKILL"}
     # torchrun saw a worker fail and restarted: it names the first failed worker it polls, which under load can be
     # rank 0 (exit 1: its gloo peer vanished) rather than the SIGKILLed rank 1 (-9); fault.json proves the kill
     assert re.search(r"failed \(exitcode: (-9|1)\) local_rank: [01]", out), out[-4000:]
@@ -216,3 +217,33 @@ def test_demo_resumes_bit_identically_after_a_real_sigkill_under_torchrun(tmp_pa
     assert tr.bitwise_equal(final, reference)
     assert (work / "saves.log").read_text().split() == ["8", "16", "24", "32", "40"]
     assert (work / "mine.txt").read_text() == "the user's file"  # attempt 0 did not wipe the workdir
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(400)
+def test_make_demo_recovers_one_kill_by_torchruns_restart_and_by_robustdist_run_both_bitwise(tmp_path):
+    """scripts/demo.py (make demo): the same in-process job straight, under torchrun with rank 1 SIGKILLed at step 21
+    (every worker restarted), and under robustdist run with the same kill once the warm spare is ready (only rank 1
+    started again, forked from the spare; rank 0 keeps its process). The summary gives both kill-to-next-step times
+    and bitwise verdicts and names the logs, which hold the killed rank's output, not the screen."""
+    work = tmp_path / "demo"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--workdir", str(work), "--steps", "30",
+                           "--every", "8", "--kill-step", "21", "--timeout", "150"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:] + "".join(
+        (work / f"{n}.log").read_text()[-3000:] for n in ("torchrun", "robustdist") if (work / f"{n}.log").exists())
+    gaps = re.findall(r"killed at step +21\n  kill -> next step +([\d.]+) s \(on every rank\)\n  vs the straight run"
+                      r" +BITWISE EQUAL\n  wall time, log +[\d.]+ s, (\S+)", out)
+    assert [Path(log).name for _, log in gaps] == ["torchrun.log", "robustdist.log"], out
+    assert "Traceback" not in out and "SIGKILL" not in proc.stdout.split("==")[0]  # the fault's output is in the logs
+    torchrun_log, robustdist_log = ((work / n).read_text() for n in ("torchrun.log", "robustdist.log"))
+    assert re.search(r"rank 1 \(local rank 1, pid \d+\) died \(signal 9 \(SIGKILL\)\); started it again alone as pid "
+                     r"\d+ \(replacement 1, forked by the warm spare", robustdist_log), robustdist_log[-3000:]
+    assert "Stopping worker group" not in robustdist_log and "torchrun attempts        1" in robustdist_log
+    assert "torchrun attempts        2" in torchrun_log, torchrun_log[-3000:]
+    for rank in (0, 1):  # robustdist run: rank 0 one process throughout, rank 1 two (the killed one, its fork)
+        pids = {json.loads(line)["pid"] for line in (work / "robustdist" / f"steps-rank{rank}.jsonl").read_text()
+                .splitlines()}
+        assert len(pids) == 1 + rank, (rank, pids)

@@ -60,6 +60,9 @@ SPARE_LOOK_S = 2.0  # without a spare: how often the agent asks whether the run 
 SPARE_PAUSE_S = 10.0
 SPARE_TRIES = 3  # spares in a row that end before they are warm: then no more (replacements start cold)
 FORK_REPLY_S = 5.0  # a forking spare's answer to an order (its pid) within this, or the replacement starts cold
+# a death while the spare warms: the agent waits this long for it to say it is warm before starting the worker cold
+# (a spare half warm beats a cold start, which would also compete with it for the CPU)
+SPARE_WAIT_S = 2.0
 
 
 def describe_exit(code: int) -> str:
@@ -87,6 +90,7 @@ class Replacer:
         self._channel: Channel | None = None  # what a spare that forks its workers says (its pipe, once warm)
         self._orders = 0  # orders sent to forking spares (their ids)
         self._started = 0.0
+        self._workers_started = 0.0  # time.monotonic() when this attempt's workers were started
         self._failures = 0  # spares in a row that ended before they were warm
         self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
         # local rank -> the generation rank 0 had published when it was started again: joining until a later one is
@@ -94,8 +98,9 @@ class Replacer:
         self.attempt = AttemptStore()  # each attempt's store, served here on node 0 (outlives rank 0's process)
         self._death_watch = DeathWatch()
 
-    def starting(self, group: Any) -> None:
-        """The agent's hook after each rendezvous, before it starts the workers: this attempt's store."""
+    def starting(self, agent: Any, group: Any) -> None:
+        """The agent's hook after each rendezvous, before it starts the workers: this attempt's store, and a warm
+        spare started with them (:data:`.spare.WITH_WORKERS`) where none is alive."""
         try:
             self.attempt.start(group)
         except SignalException:
@@ -103,6 +108,17 @@ class Replacer:
         except Exception as e:  # the workers then make it as under torchrun (rank 0 serves)
             log.warning("robustdist run: no agent-served store for this attempt (%s: %s)", type(e).__name__,
                         str(e)[:200])
+        self._workers_started = time.monotonic()
+        try:
+            if self.spares and (self._spare is None or self._spare.poll() is not None) \
+                    and self._failures < SPARE_TRIES and _elastic_compat.restarts_left(agent) > 0:
+                self._drop_spare()
+                self._start_spare(with_workers=True)
+        except SignalException:
+            raise
+        except Exception as e:  # no spare now: the monitor's looks start one once the run can take a replacement
+            log.warning("robustdist run: could not start a warm spare with the workers (%s: %s); replacements start "
+                        "cold until one is warm", type(e).__name__, str(e)[:200])
 
     def stopped(self, group: Any) -> None:
         """The agent's hook once it has stopped the workers: their attempt's store goes with them."""
@@ -301,22 +317,34 @@ class Replacer:
         if not self.spares or (spare is not None and spare.poll() is None) or time.monotonic() < self._spare_after:
             return
         if spare is not None:
-            self._failures += 0 if self._warm else 1
-            log.warning("robustdist run: the warm spare (pid %d) ended with %s%s", spare.pid,
-                        describe_exit(spare.returncode), "; starting another" if self._failures < SPARE_TRIES else
-                        f"; {SPARE_TRIES} in a row ended before they were warm (see the launcher's stderr above), so "
-                        "no more: replacements start cold. Fix: run `python -m robustdist.recovery.spare` by hand")
-            self._spare, self._warm = None, False
-            if self._ready is not None:
-                os.close(self._ready)
-                self._ready = None
-            self._drop_channel()
+            self._drop_spare()
         self._spare_after = time.monotonic() + SPARE_LOOK_S
         if self._failures >= SPARE_TRIES or _elastic_compat.restarts_left(agent) <= 0 or not self._in_process(group):
             return
+        self._start_spare(with_workers=False)
+
+    def _drop_spare(self) -> None:
+        """Forget a spare that ended (counted as a failure if it ended before it was warm)."""
+        spare = self._spare
+        if spare is None:
+            return
+        self._failures += 0 if self._warm else 1
+        log.warning("robustdist run: the warm spare (pid %d) ended with %s%s", spare.pid,
+                    describe_exit(spare.returncode), "; starting another" if self._failures < SPARE_TRIES else
+                    f"; {SPARE_TRIES} in a row ended before they were warm (see the launcher's stderr above), so "
+                    "no more: replacements start cold. Fix: run `python -m robustdist.recovery.spare` by hand")
+        self._spare, self._warm = None, False
+        if self._ready is not None:
+            os.close(self._ready)
+            self._ready = None
+        self._drop_channel()
+
+    def _start_spare(self, *, with_workers: bool) -> None:
+        """Start a spare (``with_workers``: as the workers start, :data:`.spare.WITH_WORKERS`)."""
         ready_r, ready_w = os.pipe()
         try:
-            self._spare = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.recovery.spare"], cwd="/",
+            self._spare = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.recovery.spare",
+                                            *([_spare.WITH_WORKERS] if with_workers else [])], cwd="/",
                                            stdin=subprocess.PIPE, start_new_session=True, pass_fds=(ready_w,),
                                            env={**os.environ, _spare.READY_FD_ENV: str(ready_w)})
         except OSError as e:  # no process now (memory, process limits): the next look tries again
@@ -343,7 +371,9 @@ class Replacer:
         else:
             os.close(self._ready)
         self._ready, said = None, said[:1]
-        how = {_spare.READY_IDLE: "warmed at idle priority",
+        how = {_spare.READY_WITH_WORKERS: f"started with the workers: warmed at idle priority, then at theirs after "
+                                          f"{_spare.WITH_WORKERS_PATIENCE_S:g} s",
+               _spare.READY_IDLE: "warmed at idle priority",
                _spare.READY_LATE: f"warmed at idle priority, then at the workers' priority after "
                                   f"{_spare.IDLE_PATIENCE_S:g} s: the host had little idle CPU time",
                _spare.READY: "warmed at the workers' priority: it could not return from SCHED_IDLE (without "
@@ -351,8 +381,10 @@ class Replacer:
         self._warm = said in how
         if self._warm and self._spare is not None:
             self._failures = 0
-            log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s (%s%s)", self._spare.pid,
-                     time.monotonic() - self._started, how[said],
+            now = time.monotonic()
+            log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s, %.1f s after this attempt's "
+                     "workers started (%s%s)", self._spare.pid, now - self._started, now - self._workers_started,
+                     how[said],
                      "; it forks each replacement and stays warm" if forks else
                      "; it becomes the next replacement itself: it cannot fork here (Linux's pidfd_open missing, or "
                      "a CUDA driver loaded in it)")
@@ -365,8 +397,11 @@ class Replacer:
     def _from_spare(self, agent: Any, worker: Any, extra: dict[str, str]) -> int | None:
         """Turn the warm spare into ``worker`` (None where there is none, or it cannot run the worker's command)."""
         spare = self._spare
+        if spare is not None and spare.poll() is None and not self._warm and self._ready is not None:
+            readable(self._ready, SPARE_WAIT_S)  # still warming: a moment more is cheaper than a cold start
+            self._look_ready()
         if spare is None or spare.poll() is not None or spare.stdin is None or not self._warm:
-            return None  # one still warming would start the worker later than a cold start (and block the order)
+            return None  # still warming after the wait: a cold start now
         launch = _elastic_compat.worker_launch(agent, worker)
         if launch["entrypoint"] != sys.executable or launch["numa"] is not None or not _spare.usable(
                 list(launch["args"])):

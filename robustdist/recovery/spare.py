@@ -1,16 +1,18 @@
 """A warm spare: a process that has done a worker's slow start (``import torch``, robustdist, DDP's first-use imports)
-and waits to become a worker (``robustdist run --spares 1``, the default; issue #35).
+and waits to become a worker (``robustdist run --spares 1``, the default).
 
-``robustdist run``'s agent (:mod:`.agent`) starts ``python -u -m robustdist.recovery.spare`` once the run can take a
-replacement. The spare imports torch, torch.distributed, DDP and DCP, and the modules ``robustdist.harden`` imports,
-and, on a build without CUDA, runs one DDP step on a one-rank gloo group of its own (an in-memory store: no port, no
-file), which loads what a DDP constructor and its first backward load (sympy, the compiler's modules), then destroys
-that group. It does this at the lowest CPU priority (:mod:`.idle`: a thread at ``SCHED_IDLE``, the session's
-autogroup at nice 19; on a host whose cores the ranks fill, a warm-up at their priority slowed every step while it
-lasted), then puts every thread of the process back at the workers' policy; where the process could not come back
-(no ``CAP_SYS_NICE``, ``RLIMIT_NICE`` below ``20 - nice``: :func:`idle_possible`) it warms at the workers' priority,
-and a warm-up not done at idle priority within :data:`IDLE_PATIENCE_S` finishes at theirs. It says which on the
-agent's pipe.
+``robustdist run``'s agent (:mod:`.agent`) starts ``python -u -m robustdist.recovery.spare`` with the workers of each
+attempt, and again, once the run can take a replacement, after a spare became a worker. The spare imports torch,
+torch.distributed, DDP and DCP, and the modules ``robustdist.harden`` imports, and, on a build without CUDA, runs one
+DDP step on a one-rank gloo group of its own (an in-memory store: no port, no file), which loads what a DDP
+constructor and its first backward load (sympy, the compiler's modules), then destroys that group. It does this at
+the lowest CPU priority (:mod:`.idle`: a thread at ``SCHED_IDLE``, the session's autogroup at nice 19; on a host
+whose cores the ranks fill, a warm-up at their priority slowed every step while it lasted), then puts every thread of
+the process back at the workers' policy; the spare started with the workers (:data:`WITH_WORKERS`) goes to their
+priority after :data:`WITH_WORKERS_PATIENCE_S`, so that it is warm a few seconds after the first step. Where the
+process could not come back (no ``CAP_SYS_NICE``, ``RLIMIT_NICE`` below ``20 - nice``: :func:`idle_possible`) it
+warms at the workers' priority, and a warm-up not done at idle priority within :data:`IDLE_PATIENCE_S` finishes at
+theirs. It says which on the agent's pipe.
 
 It then reads its standard input, one line per worker: the worker's order, JSON ``{"env", "args", "cwd", "stdout",
 "stderr"}``. Where it can (:func:`forks`: Linux's pidfds, no CUDA initialised), it **forks** for each order and stays
@@ -46,8 +48,9 @@ from typing import Any
 
 from robustdist.recovery import idle as _idle
 
-__all__ = ["FORKS", "HELD_EXIT", "IDLE_PATIENCE_S", "READY", "READY_FD_ENV", "READY_IDLE", "READY_LATE", "become",
-           "forks", "idle_possible", "main", "serve", "warm", "usable"]
+__all__ = ["FORKS", "HELD_EXIT", "IDLE_PATIENCE_S", "READY", "READY_FD_ENV", "READY_IDLE", "READY_LATE",
+           "READY_WITH_WORKERS", "WITH_WORKERS", "WITH_WORKERS_PATIENCE_S", "become", "forks", "idle_possible", "main",
+           "serve", "warm", "usable"]
 
 _MAX_ORDER = 1 << 20  # bytes of an order (the environment and the arguments)
 
@@ -132,11 +135,19 @@ def become(order: dict[str, Any]) -> None:
 READY_FD_ENV = "ROBUSTDIST_SPARE_READY_FD"
 """The agent's pipe (a file descriptor number) on which the spare writes one byte once warm: :data:`READY_IDLE`
 (it warmed at ``SCHED_IDLE``), :data:`READY_LATE` (it began so, and finished at the workers' priority after
-:data:`IDLE_PATIENCE_S`) or :data:`READY` (at the workers' priority throughout)."""
-READY, READY_IDLE, READY_LATE = b"1", b"2", b"3"
+:data:`IDLE_PATIENCE_S`), :data:`READY` (at the workers' priority throughout: it could not return from idle) or
+:data:`READY_WITH_WORKERS` (started with :data:`WITH_WORKERS`)."""
+READY, READY_IDLE, READY_LATE, READY_WITH_WORKERS = b"1", b"2", b"3", b"4"
 IDLE_PATIENCE_S = 30.0
 """A warm-up at idle priority not done by then finishes at the workers' priority (:data:`READY_LATE`): a host with
 little idle CPU time would starve it, and the spare would never be ready."""
+WITH_WORKERS = "--with-workers"
+"""The spare's argument when the agent starts it with the workers of an attempt: it warms at idle priority for
+:data:`WITH_WORKERS_PATIENCE_S` (the workers' own start, imports and rendezvous, gets the CPU first), then at their
+priority, and says :data:`READY_WITH_WORKERS`. At idle priority throughout, beside ranks that fill the cores, it would
+wait for the CPU until the training pauses (tens of seconds, or more), and the kills of a job's first minute (a bad
+node, a bad configuration) would get a cold start."""
+WITH_WORKERS_PATIENCE_S = 2.0
 
 
 FORKS = b"F"
@@ -329,7 +340,13 @@ def _take(line: bytes, status: int, held: dict[str, tuple[int, int]], release: A
 
 def main() -> int:
     said = READY
-    if idle_possible():
+    if WITH_WORKERS in sys.argv[1:]:
+        if idle_possible():
+            _idle.run(warm, patience_s=WITH_WORKERS_PATIENCE_S)
+        else:
+            warm()
+        said = READY_WITH_WORKERS
+    elif idle_possible():
         said = READY_IDLE if _idle.run(warm, patience_s=IDLE_PATIENCE_S) else READY_LATE
     else:
         warm()

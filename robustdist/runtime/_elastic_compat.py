@@ -21,10 +21,10 @@ __all__ = ["PRIVATE_APIS", "adopt_worker", "elastic_agent_class", "launcher_agen
 
 
 def elastic_agent_class(on_monitor: Callable[[Any, Any, Callable[[Any], Any]], Any],
-                        on_start: Callable[[Any], Any] | None = None, on_stop: Callable[[Any], Any] | None = None,
+                        on_start: Callable[[Any, Any], Any] | None = None, on_stop: Callable[[Any], Any] | None = None,
                         on_wait: Callable[[Any, float], Any] | None = None) -> type:
     """A ``LocalElasticAgent`` whose ``_monitor_workers(group)`` is ``on_monitor(agent, group, torch's own)``, and
-    which calls ``on_start(group)`` after each rendezvous, just before it starts the group's workers, and
+    which calls ``on_start(agent, group)`` after each rendezvous, just before it starts the group's workers, and
     ``on_stop(group)`` once it has stopped them. With ``on_wait``, the agent calls ``on_wait(agent, interval)``
     before each look instead of sleeping its ``monitor_interval`` (``on_wait`` may return early)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -49,7 +49,7 @@ def elastic_agent_class(on_monitor: Callable[[Any, Any, Callable[[Any], Any]], A
 
         def _start_workers(self, worker_group: Any) -> Any:
             if on_start is not None:
-                on_start(worker_group)
+                on_start(self, worker_group)
             return super()._start_workers(worker_group)
 
         def _stop_workers(self, worker_group: Any, *args: Any, **kwargs: Any) -> Any:

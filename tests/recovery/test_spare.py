@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -58,12 +59,15 @@ def _policies(pid: int) -> dict[int, int]:
 NO_FORK = "import sys; import robustdist.recovery.spare as s; s.forks = lambda: False; sys.exit(s.main())"
 
 
-def _spare(shell: str | None, forking: bool = True) -> tuple[subprocess.Popen[bytes], int]:
-    """The spare, as the agent starts it; under ``capsh --drop=cap_sys_nice`` after ``shell`` where given."""
+def _spare(shell: str | None, forking: bool = True, with_workers: bool = False
+           ) -> tuple[subprocess.Popen[bytes], int]:
+    """The spare, as the agent starts it (``with_workers``: with an attempt's workers); under ``capsh
+    --drop=cap_sys_nice`` after ``shell`` where given."""
     ready_r, ready_w = os.pipe()
     env = {**os.environ, spare.READY_FD_ENV: str(ready_w), "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-u", "-m", "robustdist.recovery.spare"] if forking else [sys.executable, "-u", "-c",
                                                                                       NO_FORK]
+    cmd += [spare.WITH_WORKERS] if with_workers else []
     if shell is not None:
         cmd = [_capsh(), "--drop=cap_sys_nice", "--", "-c", f"{shell}; exec {' '.join(cmd)}"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(ready_w,), env=env, cwd="/",
@@ -79,11 +83,12 @@ def _autogroup_nice(pid: int | str) -> int | None:
         return None
 
 
-def _run(tmp_path: Path, shell: str | None = None, forking: bool = True) -> tuple[bytes, set[int], dict]:
+def _run(tmp_path: Path, shell: str | None = None, forking: bool = True, with_workers: bool = False
+         ) -> tuple[bytes, set[int], dict]:
     """Start a spare, watch its threads' policies and its autogroup until it says it is warm, check them then, order
     it to run WORKER; returns what it said, the policies and autogroup nice values seen while warming (the nice
     values as 100 + nice), and what the worker found."""
-    proc, ready = _spare(shell, forking)
+    proc, ready = _spare(shell, forking, with_workers)
     seen: set[int] = set()
     idled: set[int] = set()  # threads seen at SCHED_IDLE
     try:
@@ -167,6 +172,20 @@ def test_without_cap_sys_nice_the_spare_warms_at_the_workers_priority(tmp_path):
     assert said == spare.READY
     assert seen - {100, SCHED_IDLE} == {os.SCHED_OTHER} and 119 not in seen  # the autogroup never lowered
     assert set(worker["threads"].values()) == {os.SCHED_OTHER}
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_the_spare_started_with_the_workers_idles_first_then_warms_at_their_priority(tmp_path):
+    """The agent starts an attempt's first spare with the workers (WITH_WORKERS): it warms at idle priority for
+    WITH_WORKERS_PATIENCE_S (their own start gets the CPU first), then at their priority (beside ranks that fill the
+    cores an idle warm-up waits for the CPU until the training pauses), and says so; every thread ends up back."""
+    said, seen, worker = _run(tmp_path, with_workers=True)
+    assert said == spare.READY_WITH_WORKERS
+    if spare.idle_possible():
+        assert SCHED_IDLE in seen, seen
+    assert set(worker["threads"].values()) == {os.SCHED_OTHER}, worker
+    assert worker["argv"][0].endswith("worker.py")
 
 
 def test_a_thread_that_already_idles_does_not_probe():
@@ -284,11 +303,14 @@ def test_possible_is_false_off_linux_and_where_the_calls_are_refused(monkeypatch
 
 
 @pytest.mark.parametrize("said, used, text", [
-    (spare.READY_IDLE, True, " s (warmed at idle priority; it becomes the next replacement itself: "
-                             "it cannot fork here"),
+    (spare.READY_IDLE, True, " s after this attempt's workers started (warmed at idle priority; it becomes the next "
+                             "replacement itself: it cannot fork here"),
     (spare.READY_IDLE + spare.FORKS, True, "(warmed at idle priority; it forks each replacement and stays warm)"),
     (spare.READY_LATE, True, "then at the workers' priority after 30 s: the host had little idle CPU time"),
-    (b"x", False, "the warm spare (pid 4242) said b'x' on its pipe; expected one of b'1', b'2', b'3'. It is not "
+    (spare.READY_WITH_WORKERS + spare.FORKS, True, "(started with the workers: warmed at idle priority, then at "
+                                                  f"theirs after {spare.WITH_WORKERS_PATIENCE_S:g} s; it forks each "
+                                                  "replacement"),
+    (b"x", False, "the warm spare (pid 4242) said b'x' on its pipe; expected one of b'1', b'2', b'3', b'4'. It is not "
                   "used: replacements start cold until it ends. Fix: run the launcher with the same Python and "
                   "robustdist as the workers"),
 ])
@@ -303,10 +325,49 @@ def test_the_agent_reads_what_the_spare_says_and_names_what_it_cannot(said, used
     os.write(write, said)
     os.close(write)
     replacer._ready, replacer._spare, replacer._started = read, SimpleNamespace(pid=4242), time.monotonic()
+    replacer._workers_started = replacer._started - 1.5
     with caplog.at_level(logging.INFO, "robustdist.recovery.agent"):
         replacer._look_ready()
     assert replacer._warm is used
     assert text in caplog.text
+    assert not used or re.search(r"is ready after [\d.]+ s, 1\.[5-9] s after this attempt's workers started", caplog.text)
     assert (replacer._channel is not None) is said.endswith(spare.FORKS)  # the pipe then stays: the workers' news
     if replacer._channel is not None:
         replacer._channel.close()
+
+
+def test_a_death_while_the_spare_warms_waits_briefly_for_it(monkeypatch):
+    """A death while the spare still warms: the agent waits up to SPARE_WAIT_S for it to say it is warm (then uses
+    it), else starts the worker cold; it never waits longer."""
+    import threading
+    from types import SimpleNamespace
+
+    from robustdist.recovery import agent as agent_mod
+    from robustdist.recovery.agent import Replacer
+    from robustdist.runtime import _elastic_compat
+
+    monkeypatch.setattr(agent_mod, "SPARE_WAIT_S", 1.5)
+    # past the wait: a launch the spare cannot run, so _from_spare returns without an order (what matters is _warm)
+    monkeypatch.setattr(_elastic_compat, "worker_launch", lambda agent, worker: {"entrypoint": "/bin/false"})
+    for says_after in (0.3, None):
+        replacer = Replacer()
+        read, write = os.pipe()
+        fake = SimpleNamespace(pid=4242, stdin=object(), poll=lambda: None)
+        replacer._ready, replacer._spare, replacer._started = read, fake, time.monotonic()
+        timer = threading.Timer(says_after, os.write, (write, spare.READY_IDLE)) if says_after else None
+        if timer is not None:
+            timer.start()
+        start = time.monotonic()
+        try:
+            assert replacer._from_spare(None, None, {}) is None
+            waited = time.monotonic() - start
+        finally:
+            if timer is not None:
+                timer.join()
+            os.close(write)
+            if replacer._ready is not None:
+                os.close(replacer._ready)
+        if says_after:
+            assert replacer._warm and says_after <= waited < 1.4, waited
+        else:
+            assert not replacer._warm and 1.5 <= waited < 3.0, waited
