@@ -55,7 +55,7 @@ ENV = {k: v for k, v in p9.ENV.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STO
 EARLY_S = 2.0  # the early kill: this long after the first step
 EARLY_STEPS = 200  # its run: long enough for the kill and the recovery (~50 ms steps)
 READY_RE = re.compile(r"the warm spare \(pid \d+\) is ready after [\d.]+ s, ([\d.]+) s after this attempt's "
-                      r"workers started \(started with the workers")
+                      r"workers started \((?:started with the workers|warmed at the workers' priority)")
 
 
 def spare_ready(work: Path, tags: list[str]) -> list[float]:

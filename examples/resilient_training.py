@@ -1,6 +1,6 @@
-"""Resilient training demo (``make demo``): a real crash, a real restart, a bit-identical result.
+"""Resilient training demo: a real crash, a recovery, a bit-identical result.
 
-Run under ``torchrun --standalone --nproc_per_node=2 --max-restarts=1`` (``make demo`` does, on CPU):
+Run under ``torchrun --standalone --nproc_per_node=2 --max-restarts=1`` (on CPU):
 
 1. Attempt 0 trains a small convnet with BatchNorm and dropout on synthetic data through ``harden()``,
    committing a checkpoint every ``--every`` steps. At step ``--kill-step``, rank 1 SIGKILLs itself.
@@ -13,6 +13,13 @@ Run under ``torchrun --standalone --nproc_per_node=2 --max-restarts=1`` (``make 
 Rank 0 prints a summary (steps, checkpoints committed, the fault, the resume step, the verdict, wall time)
 and writes ``final.pt`` and ``reference.pt`` to ``--workdir``. The exit code is 0 only if every rank's
 tensors are bitwise equal. ``--no-fault`` runs the same thing without the kill.
+
+``make demo`` (``scripts/demo.py``) runs it with ``--in-process --no-reference`` instead: in-process recovery
+(``recovery.in_process``, the loop under ``h.run``) from an in-memory checkpoint taken every step, every rank writing
+``final-rank<r>.pt`` for the driver's own comparison with a straight run; under ``robustdist run`` only the killed rank
+starts again. ``--kill-after FILE`` makes rank 1 wait at the kill step until FILE exists (the driver creates it once
+the warm spare is ready). Every rank logs each step's time to ``steps-rank<r>.jsonl``, and ``fault.json`` records
+the kill's time.
 
 "Fresh run or restart?" is ``h.attempt``: the same on every rank, counted in torchrun's store. It is never
 ``TORCHELASTIC_RESTART_COUNT``, which torchrun counts per node: after a restart of a 2-node job it was 0 on one
@@ -92,7 +99,7 @@ def train(cfg: dict, steps: int, *, fault_step: int | None, work: Path | None, s
     if work is not None:  # what the launcher says beside it: per node, so it can disagree across nodes
         told = os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")
         print(f"[rank {rank}] attempt {h.attempt} (TORCHELASTIC_RESTART_COUNT on this node: {told})", flush=True)
-    if work is not None and rank == 0 and h.attempt == 0 and not (work / "demo.json").exists():
+    if work is not None and rank == 0 and h.attempt == 0 and "ROBUSTDIST_REPLACES" not in os.environ:
         if h.checkpointer is not None and h.checkpointer.steps():
             print(f"{work} holds checkpoints of an earlier run: resuming from them (make demo empties it first)",
                   flush=True)

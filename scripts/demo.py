@@ -13,7 +13,8 @@ StepLR; a durable checkpoint every ``--every`` steps, an in-memory one every ste
 For each faulty run it prints the time from the kill to the next step done on every rank (a step beyond the last one
 done before the kill) and whether the final parameters and buffers of every rank are bitwise equal to the straight
 run's. Each run's output (the killed rank's expected tracebacks included) goes to ``<workdir>/<run>.log``, which the
-summary names. Exits 0 only when both faulty runs end bitwise equal to the straight run.
+summary names. Exits 0 only when both faulty runs had their kill and ended bitwise equal to the straight run; refuses
+a ``--workdir`` that is not empty (its runs would resume from an earlier demo's checkpoints).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -59,11 +61,15 @@ def launch(work: Path, name: str, launcher: list[str], job: list[str], timeout: 
         reader.start()
         try:
             code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            code = proc.wait()
-            log.write(f"\nmake demo: killed after {timeout:g} s\n")
-        reader.join(10)
+        except subprocess.TimeoutExpired:  # the launcher stops its workers (and its spare) on SIGTERM
+            proc.terminate()
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
+            print(f"make demo: the {name} run did not end within {timeout:g} s; stopped", file=sys.stderr)
+        reader.join(30)
     return code
 
 
@@ -107,13 +113,18 @@ def same_as(run: Path, reference: Path) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", default=".demo-run", help="the runs' directories and logs (make demo empties it)")
+    p.add_argument("--workdir", default=".demo-run", help="the runs' directories and logs (empty or missing; make "
+                                                          "demo empties it first)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10, help="a durable checkpoint every this many steps")
     p.add_argument("--kill-step", type=int, default=37)
     p.add_argument("--timeout", type=float, default=300, help="seconds each run may take before it is killed")
     args = p.parse_args()
     work = Path(args.workdir).resolve()
+    if work.exists() and any(work.iterdir()):  # its runs would resume from the last demo's checkpoints: no kill
+        print(f"make demo: {work} is not empty (an earlier demo's runs); expected an empty or missing directory. Fix: "
+              "remove it (make demo does) or pass another --workdir", file=sys.stderr)
+        return 2
     work.mkdir(parents=True, exist_ok=True)
     job = ["--in-process", "--no-reference", "--steps", str(args.steps), "--every", str(args.every), "--kill-step",
            str(args.kill_step)]
@@ -132,8 +143,9 @@ def main() -> int:
     for name, title in (("torchrun", "torchrun (restarts every worker)"),
                         ("robustdist", "robustdist run (warm spare)")):
         gap = kill_to_next_step(work / name)
-        verdict = same_as(work / name, work / "straight") if codes[name] == 0 and codes["straight"] == 0 \
-            else f"FAILED (exit {codes[name]}; straight run exit {codes['straight']})"
+        verdict = f"FAILED (exit {codes[name]}; straight run exit {codes['straight']})" \
+            if codes[name] != 0 or codes["straight"] != 0 else "NOT A RECOVERY (no kill, or no step after it)" \
+            if gap is None else same_as(work / name, work / "straight")
         rows[name] = (title, gap, verdict)
     print("\n== robustdist demo: rank 1 SIGKILLed mid-run, recovered two ways ==")
     print(f"job                      2 CPU ranks, DDP + SyncBatchNorm, dropout, SGD + StepLR, {args.steps} steps; "

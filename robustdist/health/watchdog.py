@@ -295,9 +295,10 @@ class Watchdog:
 
     def _exit(self) -> None:
         """Exit with :data:`HANG_EXIT_CODE`. The rank that serves the store exits last: the other ranks' watchdogs
-        fire within a tick of this one and their reports read the store for at most ``grace`` plus half a second;
-        without the store they could not name the lost ranks."""
-        left = self._fired_at + self._tick + self.grace + 0.5 - time.monotonic()
+        fire within about two ticks of this one (each at its own last beat plus ``hang_timeout``) and their reports
+        read the store for at most ``grace`` plus half a second; without the store they could not name the lost
+        ranks. A launcher that stops the group at the first exit (torchrun) cuts this short."""
+        left = self._fired_at + 2 * self._tick + self.grace + 0.5 - time.monotonic()
         if left > 0 and ws.serves(self.store):
             log.error("health.hang_action='abort': this rank serves the store; exiting with code %d in %.1f s, once "
                       "the other ranks' hang reports have read it", HANG_EXIT_CODE, left, all_ranks=True)

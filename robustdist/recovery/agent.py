@@ -1,4 +1,4 @@
-"""Which dead worker ``robustdist run``'s agent starts again alone, and how (issue #35).
+"""Which dead worker ``robustdist run``'s agent starts again alone, and how.
 
 torchrun's agent stops every worker on every node when one dies and starts them all again. ``robustdist run`` runs
 torchrun's own agent (``LocalElasticAgent``, through ``torch.distributed.run``) with one change, :class:`Replacer`,
@@ -8,8 +8,9 @@ or a preemption, SIGSEGV in a native library), it starts that worker again alone
 survivors' in-process recovery (:mod:`robustdist.recovery.replacement`) and resumes with them from the in-memory
 tier. Each replacement uses one of ``--max-restarts``, as a restart of the group would.
 
-**A warm spare** (``--spares 1``, the default): while the run can take a replacement, the agent keeps one process per
-node that has done a worker's slow start (:mod:`.spare`). Where it can, the spare forks the replacement (its
+**A warm spare** (``--spares 1``, the default): from each attempt's start (and while a restart is left) the agent keeps
+one process per node that has done a worker's slow start (:mod:`.spare`), whether or not the script recovers in
+process. Where it can, the spare forks the replacement (its
 environment, command and output become the worker's) and stays warm for the next one (:mod:`.forked`: the agent
 watches the forked worker through the spare); otherwise it becomes the replacement itself, and another is started
 :data:`SPARE_PAUSE_S` later. Without one (``--spares 0``, a spare that died, a worker command a spare cannot run, NUMA
@@ -91,6 +92,8 @@ class Replacer:
         self._orders = 0  # orders sent to forking spares (their ids)
         self._started = 0.0
         self._workers_started = 0.0  # time.monotonic() when this attempt's workers were started
+        self._looks = 0  # the agent's looks at its workers, counted
+        self._waited_look = -1  # the look in which a death last waited for a warming spare
         self._failures = 0  # spares in a row that ended before they were warm
         self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
         # local rank -> the generation rank 0 had published when it was started again: joining until a later one is
@@ -110,10 +113,10 @@ class Replacer:
                         str(e)[:200])
         self._workers_started = time.monotonic()
         try:
-            if self.spares and (self._spare is None or self._spare.poll() is not None) \
-                    and self._failures < SPARE_TRIES and _elastic_compat.restarts_left(agent) > 0:
-                self._drop_spare()
-                self._start_spare(with_workers=True)
+            if self.spares and (self._spare is None or self._spare.poll() is not None):
+                self._drop_spare()  # one that ended: counted first (SPARE_TRIES)
+                if self._failures < SPARE_TRIES and _elastic_compat.restarts_left(agent) > 0:
+                    self._start_spare(with_workers=True)
         except SignalException:
             raise
         except Exception as e:  # no spare now: the monitor's looks start one once the run can take a replacement
@@ -163,6 +166,7 @@ class Replacer:
                 channel.pump(1.0)
 
     def __call__(self, agent: Any, group: Any, monitor: Callable[[Any], Any]) -> Any:
+        self._looks += 1
         try:
             procs = _elastic_compat.worker_processes(agent)
             codes = {lr: p.poll() for lr, p in procs.items()}
@@ -347,7 +351,7 @@ class Replacer:
                                             *([_spare.WITH_WORKERS] if with_workers else [])], cwd="/",
                                            stdin=subprocess.PIPE, start_new_session=True, pass_fds=(ready_w,),
                                            env={**os.environ, _spare.READY_FD_ENV: str(ready_w)})
-        except OSError as e:  # no process now (memory, process limits): the next look tries again
+        except (OSError, subprocess.SubprocessError) as e:  # no process now (memory, limits): the next look tries again
             os.close(ready_r)
             self._failures += 1
             log.warning("robustdist run: could not start a warm spare (%s: %s); expected a new Python process. "
@@ -371,8 +375,8 @@ class Replacer:
         else:
             os.close(self._ready)
         self._ready, said = None, said[:1]
-        how = {_spare.READY_WITH_WORKERS: f"started with the workers: warmed at idle priority, then at theirs after "
-                                          f"{_spare.WITH_WORKERS_PATIENCE_S:g} s",
+        how = {_spare.READY_WITH_WORKERS: f"started with the workers: warmed at idle priority for up to "
+                                          f"{_spare.WITH_WORKERS_PATIENCE_S:g} s, then at theirs",
                _spare.READY_IDLE: "warmed at idle priority",
                _spare.READY_LATE: f"warmed at idle priority, then at the workers' priority after "
                                   f"{_spare.IDLE_PATIENCE_S:g} s: the host had little idle CPU time",
@@ -397,15 +401,20 @@ class Replacer:
     def _from_spare(self, agent: Any, worker: Any, extra: dict[str, str]) -> int | None:
         """Turn the warm spare into ``worker`` (None where there is none, or it cannot run the worker's command)."""
         spare = self._spare
-        if spare is not None and spare.poll() is None and not self._warm and self._ready is not None:
-            readable(self._ready, SPARE_WAIT_S)  # still warming: a moment more is cheaper than a cold start
-            self._look_ready()
-        if spare is None or spare.poll() is not None or spare.stdin is None or not self._warm:
-            return None  # still warming after the wait: a cold start now
+        if spare is None or spare.poll() is not None or spare.stdin is None:
+            return None
         launch = _elastic_compat.worker_launch(agent, worker)
         if launch["entrypoint"] != sys.executable or launch["numa"] is not None or not _spare.usable(
                 list(launch["args"])):
             return None
+        if not self._warm and self._ready is not None and self._waited_look != self._looks:
+            # still warming: once per look (not per dead rank), a moment more is cheaper than a cold start, which
+            # would compete with it for the CPU
+            self._waited_look = self._looks
+            readable(self._ready, SPARE_WAIT_S)
+            self._look_ready()
+        if not self._warm or spare.poll() is not None:
+            return None  # still warming after the wait: a cold start now
         order = {"env": {**os.environ, **launch["env"], **extra}, "args": list(launch["args"]), "cwd": os.getcwd(),
                  "stdout": launch["stdout"], "stderr": launch["stderr"]}
         if self._channel is not None:

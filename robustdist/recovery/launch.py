@@ -66,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spares", type=int, choices=(0, 1), default=1,
                         help="robustdist: warm spare processes per node (torch and robustdist imported, DDP's first "
                              "use done), each forking the next worker killed there (default 1; 0: a replacement starts "
-                             "cold). Started once the run can take a replacement; an attempt's first warms at once.")
+                             "cold). Started with each attempt's workers, whether or not the script recovers in "
+                             "process: 0 saves its memory where it does not.")
     args = parser.parse_args(list(argv) if argv is not None else None)
     if not logging_configured():  # the launcher's own news (a worker replaced, the spare ready) to stderr, at INFO
         handler = logging.StreamHandler()

@@ -343,9 +343,9 @@ def main() -> int:
     if WITH_WORKERS in sys.argv[1:]:
         if idle_possible():
             _idle.run(warm, patience_s=WITH_WORKERS_PATIENCE_S)
+            said = READY_WITH_WORKERS
         else:
             warm()
-        said = READY_WITH_WORKERS
     elif idle_possible():
         said = READY_IDLE if _idle.run(warm, patience_s=IDLE_PATIENCE_S) else READY_LATE
     else:

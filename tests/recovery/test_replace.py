@@ -214,7 +214,8 @@ def test_the_warm_spare_forks_each_killed_worker_and_a_killed_spare_is_replaced(
         # the spare started with the workers goes to their priority after a moment; the next one stays at idle priority
         # (for up to 30 s: a busy host)
         first = _await_line(lines, spared, r"the warm spare \(pid (\d+)\) is ready after [\d.]+ s, [\d.]+ s after this "
-                            r"attempt's workers started \(started with the workers", 0, 120)
+                            r"attempt's workers started \((started with the workers|warmed at the workers' priority)",
+                            0, 120)
         os.kill(int(first.group(1)), signal.SIGKILL)
         _await_line(lines, spared, r"the warm spare \(pid %s\) ended with signal 9 \(SIGKILL\); starting another"
                     % first.group(1), 0, 60)

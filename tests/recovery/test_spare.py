@@ -181,9 +181,10 @@ def test_the_spare_started_with_the_workers_idles_first_then_warms_at_their_prio
     WITH_WORKERS_PATIENCE_S (their own start gets the CPU first), then at their priority (beside ranks that fill the
     cores an idle warm-up waits for the CPU until the training pauses), and says so; every thread ends up back."""
     said, seen, worker = _run(tmp_path, with_workers=True)
-    assert said == spare.READY_WITH_WORKERS
     if spare.idle_possible():
-        assert SCHED_IDLE in seen, seen
+        assert said == spare.READY_WITH_WORKERS and SCHED_IDLE in seen, (said, seen)
+    else:  # it could not come back from idle: at the workers' priority throughout, and says so
+        assert said == spare.READY and SCHED_IDLE not in seen, (said, seen)
     assert set(worker["threads"].values()) == {os.SCHED_OTHER}, worker
     assert worker["argv"][0].endswith("worker.py")
 
@@ -307,9 +308,9 @@ def test_possible_is_false_off_linux_and_where_the_calls_are_refused(monkeypatch
                              "replacement itself: it cannot fork here"),
     (spare.READY_IDLE + spare.FORKS, True, "(warmed at idle priority; it forks each replacement and stays warm)"),
     (spare.READY_LATE, True, "then at the workers' priority after 30 s: the host had little idle CPU time"),
-    (spare.READY_WITH_WORKERS + spare.FORKS, True, "(started with the workers: warmed at idle priority, then at "
-                                                  f"theirs after {spare.WITH_WORKERS_PATIENCE_S:g} s; it forks each "
-                                                  "replacement"),
+    (spare.READY_WITH_WORKERS + spare.FORKS, True, "(started with the workers: warmed at idle priority for up to "
+                                                  f"{spare.WITH_WORKERS_PATIENCE_S:g} s, then at theirs; it forks "
+                                                  "each replacement"),
     (b"x", False, "the warm spare (pid 4242) said b'x' on its pipe; expected one of b'1', b'2', b'3', b'4'. It is not "
                   "used: replacements start cold until it ends. Fix: run the launcher with the same Python and "
                   "robustdist as the workers"),
@@ -330,15 +331,18 @@ def test_the_agent_reads_what_the_spare_says_and_names_what_it_cannot(said, used
         replacer._look_ready()
     assert replacer._warm is used
     assert text in caplog.text
-    assert not used or re.search(r"is ready after [\d.]+ s, 1\.[5-9] s after this attempt's workers started", caplog.text)
+    assert not used or re.search(r"is ready after [\d.]+ s, 1\.[5-9] s after this attempt's workers started",
+                                 caplog.text)
     assert (replacer._channel is not None) is said.endswith(spare.FORKS)  # the pipe then stays: the workers' news
     if replacer._channel is not None:
         replacer._channel.close()
 
 
 def test_a_death_while_the_spare_warms_waits_briefly_for_it(monkeypatch):
-    """A death while the spare still warms: the agent waits up to SPARE_WAIT_S for it to say it is warm (then uses
-    it), else starts the worker cold; it never waits longer."""
+    """A death while the spare still warms: the agent waits up to SPARE_WAIT_S for it to say it is warm (then the
+    spare becomes the worker), else starts the worker cold; it waits once per look, not once per dead rank, and
+    not at all for a worker command no spare can run."""
+    import sys
     import threading
     from types import SimpleNamespace
 
@@ -346,28 +350,45 @@ def test_a_death_while_the_spare_warms_waits_briefly_for_it(monkeypatch):
     from robustdist.recovery.agent import Replacer
     from robustdist.runtime import _elastic_compat
 
-    monkeypatch.setattr(agent_mod, "SPARE_WAIT_S", 1.5)
-    # past the wait: a launch the spare cannot run, so _from_spare returns without an order (what matters is _warm)
-    monkeypatch.setattr(_elastic_compat, "worker_launch", lambda agent, worker: {"entrypoint": "/bin/false"})
-    for says_after in (0.3, None):
+    launch = {"entrypoint": sys.executable, "args": ("-u", "train.py"), "env": {}, "stdout": "", "stderr": "",
+              "numa": None}
+    monkeypatch.setattr(_elastic_compat, "worker_launch", lambda agent, worker: dict(launch))
+    monkeypatch.setattr(_elastic_compat, "adopt_worker", lambda agent, worker, proc: 777)
+
+    def replacer_with_a_warming_spare() -> tuple[Replacer, int, list[bytes]]:
         replacer = Replacer()
         read, write = os.pipe()
-        fake = SimpleNamespace(pid=4242, stdin=object(), poll=lambda: None)
-        replacer._ready, replacer._spare, replacer._started = read, fake, time.monotonic()
-        timer = threading.Timer(says_after, os.write, (write, spare.READY_IDLE)) if says_after else None
-        if timer is not None:
-            timer.start()
+        orders: list[bytes] = []
+        stdin = SimpleNamespace(write=orders.append, close=lambda: None)
+        replacer._ready, replacer._started = read, time.monotonic()
+        replacer._spare = SimpleNamespace(pid=4242, stdin=stdin, poll=lambda: None)
+        replacer._looks = 1
+        return replacer, write, orders
+
+    def timed(call) -> tuple[object, float]:
         start = time.monotonic()
-        try:
-            assert replacer._from_spare(None, None, {}) is None
-            waited = time.monotonic() - start
-        finally:
-            if timer is not None:
-                timer.join()
-            os.close(write)
-            if replacer._ready is not None:
-                os.close(replacer._ready)
-        if says_after:
-            assert replacer._warm and says_after <= waited < 1.4, waited
-        else:
-            assert not replacer._warm and 1.5 <= waited < 3.0, waited
+        return call(), time.monotonic() - start
+
+    # it says it is warm 0.3 s into the wait: it becomes the worker, before the wait's end
+    monkeypatch.setattr(agent_mod, "SPARE_WAIT_S", 10.0)
+    replacer, write, orders = replacer_with_a_warming_spare()
+    timer = threading.Timer(0.3, os.write, (write, spare.READY_IDLE))
+    timer.start()
+    got, waited = timed(lambda: replacer._from_spare(None, SimpleNamespace(local_rank=1), {}))
+    timer.join()
+    os.close(write)
+    assert got == 777 and len(orders) == 1 and waited < 9.0, (got, orders, waited)
+    # it stays silent: one wait of SPARE_WAIT_S, then cold; a second death in the same look does not wait again
+    monkeypatch.setattr(agent_mod, "SPARE_WAIT_S", 1.5)
+    replacer, write, orders = replacer_with_a_warming_spare()
+    got, waited = timed(lambda: replacer._from_spare(None, SimpleNamespace(local_rank=0), {}))
+    assert got is None and not replacer._warm and 1.5 <= waited < 10.0, (got, waited)
+    got, waited = timed(lambda: replacer._from_spare(None, SimpleNamespace(local_rank=1), {}))
+    assert got is None and waited < 1.0, waited
+    # a command no spare runs (not the launcher's Python): no wait at all
+    launch["entrypoint"] = "/bin/bash"
+    replacer._looks += 1
+    got, waited = timed(lambda: replacer._from_spare(None, SimpleNamespace(local_rank=1), {}))
+    assert got is None and waited < 1.0, waited
+    os.close(write)
+    os.close(replacer._ready)
