@@ -22,7 +22,10 @@ ratio is reported as the machine's drift over the run) / wall time from the firs
 wall time beyond it went (:func:`breakdown`); also the same against the run's own ordinary step (``goodput_own_step``:
 on a host whose speed drifts by several percent between minutes, the steadier of the two). Then, without faults,
 the job's start under ``robustdist run`` against torchrun's (the same in-process job, launch -> first step on every
-rank), alternating, ``--pairs`` times; the difference is taken per pair (median reported).
+rank), alternating, ``--pairs`` times; the difference is taken per pair (median reported). Then ``--early-runs`` runs
+of the spare variant with one kill, of rank 1, :data:`EARLY_S` after the first step (``early_kill_recovery_seconds``);
+and from every ``robustdist run`` agent's log, the time from the workers' start to its first spare's "is ready"
+(``spare_ready_seconds``).
 
 Run: .venv/bin/python benchmarks/bench_replace.py [--ideal-seconds 62] [--host] [--keep];
 ``make bench BENCH=bench_replace`` (about 8 minutes here).
