@@ -14,7 +14,9 @@ at start (the pytorch/examples DDP tutorial); (b) ``durable``: ``harden()`` with
 baseline without checkpoints or failures before each variant, and the restart floor (torchrun restarting a
 script that only imports torch and initialises a gloo group, killed the same way). Then, directly: the same
 state (same step, same size) restored by ``LocalTier.load`` and by ``AtomicCheckpointer.load``, 2 ranks on this
-host, warm (durable files in the page cache) and cold (after ``drop_caches``, where allowed).
+host, warm (durable files in the page cache) and cold (after ``drop_caches``, where allowed), beside the floor of
+any restore that copies the bytes once (the tier's file mapped and copied into memory in use, nothing checked),
+at the job's state and at 100 MB and 1 GB of state.
 The job's length (``--ideal-seconds`` of training) and N (``--durable-seconds`` of training) are converted to
 steps with the first baseline's step time. Goodput = steps x the step time of a baseline run (no checkpoint,
 no failure) taken right before the variant / wall time from the first step to the last; its ceiling =
@@ -443,8 +445,32 @@ def summarise(variant: str, events: list[dict[str, Any]], kills: list[Kill], ide
 
 
 # ---------------------------------------------------------------------- restore: memory vs durable, directly
+def _copy_floor(rank: int, path: str, nbytes: int, live: Any) -> float:
+    """The floor of any restore that copies the bytes once: a tier file's bytes, mapped, copied into memory already
+    in use (no checks, no deserialising), on every rank at once."""
+    import mmap
+    import warnings
+
+    import torch
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        start = time.perf_counter()
+        mapping = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():  # torch's notice that the buffer is read-only: it is only read
+            warnings.simplefilter("ignore")
+            live.copy_(torch.frombuffer(mapping, dtype=torch.uint8))
+        elapsed = time.perf_counter() - start
+    finally:
+        os.close(fd)
+    del mapping
+    return elapsed
+
+
 def _restore_rank(rank: int, base: str, shm: str, lineage: str, width: int, layers: int,
                   reps: int) -> dict[str, list[float]]:
+    import warnings
+
     import torch
     import torch.distributed as dist
 
@@ -461,6 +487,12 @@ def _restore_rank(rank: int, base: str, shm: str, lineage: str, width: int, laye
     durable.save(1, state)
     tier.save(1, state)
     tier.wait()
+    biggest = max(Path(tier.directory).glob("owner_*/own/step_*/*.pt"), key=lambda p: p.stat().st_size, default=None)
+    box = [str(biggest) if rank == 0 and biggest is not None else None]
+    dist.broadcast_object_list(box, src=0)  # rank 0's replicated entries: the file every rank restores here
+    floor_path = box[0]
+    floor_bytes = os.path.getsize(floor_path) if floor_path else 0
+    floor_live = torch.ones(floor_bytes, dtype=torch.uint8)
 
     def drop() -> bool:
         dist.barrier()
@@ -478,35 +510,52 @@ def _restore_rank(rank: int, base: str, shm: str, lineage: str, width: int, laye
 
     loads = {"memory": lambda: tier.load(state=state), "durable warm": lambda: durable.load(state=state),
              "durable cold": lambda: durable.load(state=state)}
-    times: dict[str, list[float]] = {k: [] for k in loads}
-    names = list(loads)
-    for rep in range(reps):
-        for name in names[rep % 3:] + names[:rep % 3]:
-            if name == "durable cold" and not drop():
-                continue
-            dist.barrier()
-            start = time.perf_counter()
+    times: dict[str, list[float]] = {k: [] for k in (*loads, "copy floor")}
+    # the warm loads and the floor interleaved, in turn first; the cold ones last (a cache drop slows whatever
+    # follows it: code pages too)
+    order = [["memory", "durable warm"], ["durable warm", "memory"]]
+    for name in [n for rep in range(reps) for n in (*order[rep % 2], "copy floor")] + ["durable cold"] * reps:
+        if name == "durable cold" and not drop():
+            break
+        dist.barrier()
+        if name == "copy floor":
+            if floor_path:
+                times[name].append(_copy_floor(rank, floor_path, floor_bytes, floor_live))
+            continue
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             loaded = loads[name]()
-            times[name].append(time.perf_counter() - start)
-            assert loaded is not None and loaded.step == 1
+        times[name].append(time.perf_counter() - start)
+        assert loaded is not None and loaded.step == 1
+        assert name != "memory" or loaded.source == "memory", loaded.source
     tier.close(clean=True)
     durable.close()
     return times
 
 
-def restore_run(a: Any) -> dict[str, list[float]]:
+def _state_mb(width: int, layers: int) -> float:
+    """Model and Adam state of the benchmark's MLP, in MB: what each rank restores."""
+    return 3 * (layers * (width * width + width)) * 4 / 1e6
+
+
+def restore_run(a: Any, width: int, layers: int) -> dict[str, list[float]]:
     from robustdist.testing.ranks import run_ranks
 
     base = tempfile.mkdtemp(prefix="rd-bench-restore-")
     shm = tempfile.mkdtemp(prefix="rd-bench-restore-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
-        out = run_ranks(_restore_rank, 2, args=(base, shm, f"p9-{uuid.uuid4().hex}", a.width, a.layers,
-                                                a.restore_reps), init=True, timeout=240)
+        out = run_ranks(_restore_rank, 2, args=(base, shm, f"p9-{uuid.uuid4().hex}", width, layers,
+                                                a.restore_reps), init=True, timeout=600)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     # a collective restore is done when its slowest rank is
     return {k: [max(r) for r in zip(*(o[k] for o in out))] for k in out[0]}
+
+
+RESTORE_STATES = {"100mb": (2048, 2), "1gb": (4096, 5)}
+"""The larger states the in-memory restore is also measured at: name -> (width, layers), 101 MB and 1007 MB."""
 
 
 # ---------------------------------------------------------------------- main
@@ -557,13 +606,14 @@ def main() -> None:
                       f"{runs[variant]['failures']}", flush=True)
         finally:
             nodes.close()
-        restore = restore_run(args)
+        restore = restore_run(args, args.width, args.layers)
+        larger = {name: restore_run(args, *shape) for name, shape in RESTORE_STATES.items()}
     except BaseException:
         dump_logs(work)
         raise
     finally:
         tidy(work, args.keep)
-    report(args, use_lab, why, floor, ideal_steps, runs, restore, time.time() - started,
+    report(args, use_lab, why, floor, ideal_steps, runs, restore, larger, time.time() - started,
            (load0, os.getloadavg()[0]))
 
 
@@ -588,8 +638,8 @@ def _med(values: list[float]) -> float:
 
 def report(args: Any, use_lab: bool, why: str | None, floor: list[dict[str, float]],
            ideal_steps: dict[str, list[float]],
-           runs: dict[str, dict[str, Any]], restore: dict[str, list[float]], seconds: float,
-           load: tuple[float, float]) -> None:
+           runs: dict[str, dict[str, Any]], restore: dict[str, list[float]],
+           larger: dict[str, dict[str, list[float]]], seconds: float, load: tuple[float, float]) -> None:
     floor_s = _med([f["floor"] for f in floor])
     times: dict[str, list[float]] = {"restart floor: kill to group ready (torch + init_process_group)":
                                      [f["floor"] for f in floor]}
@@ -641,10 +691,21 @@ def report(args: Any, use_lab: bool, why: str | None, floor: list[dict[str, floa
     if restore["durable cold"]:
         times["restore, same state: AtomicCheckpointer.load, cold (drop_caches)"] = restore["durable cold"]
         metrics["restore_memory_vs_durable_cold"] = _med(restore["memory"]) / _med(restore["durable cold"])
+    metrics["restore_copy_floor_vs_durable_warm"] = _med(restore["copy floor"]) / _med(restore["durable warm"])
+    times["restore, same state: the copy floor (the file's bytes mapped and copied once into memory in use)"] = \
+        restore["copy floor"]
+    for name, r in larger.items():
+        mb = _state_mb(*RESTORE_STATES[name])
+        times[f"restore, {mb:.0f} MB: LocalTier.load (memory)"] = r["memory"]
+        times[f"restore, {mb:.0f} MB: AtomicCheckpointer.load, page cache warm"] = r["durable warm"]
+        times[f"restore, {mb:.0f} MB: the copy floor"] = r["copy floor"]
+        metrics[f"restore_gbps_{name}"] = mb / 1e3 / _med(r["memory"])
+        metrics[f"restore_memory_vs_durable_warm_{name}"] = _med(r["memory"]) / _med(r["durable warm"])
+        metrics[f"restore_copy_floor_vs_durable_warm_{name}"] = _med(r["copy floor"]) / _med(r["durable warm"])
     where = "2 lab nodes (network namespaces, one torchrun agent and one rank each, a private tmpfs local disk)" \
         if use_lab else (f"2 torchrun agents on one host, 1 rank each (NOT the lab: {why or '--host'}; the node kill "
                          "restarts node 1's agent with the shared local directory intact, not a replaced node)")
-    state_mb = 3 * (args.layers * (args.width * args.width + args.width)) * 4 / 1e6
+    state_mb = _state_mb(args.width, args.layers)
     step_ms = statistics.mean(metrics[f"ideal_step_seconds_{v}"] for v in runs) * 1e3
     setup = (f"{where}; DDP/gloo MLP {args.layers}x{args.width} + Adam ({state_mb:.0f} MB of state), "
              f"{args.steps} steps of ~{step_ms:.0f} ms ({args.sleep * 1e3:.0f} ms of it a fixed sleep; the ideal step "
@@ -653,7 +714,9 @@ def report(args: Any, use_lab: bool, why: str | None, floor: list[dict[str, floa
              f"{min(INTERVALS):g} to {max(INTERVALS):g} s apart from the first step on (rank SIGKILLs, the 2nd a node "
              "replacement), the same schedule for every variant, until the job ends; ceiling = (mean failure "
              "interval - floor) / mean failure interval, the interval being the variant's wall time / its failures; "
-             f"{seconds:.0f} s in all")
+             f"restores measured directly at {state_mb:.0f} MB and at "
+             f"{', '.join(f'{_state_mb(*shape):.0f} MB' for shape in RESTORE_STATES.values())} of state (2 ranks, "
+             f"{args.restore_reps} of each, interleaved); {seconds:.0f} s in all")
     notes = [(f"machine load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
               f"{os.cpu_count()} CPUs: other work on the machine stretches steps and restarts alike")]
     notes += [f"{v}, per failure (kind, steps lost, kill to first new step = restart + restore + replay s, sources): "

@@ -42,6 +42,9 @@ class LoadedCheckpoint:
     step: int
     path: str
     state: dict[str, Any]
+    """The saved entries. Those restored into live objects (modules, optimizers) may share their tensors with them:
+    an optimizer keeps the tensors it is given, and the in-memory tier copies a tensor straight into the live one it
+    restores. Clone them to keep the values as loaded."""
     per_rank: dict[str, Any]
     metadata: dict[str, Any]
     manifest: dict[str, Any]

@@ -30,6 +30,7 @@ from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo, LoadedChec
 from robustdist.checkpoint._payload import is_sharded
 from robustdist.checkpoint._restore import IfSaved
 from robustdist.data.dataloader import SafeDataLoader
+from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.log import get_logger
 
 log = get_logger(__name__)
@@ -118,6 +119,13 @@ class TrainState:
         loaded = checkpointer.load(checkpoint, state=self.entries(loading=True), per_rank=per_rank,
                                    missing_ok=missing_ok)
         if loaded is None:
+            if local is not None and local.overwritten:
+                raise CheckpointError(
+                    "an in-memory checkpoint copy failed its checksum while it was being copied into the live objects, "
+                    "no other copy restored them and the durable tier holds no checkpoint: the live objects hold part "
+                    "of a checkpoint, so training cannot start from scratch with them. The damaged copy was removed. "
+                    "Fix: restart the job (it starts from step 0, or from another in-memory copy if one is left).",
+                    rank=checkpointer.rank)
             return None
         return _own_extras(loaded, checkpointer.rank, checkpointer.world_size, set(self.entries()))
 

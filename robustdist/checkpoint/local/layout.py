@@ -8,11 +8,11 @@ Layout, under the node's ``local_dir`` (``/dev/shm/...`` by default)::
 Each step directory holds ``payload.pt`` (the owner's RNG, per-rank entries and local shards), for owner 0
 ``replicated.pt`` too (the replicated entries, as in the durable tier), and ``meta.json``: the format, step,
 owner, world size, lineage (which durable directory, and which configuration, the copy belongs to), entry kinds,
-and each file's size and CRC-32. A copy is written into ``.tmp-step_<step>-<token>`` and renamed into place
+and each file's size and checksum (:mod:`.sums`). A copy is written into ``.tmp-step_<step>-<token>`` and renamed into place
 after its meta, so it is never half-visible: a crash mid-write leaves the previous step's copy as it was.
 
 Each data file is bound to its copy (:func:`bind`): what it serialises is ``{"copy": {"file", "step", "owner",
-"lineage", "save"}, "value": ...}``, inside the bytes its CRC-32 covers, and a restore takes the value only where
+"lineage", "save"}, "value": ...}``, inside the bytes its checksum covers, and a restore takes the value only where
 the binding is the copy it asked for (:func:`unbind`). A copy whose ``meta.json`` was edited to another step, or a
 step directory copied over another, or another rank's or run's file, is then a corrupt copy, not a restore of the
 wrong state.
@@ -20,7 +20,8 @@ wrong state.
 The directory is input like a durable one (a stale tmpfs, another job, a hostile user on a shared node):
 every name is matched by pattern, directories are real directories (never links), ``meta.json`` is read
 bounded and validated, and data files are read through :func:`.._safeio.open_in` (confined, regular files,
-exact size) and checked against their CRC before use. A copy that fails any of that is not a source.
+exact size, not sparse) and checked against their checksum before use (:func:`read_verified`, or as they are copied
+into place: :mod:`.mapped`). A copy that fails any of that is not a source.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import json
 import os
 import re
 import stat
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,15 +40,15 @@ from robustdist.checkpoint import _faults
 from robustdist.checkpoint._confined import Confined
 from robustdist.checkpoint._safeio import check_torch_zip, lexists_dir, open_in, read_in
 from robustdist.checkpoint._schema import KINDS, MAX_STEP, is_int
-from robustdist.checkpoint.local import memory
+from robustdist.checkpoint.local import memory, sums
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger
 
 __all__ = ["PAYLOAD", "REPLICATED", "Holding", "bind", "unbind", "check_root", "commit_copy", "make_root", "open_root",
-           "read_verified", "remove_root", "remove_stale", "rotate", "rotate_all", "scan", "siblings", "step_path",
+           "check_dense", "check_room", "expected_sum", "read_verified", "remove_copy", "remove_root", "remove_stale", "rotate", "rotate_all", "scan", "siblings", "step_path",
            "tier_root"]
 
-FORMAT = 2
+FORMAT = 3
 META = "meta.json"
 PAYLOAD = "payload.pt"
 REPLICATED = "replicated.pt"
@@ -58,7 +58,7 @@ MAX_OWNERS = 1 << 16
 MAX_STEPS_PER_OWNER = 64
 _OWNER_RE = re.compile(r"owner_(\d{5})")
 _STEP_RE = re.compile(r"step_(\d{10,19})")
-_HEX8 = re.compile(r"[0-9a-f]{8}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 _SAVE = re.compile(r"[0-9a-f]{12,32}")
 _OLD_RE = re.compile(r"\.old-step_(\d{10,19})-[0-9a-f]{12}")
 _LEFTOVER_RE = re.compile(r"\.(?:tmp|old)-[A-Za-z0-9_.-]{1,190}")
@@ -188,6 +188,12 @@ def _remove_matching(root: str, owner: int, role: str, pattern: re.Pattern[str],
                     _remove(folder, name, pattern)
 
 
+def remove_copy(root: str, owner: int, role: str, step: int) -> None:
+    """Delete this owner's copy (of ``role``) of ``step``: one whose bytes were found changed, so that no later load
+    copies part of it into live objects again."""
+    _remove_matching(root, owner, role, _STEP_RE, lambda m: int(m.group(1)) == step)
+
+
 def remove_stale(root: str, owner: int, role: str) -> None:
     """Remove the staging and set-aside directories an interrupted write of this owner's copies left."""
     _remove_matching(root, owner, role, _LEFTOVER_RE, lambda m: True)
@@ -221,11 +227,11 @@ def unbind(found: Any, name: str, *, step: int, owner: int, lineage: str, save: 
 
 
 def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: dict[str, Any],
-                meta: dict[str, Any], crcs: dict[str, int] | None = None) -> int:
+                meta: dict[str, Any], checksums: dict[str, int] | None = None) -> int:
     """Write ``files`` (name -> bytes-like) and ``meta.json`` into a staging directory, then rename it into place
-    (an existing copy of the same step is set aside first and deleted after). ``crcs``: the files' CRC-32s where
-    the caller already has them (computed over these bytes, or checked against them on arrival); the others are
-    computed here. Returns the bytes written. Every
+    (an existing copy of the same step is set aside first and deleted after). ``checksums``: the files' checksums
+    (:mod:`.sums`) where the caller already has them (computed over these bytes, or checked against them on
+    arrival); the others are computed here. Returns the bytes written. Every
     file is created fresh in a directory made fresh, all of it reached from the tier's directory without
     following a link (:class:`.._confined.Confined`).
 
@@ -242,8 +248,8 @@ def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: 
                 for name, data in files.items():
                     view = memoryview(data).cast("B")
                     written += copy.put(name, view)
-                    crc = crcs[name] if crcs is not None and name in crcs else zlib.crc32(view)
-                    entries[name] = {"size": len(view), "crc32": f"{crc:08x}"}
+                    got = checksums[name] if checksums is not None and name in checksums else sums.of(view)
+                    entries[name] = {"size": len(view), "sum": f"{got:016x}"}
                 _faults.phase("local_writing")
                 copy.put(META, json.dumps({**meta, "format": FORMAT, "owner": owner, "step": step,
                                            "files": entries}).encode())
@@ -302,9 +308,9 @@ def _check_meta(path: str, meta: Any, owner: int, step: int) -> dict[str, Any]:
     if not isinstance(files, dict) or PAYLOAD not in files or not set(files) <= allowed:
         raise bad(f"files is not a map holding {PAYLOAD} (and, for rank 0, {REPLICATED}) only")
     for name, entry in files.items():
-        if not (isinstance(entry, dict) and set(entry) == {"size", "crc32"} and is_int(entry["size"], 0, 1 << 50)
-                and isinstance(entry["crc32"], str) and _HEX8.fullmatch(entry["crc32"])):
-            raise bad(f"the entry of {name} is not {{'size': int, 'crc32': 8 hex digits}}")
+        if not (isinstance(entry, dict) and set(entry) == {"size", "sum"} and is_int(entry["size"], 0, 1 << 50)
+                and isinstance(entry["sum"], str) and _HEX16.fullmatch(entry["sum"])):
+            raise bad(f"the entry of {name} is not {{'size': int, 'sum': 16 hex digits}}")
     return meta
 
 
@@ -359,43 +365,64 @@ def scan(root: str) -> tuple[list[Holding], list[str]]:
     return found, skipped
 
 
-_CHUNK = 4 << 20
+_CHUNK = sums.BLOCK
+
+
+def expected_sum(holding: Holding, name: str) -> int:
+    """The checksum ``meta.json`` records for file ``name`` of the copy."""
+    return int(holding.files[name]["sum"], 16)
+
+
+def check_room(holding: Holding, name: str) -> None:
+    """Refuse, without reading it, a file larger than the RAM available."""
+    size = holding.files[name]["size"]
+    available = memory.free(holding.path)[1]
+    if available is not None and size > available:
+        raise CheckpointCorruptError(f"{os.path.join(holding.path, name)}: {memory.size(size)}, more than the RAM "
+                                     f"available ({memory.size(available)}); refused without reading it")
+
+
+def check_dense(fh: Any, size: int, where: str) -> None:
+    """Refuse a file with a hole (a sparse file claiming more bytes than it holds): the tier writes every byte, and
+    a hole would cost the memory its claimed size asks for, not its own."""
+    fd = fh.fileno()
+    at = os.lseek(fd, 0, os.SEEK_CUR)  # put back below: ``fh``'s buffer stands for this offset
+    try:
+        hole = os.lseek(fd, 0, os.SEEK_HOLE)
+    except (OSError, AttributeError):  # no hole detection on this file system: nothing to refuse
+        return
+    finally:
+        os.lseek(fd, at, os.SEEK_SET)
+    if hole < size:
+        raise CheckpointCorruptError(f"{where}: a sparse file (a hole at byte {hole} of {size}); the tier writes every "
+                                     "byte of its copies, so this is not one: refused without reading it")
 
 
 def read_verified(holding: Holding, name: str) -> bytearray:
-    """One file of a copy, read confined and bounded, checked against its size and CRC-32 from ``meta.json``
-    *before* the memory for it is taken: a copy larger than the RAM available is refused outright, the file must
-    be a torch zip (checked from the file), and a first pass computes the CRC-32 in chunks (a sparse file that
-    claims gigabytes costs a chunk, not gigabytes); the
-    second pass reads it into one buffer and checks the CRC-32 again (the bytes may change in between). Every
-    failure is a :class:`CheckpointCorruptError` (the copy is excluded, the next source or the durable tier
-    used), never a raw ``MemoryError``."""
+    """One file of a copy, read confined and bounded into one buffer, its checksum computed a chunk at a time as
+    each chunk arrives, and checked against ``meta.json``: a file larger than the RAM available is refused
+    outright, and the file must be a torch zip (checked from the file: its directory and pickle, not its data)
+    without holes before the memory for it is taken. Every failure is a :class:`CheckpointCorruptError` (the copy is excluded,
+    the next source or the durable tier used), never a raw ``MemoryError``."""
     entry = holding.files[name]
     shown = os.path.join(holding.path, name)
-    available = memory.free(holding.path)[1]
-    if available is not None and entry["size"] > available:
-        raise CheckpointCorruptError(f"{shown}: {memory.size(entry['size'])}, more than the RAM available "
-                                     f"({memory.size(available)}); refused without reading it")
+    check_room(holding, name)
     with open_in(holding.root, f"{holding.relative}/{name}", size=entry["size"]) as fh:
-        check_torch_zip(fh, shown)  # a torch zip at all (read from the file: a chunk, not the whole)
-        crc, got = 0, 0
-        while chunk := fh.read(_CHUNK):
-            crc, got = zlib.crc32(chunk, crc), got + len(chunk)
-        if got != entry["size"] or f"{crc:08x}" != entry["crc32"]:
-            raise CheckpointCorruptError(f"{shown}: CRC-32 differs from its meta.json (the bytes changed)"
-                                         if got == entry["size"] else f"{shown}: shorter than its meta says")
+        check_torch_zip(fh, shown)  # a torch zip at all (read from the file: its ends and pickle, not the whole)
+        check_dense(fh, entry["size"], shown)
         fh.seek(0)
         try:
             data = bytearray(entry["size"])
         except MemoryError:
             raise CheckpointCorruptError(f"{shown}: {memory.size(entry['size'])} do not fit in memory") from None
         view = memoryview(data)
-        got = 0
+        got, digest = 0, sums.Digest()
         while got < len(data):
-            n = fh.readinto(view[got:])
+            n = fh.readinto(view[got:got + _CHUNK])
             if not n:
                 raise CheckpointCorruptError(f"{shown}: shorter than its meta says")
+            digest.add(view[got:got + n], got)
             got += n
-    if f"{zlib.crc32(data):08x}" != entry["crc32"]:
-        raise CheckpointCorruptError(f"{shown}: CRC-32 differs from its meta.json (the bytes changed while read)")
+    if digest.value() != expected_sum(holding, name):
+        raise CheckpointCorruptError(f"{shown}: its checksum differs from its meta.json (the bytes changed)")
     return data

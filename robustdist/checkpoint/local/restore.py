@@ -8,28 +8,38 @@ Every rank calls it; the collectives run on the tier's own group.
    state has at least one copy somewhere in the job (and rank 0's has the replicated entries). For one
    candidate, every rank computes the same assignment: rank r's state comes from r's own copy if it holds one,
    else from a copy on another rank of the same node, else from the replica a peer node holds.
-3. Each assigned holder reads its copies (confined, exact size, CRC-32 against ``meta.json``). **Collective:
-   all_gather** of the problems: a copy that failed is excluded, with a warning naming the rank, the copy
-   and the reason, and the assignment is made again (the next source, then the next step).
-4. The replicated entries are broadcast from their holder (**collective: broadcast**); each rank whose state is
-   held elsewhere receives it point to point (:mod:`.wire`, CRC-checked).
+3. Each assigned holder opens its copies (confined, exact size, no holes, a torch zip with a scanned pickle). A
+   file only this rank uses is loaded over a mapping of it (:mod:`.mapped`: its structure now, its tensors later);
+   one it also sends is read into memory and checked against ``meta.json``'s checksum (:mod:`.sums`) as it is
+   read. **Collective: all_gather** of the problems: a copy that failed is excluded, with a warning naming the
+   rank, the copy and the reason, and the assignment is made again (the next source, then the next step).
+4. Each rank whose state is held elsewhere receives it point to point, and the ranks of a node that holds no copy
+   of the replicated entries receive those (:mod:`.wire`, checksummed).
 5. Each rank deserialises with ``torch.load(weights_only=True)`` (after the same zip and pickle scan as the
    durable tier), validates the shapes (:mod:`.._schema`) and checks every entry against its live object
    (:mod:`.._live`, as the durable loader does). **Collective: all_gather** of the problems: corrupt content
    excludes its source (back to 3); entries that do not fit the live objects end the in-memory attempt
-   (None: the durable tier decides, and names the problem).
+   (None: the durable tier decides, and names the problem), once a mapped file's bytes are found to be what was
+   written (else it is corrupt).
 6. Restore as the durable loader does (:mod:`.._restore`: unchecked objects with copies first, then this
    rank's local shards for FSDP entries, then the checked entries; **collective: all_gather** after each
-   stage), then the RNG. The result is bit-identical to loading the same step from the durable tier.
+   stage), then the RNG. A mapped file's tensors go into new memory before the unchecked objects are restored,
+   and straight into the live tensors they restore just before the checked ones, their checksum judged then
+   (**collective: all_gather**; a file whose sum disagrees is excluded and removed, the unchecked objects put
+   back, and the assignment made again). The result is bit-identical to loading the same step from the durable
+   tier.
 
 A rank's own copy of the step as this process took it (:mod:`.held`: kept across an in-process recovery) is used
 in place of reading and deserialising that copy's files (3 and 5); the checks of 5 and the restore of 6 still run.
 
-Nothing is deleted or written during recovery, so a crash in it leaves every copy for the next attempt.
+Nothing is written during recovery, and only a copy found damaged while being copied into place is deleted, so a
+crash in it leaves every good copy for the next attempt. A load that wrote into live tensors and then restored
+nothing says so (``LocalTier.overwritten``): the caller must not train on from those objects as if fresh.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 from typing import Any, Callable, Protocol
@@ -44,8 +54,9 @@ from robustdist.checkpoint._schema import weights_only_reason
 from robustdist.checkpoint._sharded import _optimizer_pair, _state_dicts
 from robustdist.checkpoint._types import LoadedCheckpoint
 from robustdist.checkpoint.local import layout
+from robustdist.checkpoint.local import mapped as _mapped
 from robustdist.checkpoint.local.held import Held
-from robustdist.checkpoint.local.wire import Blob, as_tensor, exchange
+from robustdist.checkpoint.local.wire import Blob, exchange
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger, user_stacklevel, warn
 
@@ -61,6 +72,9 @@ class LocalTier(Protocol):
     timeout: float
     group: Any
     collectives: Any
+    overwritten: bool
+    filled: bool
+    refused: list[Any]
 
 __all__ = ["local_shards", "recover"]
 
@@ -151,6 +165,14 @@ def _torch_loads(data: Any, where: str) -> Any:
         raise CheckpointCorruptError(f"{where}: not a loadable torch file ({type(e).__name__}: {str(e)[:200]})") from e
     _schema.check_size(where, payload, _schema.MAX_PAYLOAD_VALUES)
     return payload
+
+
+def _loaded(file: Any, where: str) -> Any:
+    """What a copy's file holds: its structure where it is mapped (tensors copied into place later), else
+    deserialised from its bytes."""
+    if isinstance(file, _mapped.Mapped):
+        return file.value
+    return _torch_loads(file.numpy() if isinstance(file, torch.Tensor) else file, where)
 
 
 def _inventory(tier: LocalTier) -> list[tuple[int, str, int, dict[str, int], dict[str, str], str, str]]:
@@ -250,13 +272,18 @@ def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any], at
     candidates = sorted({(row[2], row[6]) for rows, _ in everyone for row in rows if floor is None or row[2] >= floor},
                         reverse=True)
     excluded: set[tuple[Any, ...]] = set()
+    outcome: LoadedCheckpoint | str | None = None
     for cand in candidates:
         while (assigned := _assign(cand, everyone, tier.nodes, excluded)) is not None:
             outcome = _attempt(tier, cand, assigned, everyone, state, per_rank, excluded, held)
-            if outcome == "unfit":
-                return None
-            if isinstance(outcome, LoadedCheckpoint):
-                return outcome
+            if outcome == "unfit" or isinstance(outcome, LoadedCheckpoint):
+                break
+        if outcome == "unfit" or isinstance(outcome, LoadedCheckpoint):
+            break
+    if isinstance(outcome, LoadedCheckpoint):
+        return outcome
+    if tier.filled:  # every rank filled (a step every rank reaches): whether any live object was written
+        tier.overwritten = any(c.all_gather(tier.overwritten, "local outcome"))
     return None
 
 
@@ -282,16 +309,23 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
         unread.add(layout.REPLICATED)
     data: dict[Source, dict[str, Any]] = {}
     problems: list[tuple[Source, str]] = []
+    # a file only this rank uses is restored where it lies (.mapped: copied once, into place); one it also sends is
+    # read into memory
+    sent = {(src, layout.PAYLOAD) for owner, src in assigned.items() if src[0] == rank and owner != rank}
+    sent |= {(source0, layout.REPLICATED)} if source0[0] == rank and far else set()
     for source, names in _reads(rank, assigned, here):
         names = [n for n in names if source != own_src or n not in unread]
         if not names:
             continue
         try:
             holding = _find(tier, source, cand)
-            data.setdefault(source, {}).update({n: layout.read_verified(holding, n) for n in names})
+            for n in names:
+                where = f"{_describe(source, step)} ({n})"
+                got = _mapped.load(holding, n, where) if (source, n) not in sent and _mapped.usable() else None
+                data.setdefault(source, {})[n] = got if got is not None else layout.read_verified(holding, n)
         except CheckpointCorruptError as e:
             problems.append((source, str(e)[:500]))
-        except (OSError, MemoryError) as e:  # an I/O error, or memory short: that copy cannot be used here
+        except Exception as e:  # an I/O error, memory short, a crafted file torch chokes on: not usable here
             problems.append((source, f"{_describe(source, step)}: could not be read ({type(e).__name__}: "
                                      f"{str(e)[:300]})"))
     if _exclude(tier, step, c.all_gather(problems, "local read"), excluded):
@@ -309,11 +343,12 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     receive = sorted(({mine_src[0]} if mine_src[0] != rank else set()) | ({source0[0]} if rank in far else set()))
     got = exchange(tier.group, rank, sends, receive, timeout=tier.timeout, what=f"recovery of step {step}") \
         if sends or receive else {}
-    payload_bytes = got[mine_src[0]][0].tensor if mine_src[0] != rank else None if mem_payload else \
-        as_tensor(data[mine_src][layout.PAYLOAD])
+    payload_file = got[mine_src[0]][0].tensor if mine_src[0] != rank else None if mem_payload else \
+        data[mine_src][layout.PAYLOAD]
     replicated_src = here if here is not None else source0
-    replicated_bytes = got[source0[0]][-1].tensor if rank in far else None if mem_replicated else \
-        as_tensor(data[replicated_src][layout.REPLICATED])
+    replicated_file = got[source0[0]][-1].tensor if rank in far else None if mem_replicated else \
+        data[replicated_src][layout.REPLICATED]
+    mapped = [f for f in (payload_file, replicated_file) if isinstance(f, _mapped.Mapped)]
     # step 5: deserialise and check
     kinds = _row(everyone, source0, cand)[4]
     source0 = replicated_src if rank not in far else source0  # the copy whose bytes this rank checks
@@ -330,12 +365,12 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
             return _schema.check_replicated(where0, layout.unbind(value, layout.REPLICATED, owner=0, where=where0,
                                                                   **copy), kinds)
         replicated = _held_or_file(tier, held.replicated, check, own_src, cand, layout.REPLICATED, where0, read) \
-            if held is not None and mem_replicated else check(_torch_loads(replicated_bytes.numpy(), where0))
+            if held is not None and mem_replicated else check(_loaded(replicated_file, where0))
         where = f"{_describe(mine_src, step)} ({layout.PAYLOAD})"
         corrupt_of = mine_src
         check_own = _payload_check(where, rank, copy)
         payload, mine = _held_or_file(tier, held.payload, check_own, own_src, cand, layout.PAYLOAD, where, read) \
-            if held is not None and mem_payload else check_own(_torch_loads(payload_bytes.numpy(), where))
+            if held is not None and mem_payload else check_own(_loaded(payload_file, where))
     except CheckpointCorruptError as e:  # the bytes of one copy are wrong: exclude it, try the next source
         problem = ("corrupt", corrupt_of, str(e)[:500])
     except Exception as e:  # a check that itself failed on a crafted value: still that copy's problem
@@ -353,6 +388,10 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     except Exception as e:  # well-formed copies that do not fit the live objects: the durable tier decides
         problem = ("unfit", None, str(e)[:500] if isinstance(e, CheckpointError) else
                    f"{type(e).__name__}: {str(e)[:500]}")
+    if problem is not None and problem[0] == "unfit":  # unfit only if its bytes are what was written
+        for f, src in ((payload_file, mine_src), (replicated_file, source0)):
+            if isinstance(f, _mapped.Mapped) and not f.verify():
+                problem = ("corrupt", src, f"{f.where}: its checksum differs from its meta.json (the bytes changed)")
     rows = c.all_gather(problem, "local check")
     corrupt = [(r[1], f"rank {i}: {r[2]}") for i, r in enumerate(rows) if r and r[0] == "corrupt"]
     if corrupt:
@@ -364,7 +403,25 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
              "durable tier is used instead.", stacklevel=user_stacklevel())
         return "unfit"
     assert checked is not None
-    return _restore_all(tier, step, checked, state, mine_src, mem_payload and layout.PAYLOAD not in read) or "unfit"
+    tier.filled = True  # every rank gets here together
+    mapped = [(f, src) for f, src in ((payload_file, mine_src), (replicated_file, source0))
+              if isinstance(f, _mapped.Mapped)]
+    live = _mapped.destinations(_checked_entries(checked[3], state, replicated, per_rank, mine)) if mapped else {}
+    outcome = _restore_all(tier, step, checked, state, mine_src, mem_payload and layout.PAYLOAD not in read,
+                           mapped, live)
+    if outcome == "corrupt":  # a mapped file's sum disagreed: assign again without it
+        _exclude(tier, step, [[row] for row in tier.refused], excluded)
+        return None
+    return outcome or "unfit"
+
+
+def _checked_entries(plan: _restore.Plan, state: dict[str, Any], replicated: dict[str, Any],
+                     per_rank: dict[str, Any], mine: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(name, live object, saved state)`` of the entries the plan restores as checked (never copied first)."""
+    checked = {id(live) for _, live, _ in plan.checked}
+    saved_per_rank = mine.get("per_rank", {})
+    return [(n, live, replicated[n]) for n, live in state.items() if id(live) in checked and n in replicated] + \
+        [(n, live, saved_per_rank[n]) for n, live in per_rank.items() if id(live) in checked and n in saved_per_rank]
 
 
 def _payload_check(where: str, owner: int, copy: dict[str, Any]
@@ -404,13 +461,28 @@ def _exclude(tier: LocalTier, step: int, rows: list[Any], excluded: set[tuple[An
 
 
 def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: dict[str, Any],
-                 source: Source, from_process: bool) -> LoadedCheckpoint | None:
-    """Step 6; None when the restore failed somewhere (the live objects are put back)."""
+                 source: Source, from_process: bool, mapped: list[tuple[_mapped.Mapped, Source]],
+                 live: dict[int, torch.Tensor]) -> LoadedCheckpoint | str | None:
+    """Step 6; None when the restore failed somewhere (the live objects are put back), "corrupt" when a mapped
+    file's sum disagreed (``tier.refused`` names it; the unchecked entries are put back).
+
+    The tensors of the mapped files go into new memory first (:meth:`.mapped.Mapped.fill_new`), then the unchecked
+    entries are restored (copied first, put back on a problem), and only then are the remaining tensors copied
+    straight into the live ones and the files' sums judged (:meth:`.mapped.Mapped.fill_live`), before the checked
+    entries are restored: nothing fails after a live tensor is written but a damaged copy."""
     c = tier.collectives
     replicated, own, shards, plan = checked
     sharded = dict(plan.sharded)
     plan.sharded = {}
-    copies, problem = _restore.restore_unchecked(plan, "", None, tier.group)
+    copies: list[Any] = []
+    problem = None
+    try:
+        for f, _ in mapped:
+            f.fill_new(live)
+    except Exception as e:  # memory short, say
+        problem = f"rank {tier.rank}: could not copy a mapped file's tensors ({type(e).__name__}: {str(e)[:300]})"
+    if problem is None:
+        copies, problem = _restore.restore_unchecked(plan, "", None, tier.group)
     if sharded and problem is None:
         try:
             copies += [(f"state[{n!r}]", v, _restore._capture(v)) for n, v in sharded.items()]
@@ -418,6 +490,24 @@ def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: di
         except Exception as e:
             problem = f"{type(e).__name__}: {str(e)[:500]}"
     bad = [p for p in c.all_gather(problem, "local restore") if p]
+    if not bad:
+        refused = None
+        for f, src in mapped:
+            try:
+                f.fill_live(live)
+            except CheckpointCorruptError as e:
+                refused = (src, str(e)[:500])
+                with contextlib.suppress(Exception):  # damaged: never copied into place again
+                    layout.remove_copy(tier.directory, src[1], src[2], step)
+            except Exception as e:
+                refused = (src, f"{f.where}: could not be copied into place ({type(e).__name__}: {str(e)[:300]})")
+            if refused is not None:
+                break
+        tier.refused = [row for row in c.all_gather(refused, "local fill") if row]
+        if tier.refused:
+            _restore.put_back(copies)
+            tier.overwritten = tier.overwritten or any(f.touched for f, _ in mapped)
+            return "corrupt"
     if not bad:
         bad = [p for p in c.all_gather(_restore.restore_checked(plan), "local apply") if p]
     if bad:

@@ -151,6 +151,12 @@ class LocalTier:
                         ", ".join(p for p, _ in self.others[:3]))
         self.last_complete: int | None = None
         """The newest step this rank saw complete (saved or loaded)."""
+        self.overwritten = self.filled = False
+        """``overwritten``: whether the last :meth:`load` wrote into live tensors and then restored nothing (a copy
+        whose checksum failed while it was copied into place): the live objects are neither as they were nor a
+        checkpoint, and the caller must not start from scratch with them. ``filled``: whether it got as far as
+        copying into place."""
+        self.refused: list[Any] = []
         self.node_bytes: int | None = None
         """What the tier needs on this node (updated at each save whose copies grew), for ``ray_memory_plan``."""
         self.on_complete: Callable[[int], None] | None = None
@@ -281,7 +287,7 @@ class LocalTier:
         try:
             layout.remove_stale(self.directory, self.rank, "own")
             written += layout.commit_copy(self.directory, self.rank, "own", step, token, {
-                n: b.view() for n, b in zip(names, blobs)}, meta, {n: b.crc for n, b in zip(names, blobs)})
+                n: b.view() for n, b in zip(names, blobs)}, meta, {n: b.checksum for n, b in zip(names, blobs)})
             # what the own copy holds, until the next snapshot: a load that agrees on this save uses it (.held)
             self._held = _held.Held(step, save_id, self.rank, self.world_size, self.lineage, payload, replicated)
         except Exception as e:  # still take part in the exchange (the peers wait for it), then report
@@ -300,7 +306,7 @@ class LocalTier:
                 layout.remove_stale(self.directory, src, "replica")
                 written += layout.commit_copy(self.directory, src, "replica", step, token,
                                               {n: b.view() for n, b in zip(names, got)}, meta,
-                                              {n: b.crc for n, b in zip(names, got)})
+                                              {n: b.checksum for n, b in zip(names, got)})
         except Exception as e:
             problem = problem or f"replicating: {e}"
         _faults.phase("local_replicated")
@@ -353,7 +359,9 @@ class LocalTier:
              at_least: int | None = None) -> LoadedCheckpoint | None:
         """Restore the newest step complete across the job (from any rank's copy or replica) that is at least
         ``at_least`` (rank 0's value counts: the durable tier's newest step); None when there is none, so the
-        caller loads the durable tier. Collective."""
+        caller loads the durable tier. Collective. After None, :attr:`overwritten` says whether the live objects
+        were partly written by a copy found damaged mid-restore: then only a restore of another checkpoint may
+        follow, not training from scratch."""
         self._check_open()
         try:
             self.wait()
@@ -365,9 +373,10 @@ class LocalTier:
         held, self._carried = self._carried, None  # its own _held is not used: a load here reads the files
         if held is not None:  # used once: the restored objects may keep its tensors, so new buffers next save
             self._held, self._staging = None, {}
+        self.overwritten = self.filled = False
         loaded = _local_restore.recover(self, dict(state or {}), dict(per_rank or {}), at_least, held=held)
         if loaded is not None:
-            self.last_complete = loaded.step
+            self.last_complete, self.overwritten = loaded.step, False
         return loaded
 
     # ------------------------------------------------------------------ lifecycle

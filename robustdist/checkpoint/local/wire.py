@@ -1,7 +1,8 @@
 """Moving the in-memory tier's bytes between ranks: point-to-point over the tier's own gloo group.
 
-Each message is a fixed header (how many blobs, then each blob's size and CRC-32) followed by the blobs, each
-under its own tag. The receiver allocates from the header, checks every CRC on arrival, and names the sender
+Each message is a fixed header (how many blobs, then each blob's size and checksum, :mod:`.sums`) followed by the
+blobs, each under its own tag. The receiver allocates from the header, checks every checksum on arrival, and names
+the sender
 when anything is late or wrong. Every wait is bounded by the tier's timeout (gloo honours ``wait(timeout)``
 for point-to-point work), so a peer that died mid-transfer is an error naming it, never a hang.
 """
@@ -9,7 +10,6 @@ for point-to-point work), so a peer that died mid-transfer is an error naming it
 from __future__ import annotations
 
 import threading
-import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from robustdist.checkpoint.local import sums
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import CheckpointError
@@ -32,24 +33,24 @@ def as_tensor(data: Any) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8) if len(memoryview(data)) else torch.empty(0, dtype=torch.uint8)
 
 
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(t.numpy()))
+def _sum(t: torch.Tensor) -> int:
+    return sums.of(t.numpy())
 
 
 @dataclass(frozen=True, eq=False)
 class Blob:
-    """Bytes as a uint8 tensor with their CRC-32, computed once: the same number goes into the header a peer
-    checks and into the ``meta.json`` of the copy written from it (a 25 MB CRC is about 12 ms of CPU here, and
-    a save beside training pays each one)."""
+    """Bytes as a uint8 tensor with their checksum (:mod:`.sums`), computed once: the same number goes into the
+    header a peer checks and into the ``meta.json`` of the copy written from it (a save beside training pays each
+    one)."""
 
     tensor: torch.Tensor
-    crc: int
+    checksum: int
 
     @classmethod
     def of(cls, data: Any) -> Blob:
-        """``data`` (a bytearray or writable buffer) without a copy, and its CRC-32."""
+        """``data`` (a bytearray or writable buffer) without a copy, and its checksum."""
         t = as_tensor(data)
-        return cls(t, _crc(t))
+        return cls(t, _sum(t))
 
     def view(self) -> memoryview:
         return memoryview(self.tensor.numpy())
@@ -100,8 +101,7 @@ def _wait(works: list[tuple[Any, str]], timeout: float, rank: int, what: str) ->
 def exchange(group: Any, rank: int, sends: dict[int, list[Blob]], receive_from: list[int], *,
              timeout: float, what: str) -> dict[int, list[Blob]]:
     """Send ``sends[dst]`` (up to two blobs each) to every ``dst`` and receive from every rank in
-    ``receive_from``; return what each sender sent, CRC-checked (each blob with the CRC it was checked
-    against). Every rank of a pair must call it. Not started while waits are interrupted (an in-process recovery
+    ``receive_from``; return what each sender sent, checked (each blob with the checksum it was checked against). Every rank of a pair must call it. Not started while waits are interrupted (an in-process recovery
     shut the group's connections)."""
     if (reason := _dist.interrupted()) is not None:
         raise CheckpointError(f"{what} was not started: {reason}. Expected when the job recovers in place.",
@@ -112,7 +112,7 @@ def exchange(group: Any, rank: int, sends: dict[int, list[Blob]], receive_from: 
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0] = len(blobs)
         for i, blob in enumerate(blobs):
-            header[1 + 2 * i], header[2 + 2 * i] = blob.tensor.numel(), blob.crc
+            header[1 + 2 * i], header[2 + 2 * i] = blob.tensor.numel(), blob.checksum
         keep.append(header)
         works.append((dist.isend(header, dst, group=group, tag=0), f"rank {dst}"))
         for i, blob in enumerate(blobs):
@@ -139,11 +139,11 @@ def exchange(group: Any, rank: int, sends: dict[int, list[Blob]], receive_from: 
     for src, bufs in received.items():
         checked[src] = []
         for i, buf in enumerate(bufs):
-            if (crc := _crc(buf)) != int(headers[src][2 + 2 * i]):
-                raise CheckpointError(f"the in-memory checkpoint {what} from rank {src} arrived with a CRC-32 other "
+            if (got := _sum(buf)) != int(headers[src][2 + 2 * i]):
+                raise CheckpointError(f"the in-memory checkpoint {what} from rank {src} arrived with a checksum other "
                                       "than the one it sent; expected the bytes it sent. Fix: check the network.",
                                       rank=rank)
-            checked[src].append(Blob(buf, crc))
+            checked[src].append(Blob(buf, got))
     return checked
 
 
@@ -176,7 +176,7 @@ class _Sink:
 
 def serialise(obj: Any) -> memoryview:
     """``torch.save`` of ``obj`` into memory: the bytes a local copy holds. Without the zip records' own CRC-32s
-    (most of torch.save's time for large tensors): each blob has one CRC-32 of its own (:class:`Blob`), checked on
+    (most of torch.save's time for large tensors): each blob has one checksum of its own (:class:`Blob`), checked on
     every read and on every receipt."""
     sink = _Sink()
     _torch_compat.save_without_record_crcs(obj, sink)
