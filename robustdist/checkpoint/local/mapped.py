@@ -11,8 +11,10 @@ than corrupt.
 The file is checked as any read of the tier is (confined, exact size, a torch zip whose pickle is scanned before
 ``torch.load`` sees it); every non-empty data record must be one tensor storage of exactly its size, and the bytes
 outside them (headers, the pickle) are summed when the file is opened. Copies are never edited in place, so the
-mapping sees the bytes the file was written with; a same-user process that truncates the file under the mapping can
-crash the reader (``SIGBUS``), which is no more than such a process can do anyway.
+mapping sees the bytes the file was written with. A process of the same user that edits the file while it is being
+loaded can make ``torch.load`` read a pickle other than the one scanned (as with the durable tier, which also scans
+and then loads from the file; ``weights_only`` still refuses code, and the sum then fails) or, by truncating it
+under the mapping, crash the reader (``SIGBUS``): no more than such a process can do anyway.
 """
 
 from __future__ import annotations
