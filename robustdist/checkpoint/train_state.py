@@ -121,10 +121,11 @@ class TrainState:
         if loaded is None:
             if local is not None and local.overwritten:
                 raise CheckpointError(
-                    "an in-memory checkpoint copy failed its checksum while it was being copied into the live objects, "
-                    "no other copy restored them and the durable tier holds no checkpoint: the live objects hold part "
-                    "of a checkpoint, so training cannot start from scratch with them. The damaged copy was removed. "
-                    "Fix: restart the job (it starts from step 0, or from another in-memory copy if one is left).",
+                    "an in-memory checkpoint restore wrote into the live objects and then failed "
+                    f"({local.overwritten[:500]}); no other copy restored them and the durable tier holds no "
+                    "checkpoint, so the live objects hold part of a checkpoint and training cannot start from scratch "
+                    "with them. Expected a complete restore or untouched objects. Fix: restart the job (a copy whose "
+                    f"checksum failed was removed); if this repeats, remove {local.directory} to start from step 0.",
                     rank=checkpointer.rank)
             return None
         return _own_extras(loaded, checkpointer.rank, checkpointer.world_size, set(self.entries()))

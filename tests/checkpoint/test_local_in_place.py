@@ -155,10 +155,30 @@ def test_a_copy_damaged_mid_tensor_with_no_durable_checkpoint_is_a_named_error_a
             with pytest.raises(CheckpointError) as raised:
                 state.load(durable, local=local, missing_ok=True)
         text = str(raised.value)
-        assert "failed its checksum while it was being copied into the live objects" in text, text
-        assert "Fix: restart the job" in text and "The damaged copy was removed" in text, text
+        assert "restore wrote into the live objects and then failed" in text, text
+        assert "checksum differs from its meta.json" in text and "Fix: restart the job" in text, text
         assert not copy.exists()
         assert state.load(durable, local=local, missing_ok=True) is None  # nothing left: from scratch, no error
+    finally:
+        local.close()
+        durable.close()
+
+
+def test_a_restore_failing_after_the_live_tensors_were_written_is_never_a_fresh_start(tmp_path, monkeypatch):
+    """The optimizer's own load fails after the tensors went into place (say, memory short on its device): with no
+    durable checkpoint the load is an error naming that failure, not a fresh start from half-restored objects."""
+    durable, local, _ = _saved(tmp_path, durable_too=False)
+    model, opt = _objects(5)
+
+    def refuse(self: Any, state_dict: Any) -> None:
+        raise RuntimeError("out of memory on the optimizer's device")
+
+    monkeypatch.setattr(torch.optim.Adam, "load_state_dict", refuse)
+    try:
+        with pytest.warns(Warning, match="could not be restored"):
+            with pytest.raises(CheckpointError, match="out of memory on the optimizer's device"):
+                TrainState(model=model, optimizer=opt).load(durable, local=local, missing_ok=True)
+        assert Path(local.directory, "owner_00000", "own", "step_0000000003").is_dir()  # not damaged: kept
     finally:
         local.close()
         durable.close()
@@ -246,7 +266,7 @@ def _flip(data: bytearray, byte: int, bit: int) -> None:
 
 @pytest.mark.parametrize("change", ["bit", "last_byte", "block_moved", "row_moved", "truncated", "zero_word",
                                     "two_top_bits", "opposite_flips_one_block", "two_words_one_row",
-                                    "two_words_one_column"])
+                                    "two_words_one_column", "top_bit_on_the_diagonal", "word_changed_by_the_prime"])
 def test_the_sum_changes_with_the_damage_a_copy_meets(change):
     """Every change of one word, and of two words of one block whatever their bits (a float's sign bit in two
     places, the same bit flipped one way in one word and the other way in another), changes the sum."""
@@ -283,6 +303,15 @@ def test_the_sum_changes_with_the_damage_a_copy_meets(change):
     elif change == "two_words_one_column":
         _flip(data, 8 + 3, 5)
         _flip(data, 8 + 7 * row + 3, 5)
+    elif change == "top_bit_on_the_diagonal":  # row r, word r: where sums that wrap at 2**64 cancel modulo the prime
+        for r in range(0, 256, 17):
+            flipped = bytearray(data)
+            _flip(flipped, r * row + r * 8 + 7, 7)
+            assert sums.of(flipped) != whole, r
+        _flip(data, 7, 7)
+    elif change == "word_changed_by_the_prime":
+        value = int.from_bytes(data[:8], "little")
+        data[:8] = ((value + (1 << 61) - 1) % (1 << 64)).to_bytes(8, "little")
     assert sums.of(data) != whole
 
 

@@ -33,7 +33,7 @@ from robustdist.checkpoint import _payload, _schema
 from robustdist.checkpoint._safeio import check_torch_zip, open_in
 from robustdist.checkpoint._schema import weights_only_reason
 from robustdist.checkpoint.local import layout, sums
-from robustdist.runtime.errors import CheckpointCorruptError
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["Mapped", "destinations", "usable"]
 
@@ -97,12 +97,18 @@ class Mapped:
         """Copy the remaining storages straight into their live tensors, summing them, then check the file's sum
         (CheckpointCorruptError when it differs); the structure then holds the live tensors. Call after
         :meth:`fill_new`."""
+        before = self.digest.copy()
         for s in self.storages:
             dst = _live_target(s, live)
             assert dst is not None
             self.touched = True
             sums.copy_summed(dst.detach().reshape(-1).view(torch.uint8), s.source, s.offset, self.digest)
         if self.digest.value() != self.expected:
+            for s in self.storages:
+                before.add(s.source.numpy(), s.offset)
+            if before.value() == self.expected:  # the file is right: what was written into did not hold still
+                raise CheckpointError(f"{self.where}: the live tensors changed while the copy was written into them "
+                                      "(another thread writing them?); expected them untouched during a restore")
             raise CheckpointCorruptError(f"{self.where}: its checksum differs from its meta.json (the bytes changed)")
         for s in self.storages:
             s.refs[0][0][s.refs[0][1]] = _live_target(s, live)
@@ -205,6 +211,8 @@ def _holds_tensor(value: Any) -> bool:
 def _tensors(value: Any) -> Iterator[tuple[Any, Any, torch.Tensor]]:
     """``(container, key, tensor)`` for every tensor in a structure of dicts and lists; _Declined for a tensor in a
     tuple (which cannot take its destination in place) or of a kind other than a plain strided one."""
+    if isinstance(value, dict) and any(_holds_tensor(k) for k in value):
+        raise _Declined
     for key, v in list(value.items()) if isinstance(value, dict) else enumerate(value):
         if isinstance(v, torch.Tensor):
             if v.layout != torch.strided or v.is_quantized or v.is_nested or type(v) not in (torch.Tensor,

@@ -72,7 +72,7 @@ class LocalTier(Protocol):
     timeout: float
     group: Any
     collectives: Any
-    overwritten: bool
+    overwritten: str
     filled: bool
     refused: list[Any]
 
@@ -283,7 +283,7 @@ def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any], at
     if isinstance(outcome, LoadedCheckpoint):
         return outcome
     if tier.filled:  # every rank filled (a step every rank reaches): whether any live object was written
-        tier.overwritten = any(c.all_gather(tier.overwritten, "local outcome"))
+        tier.overwritten = next((why for why in c.all_gather(tier.overwritten, "local outcome") if why), "")
     return None
 
 
@@ -406,7 +406,11 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     tier.filled = True  # every rank gets here together
     mapped = [(f, src) for f, src in ((payload_file, mine_src), (replicated_file, source0))
               if isinstance(f, _mapped.Mapped)]
-    live = _mapped.destinations(_checked_entries(checked[3], state, replicated, per_rank, mine)) if mapped else {}
+    try:  # only where the bytes go: on any problem, new memory (never a rank leaving the protocol)
+        live = _mapped.destinations(_checked_entries(checked[3], state, replicated, per_rank, mine)) if mapped else {}
+    except Exception as e:
+        log.warning("rank %d: live tensors not used as destinations (%s: %s)", tier.rank, type(e).__name__, str(e))
+        live = {}
     outcome = _restore_all(tier, step, checked, state, mine_src, mem_payload and layout.PAYLOAD not in read,
                            mapped, live)
     if outcome == "corrupt":  # a mapped file's sum disagreed: assign again without it
@@ -467,9 +471,10 @@ def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: di
     file's sum disagreed (``tier.refused`` names it; the unchecked entries are put back).
 
     The tensors of the mapped files go into new memory first (:meth:`.mapped.Mapped.fill_new`), then the unchecked
-    entries are restored (copied first, put back on a problem), and only then are the remaining tensors copied
-    straight into the live ones and the files' sums judged (:meth:`.mapped.Mapped.fill_live`), before the checked
-    entries are restored: nothing fails after a live tensor is written but a damaged copy."""
+    entries are restored (copied first, put back on a problem; a problem there on a rank with mapped files has
+    those files verified, so damage is called damage), and only then are the remaining tensors copied straight into
+    the live ones and the files' sums judged (:meth:`.mapped.Mapped.fill_live`), before the checked entries are
+    restored. A load that wrote into live tensors and then restored nothing records why in ``tier.overwritten``."""
     c = tier.collectives
     replicated, own, shards, plan = checked
     sharded = dict(plan.sharded)
@@ -489,8 +494,12 @@ def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: di
             _restore_shards(sharded, shards)
         except Exception as e:
             problem = f"{type(e).__name__}: {str(e)[:500]}"
-    bad = [p for p in c.all_gather(problem, "local restore") if p]
-    if not bad:
+    damaged = next(((src, f"{f.where}: its checksum differs from its meta.json (the bytes changed)")
+                    for f, src in mapped if problem is not None and not f.verify()), None)
+    rows = c.all_gather((problem, damaged), "local restore")
+    bad = [p for p, _ in rows if p]
+    tier.refused = [d for _, d in rows if d]
+    if not tier.refused and not bad:
         refused = None
         for f, src in mapped:
             try:
@@ -499,17 +508,20 @@ def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: di
                 refused = (src, str(e)[:500])
                 with contextlib.suppress(Exception):  # damaged: never copied into place again
                     layout.remove_copy(tier.directory, src[1], src[2], step)
-            except Exception as e:
+            except Exception as e:  # the live tensors changed under the copy, memory short...
                 refused = (src, f"{f.where}: could not be copied into place ({type(e).__name__}: {str(e)[:300]})")
             if refused is not None:
                 break
         tier.refused = [row for row in c.all_gather(refused, "local fill") if row]
-        if tier.refused:
-            _restore.put_back(copies)
-            tier.overwritten = tier.overwritten or any(f.touched for f, _ in mapped)
-            return "corrupt"
+        if tier.refused and any(f.touched for f, _ in mapped):
+            tier.overwritten = tier.overwritten or tier.refused[0][1]
+    if tier.refused:
+        _restore.put_back(copies)
+        return "corrupt"
     if not bad:
         bad = [p for p in c.all_gather(_restore.restore_checked(plan), "local apply") if p]
+        if bad and any(f.touched for f, _ in mapped):
+            tier.overwritten = tier.overwritten or bad[0]
     if bad:
         _restore.put_back(copies)
         warn(f"in-memory checkpoint step {step} could not be restored ({'; '.join(bad)[:1500]}); the durable tier is "

@@ -1,21 +1,22 @@
 """The in-memory tier's checksum: computed at memory speed and additive over byte ranges, so a copy is verified as
 its bytes are copied into place.
 
-A file is cut into 1 MiB blocks, each read as a 256 x 512 matrix of little-endian unsigned 64-bit words (4 KiB
-rows; a file's last word padded with zeros). Each block keeps the sums of its rows and of its columns (modulo
-2**64): any range of the file adds its words into the sums of the rows and columns they sit in, wherever the range
-starts and ends, so a file's sums are the same whether it was summed whole or range by range (:class:`Digest`):
-the restore sums each tensor's bytes right after copying them into their destination, while they are in the cache,
-and compares once every range is in (no second pass over the data). The checksum is then
-``sum over blocks j of (2j + 1) x (sum over rows r of (2r + 1) x row_r + sum over columns c of (2c + 1) x col_c)``
-modulo the prime ``2**61 - 1``, the inner sums taken exactly.
+A file is cut into 1 MiB blocks, each read as a 256 x 1024 matrix of little-endian unsigned 32-bit numbers (4 KiB
+rows; a file's last number padded with zeros). Each block keeps the exact sums of its rows and of its columns
+(64-bit accumulators: a row sum stays below 2**42, a column sum below 2**40): any range of the file adds its
+numbers into the sums of the rows and columns they sit in, wherever the range starts and ends, so a file's sums
+are the same whether it was summed whole or range by range (:class:`Digest`): the restore sums each tensor's bytes
+right after copying them into their destination, while they are in the cache, and compares once every range is in
+(no second pass over the data). The checksum of a block is ``sum_r (2r + 1) row_r + 2**11 x sum_c (2c + 1) col_c``,
+an exact integer below 2**62; the file's is ``sum_j 3**(j + 1) x block_j`` modulo the prime ``2**61 - 1``.
 
-What it catches: any change confined to one word (it changes one row sum and one column sum); any change of two
-words of one block, whatever the bits (two words share a row or a column, not both), opposite flips of the same bit
-and top-bit flips included; a row moved within a block and a block moved within the file (their weights change);
-truncation and extension (the size is checked too); random damage with a chance of about 2**-61 to pass. It is
-not tamper-proofing: whoever can write a copy can write its ``meta.json`` (docs/security.md). Speed: a row and a
-column sum of a block in the cache take about a fifth of a CRC-32's time (``benchmarks/findings.md``).
+What it catches: any change within one 32-bit number; any one or two flipped bits of a block, wherever they are
+and whichever way they flip (a block's checksum then changes by a non-zero integer below the prime); a row moved
+within a block, a block moved within the file; truncation and extension (the size is checked too). Other damage
+passes with a chance of about 2**-32 (two numbers of one block changed just so) or less. It is not tamper-proofing:
+whoever can write a copy can write its ``meta.json`` (docs/security.md). Speed: the row and column sums of a block
+in the cache take about as long as a CRC-32 of it, and unlike a CRC-32 they add up over ranges
+(``benchmarks/findings.md``).
 """
 
 from __future__ import annotations
@@ -27,18 +28,12 @@ import torch
 
 __all__ = ["BLOCK", "Digest", "copy_summed", "of"]
 
-ROWS, COLS = 256, 512
-BLOCK = ROWS * COLS * 8
+ROWS, COLS = 256, 1024
+BLOCK = ROWS * COLS * 4
 PRIME = (1 << 61) - 1
 _ROW_W = np.arange(1, 2 * ROWS, 2, dtype=np.uint64)
 _COL_W = np.arange(1, 2 * COLS, 2, dtype=np.uint64)
-_LOW = np.uint64(0xFFFFFFFF)
-_SHIFT = np.uint64(32)
-
-
-def _weighted(sums: np.ndarray, weights: np.ndarray) -> int:
-    """``sum(weights * sums)`` exactly (the sums are below 2**64, the weights below 2**10)."""
-    return (int(np.dot(sums >> _SHIFT, weights)) << 32) + int(np.dot(sums & _LOW, weights))
+_COL_SCALE = 1 << 11
 
 
 class Digest:
@@ -53,31 +48,31 @@ class Digest:
             got = self.blocks[j] = (np.zeros(ROWS, dtype=np.uint64), np.zeros(COLS, dtype=np.uint64))
         return got
 
-    def _word(self, data: memoryview, pos: int) -> None:
-        """Bytes ``data`` (within one word) at file position ``pos``."""
-        value = np.array([int.from_bytes(data, "little") << (8 * (pos % 8))], dtype=np.uint64)
-        j, w = divmod(pos // 8, ROWS * COLS)
+    def _number(self, data: memoryview, pos: int) -> None:
+        """Bytes ``data`` (within one 32-bit number) at file position ``pos``."""
+        value = np.array([int.from_bytes(data, "little") << (8 * (pos % 4))], dtype=np.uint64)
+        j, at = divmod(pos // 4, ROWS * COLS)
         rows, cols = self._block(j)
-        r, c = divmod(w, COLS)
+        r, c = divmod(at, COLS)
         rows[r:r + 1] += value
         cols[c:c + 1] += value
 
-    def _words(self, words: np.ndarray, w: int) -> None:
-        """Whole words starting at word ``w`` of the file, all in one block."""
-        j, at = divmod(w, ROWS * COLS)
+    def _numbers(self, numbers: np.ndarray, n: int) -> None:
+        """Whole 32-bit numbers starting at number ``n`` of the file, all in one block."""
+        j, at = divmod(n, ROWS * COLS)
         rows, cols = self._block(j)
         r, c = divmod(at, COLS)
         if c:  # the rest of a row begun before
-            head = words[:COLS - c]
+            head = numbers[:COLS - c]
             rows[r:r + 1] += np.add.reduce(head, dtype=np.uint64)
             cols[c:c + len(head)] += head
-            words, r = words[len(head):], r + 1
-        full = len(words) // COLS
+            numbers, r = numbers[len(head):], r + 1
+        full = len(numbers) // COLS
         if full:
-            matrix = words[:full * COLS].reshape(full, COLS)
+            matrix = numbers[:full * COLS].reshape(full, COLS)
             rows[r:r + full] += matrix.sum(axis=1, dtype=np.uint64)
             cols += matrix.sum(axis=0, dtype=np.uint64)
-        tail = words[full * COLS:]
+        tail = numbers[full * COLS:]
         if len(tail):
             rows[r + full:r + full + 1] += np.add.reduce(tail, dtype=np.uint64)
             cols[:len(tail)] += tail
@@ -86,17 +81,17 @@ class Digest:
         """Add ``data`` (a bytes-like object), which sits at byte ``pos`` of the file."""
         view = memoryview(data).cast("B")
         end = pos + len(view)
-        head = min(-pos % 8, len(view))
+        head = min(-pos % 4, len(view))
         if head:
-            self._word(view[:head], pos)
+            self._number(view[:head], pos)
         at = pos + head
-        aligned_end = max(at, end - end % 8)
+        aligned_end = max(at, end - end % 4)
         while at < aligned_end:
             stop = min(aligned_end, (at // BLOCK + 1) * BLOCK)
-            self._words(np.frombuffer(view[at - pos:stop - pos], dtype="<u8"), at // 8)
+            self._numbers(np.frombuffer(view[at - pos:stop - pos], dtype="<u4"), at // 4)
             at = stop
         if at < end:
-            self._word(view[at - pos:], at)
+            self._number(view[at - pos:], at)
         return self
 
     def copy(self) -> Digest:
@@ -108,7 +103,8 @@ class Digest:
         """The checksum of everything added (a number below 2**61)."""
         total = 0
         for j, (rows, cols) in self.blocks.items():
-            total += (2 * j + 1) * (_weighted(rows, _ROW_W) + _weighted(cols, _COL_W))
+            block = int(np.dot(rows, _ROW_W)) + _COL_SCALE * int(np.dot(cols, _COL_W))
+            total += pow(3, j + 1, PRIME) * block
         return total % PRIME
 
 

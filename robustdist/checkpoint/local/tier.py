@@ -151,11 +151,10 @@ class LocalTier:
                         ", ".join(p for p, _ in self.others[:3]))
         self.last_complete: int | None = None
         """The newest step this rank saw complete (saved or loaded)."""
-        self.overwritten = self.filled = False
-        """``overwritten``: whether the last :meth:`load` wrote into live tensors and then restored nothing (a copy
-        whose checksum failed while it was copied into place): the live objects are neither as they were nor a
-        checkpoint, and the caller must not start from scratch with them. ``filled``: whether it got as far as
-        copying into place."""
+        self.overwritten, self.filled = "", False
+        """``overwritten``: why the last :meth:`load` wrote into live tensors and then restored nothing ("" when it
+        did not): the live objects are then neither as they were nor a checkpoint, and the caller must not start
+        from scratch with them. ``filled``: whether it got as far as copying into place."""
         self.refused: list[Any] = []
         self.node_bytes: int | None = None
         """What the tier needs on this node (updated at each save whose copies grew), for ``ray_memory_plan``."""
@@ -373,10 +372,10 @@ class LocalTier:
         held, self._carried = self._carried, None  # its own _held is not used: a load here reads the files
         if held is not None:  # used once: the restored objects may keep its tensors, so new buffers next save
             self._held, self._staging = None, {}
-        self.overwritten = self.filled = False
+        self.overwritten, self.filled = "", False
         loaded = _local_restore.recover(self, dict(state or {}), dict(per_rank or {}), at_least, held=held)
         if loaded is not None:
-            self.last_complete, self.overwritten = loaded.step, False
+            self.last_complete, self.overwritten = loaded.step, ""
         return loaded
 
     # ------------------------------------------------------------------ lifecycle
