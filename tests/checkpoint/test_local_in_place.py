@@ -198,6 +198,44 @@ def test_a_copy_damaged_mid_tensor_falls_back_to_the_durable_tier_bitwise(tmp_pa
         durable.close()
 
 
+def test_a_live_tensor_changing_under_the_copy_removes_no_good_copy(tmp_path, monkeypatch):
+    """The sum is taken on the destination: when it disagrees but the file itself agrees with its meta.json, what
+    was written into did not hold still (another thread). The copy is not called damaged nor removed; the durable
+    tier restores."""
+    from robustdist.checkpoint.local import mapped
+
+    durable, local, _ = _saved(tmp_path)
+    copy = Path(local.directory, "owner_00000", "own", "step_0000000003")
+    real, real_fill_live = sums.copy_summed, mapped.Mapped.fill_live
+    into_live = []
+
+    def disturbed(dst: torch.Tensor, src: torch.Tensor, pos: int, digest: sums.Digest) -> None:
+        if not into_live:
+            return real(dst, src, pos, digest)
+        real(dst, src, pos, sums.Digest())  # a live tensor: copied, then changed before it is summed
+        dst[0] ^= 0xFF
+        digest.add(dst.numpy(), pos)
+
+    def fill_live(self: Any, live: Any) -> None:
+        into_live.append(True)
+        try:
+            real_fill_live(self, live)
+        finally:
+            into_live.clear()
+
+    model, opt = _objects(5)
+    monkeypatch.setattr(mapped.sums, "copy_summed", disturbed)
+    monkeypatch.setattr(mapped.Mapped, "fill_live", fill_live)
+    try:
+        with pytest.warns(Warning, match="the live tensors changed while the copy was written into them"):
+            loaded = TrainState(model=model, optimizer=opt).load(durable, local=local)
+        assert loaded is not None and loaded.source == "durable"
+        assert copy.is_dir()
+    finally:
+        local.close()
+        durable.close()
+
+
 def test_the_records_of_a_copy_must_be_its_tensors_one_to_one(tmp_path):
     """A data record no tensor uses (added by someone who knows the format, meta.json agreeing) is not a file this
     tier wrote: the copy is refused, the durable tier used."""
