@@ -108,7 +108,8 @@ class Mapped:
                 before.add(s.source.numpy(), s.offset)
             if before.value() == self.expected:  # the file is right: what was written into did not hold still
                 raise CheckpointError(f"{self.where}: the live tensors changed while the copy was written into them "
-                                      "(another thread writing them?); expected them untouched during a restore")
+                                      "(another thread writing them?); expected them untouched during a restore. "
+                                      "Fix: let no other thread write the model or optimizer while resume() runs.")
             raise CheckpointCorruptError(f"{self.where}: its checksum differs from its meta.json (the bytes changed)")
         for s in self.storages:
             s.refs[0][0][s.refs[0][1]] = _live_target(s, live)
