@@ -162,7 +162,7 @@ def two_agents(tmp_path):
 
 
 def _flip(path: Path) -> None:
-    """Flip 8 bytes in the middle of a file (its size stays: only the CRC tells)."""
+    """Flip 8 bytes in the middle of a file (its size stays: only the checksum tells)."""
     data = bytearray(path.read_bytes())
     assert len(data) > 64, path
     for i in range(len(data) // 2, len(data) // 2 + 8):
@@ -275,7 +275,7 @@ def test_a_corrupt_copy_falls_back_to_the_replica_then_to_the_durable_tier(two_a
     assert starts[0]["source_detail"] == "the replica of rank 0's step 8 held by rank 1", starts[0]
     assert starts[1]["source"] == "memory", starts[1]
     warned = [w for w in starts[0]["warnings"] if "its own copy of rank 0's step 8 held by rank 0 is unusable" in w]
-    assert len(warned) == 1 and "CRC-32" in warned[0], starts[0]["warnings"]
+    assert len(warned) == 1 and "checksum differs" in warned[0], starts[0]["warnings"]
     assert not [w for w in starts[0]["warnings"] + starts[1]["warnings"] if "is unusable" in w and w not in warned]
     _check_ends(evs, 14, where="launch 2 (rank 0 from its replica)")
 
@@ -294,7 +294,7 @@ def test_a_corrupt_copy_falls_back_to_the_replica_then_to_the_durable_tier(two_a
     assert len(unusable) == 2, starts[0]["warnings"]
     assert "its own copy of rank 1's step 14 held by rank 1 is unusable" in unusable[0], unusable
     assert "the replica of rank 1's step 14 held by rank 0 is unusable" in unusable[1], unusable
-    assert all("CRC-32" in w for w in unusable), unusable
+    assert all("checksum differs" in w for w in unusable), unusable
     _check_ends(evs, 20, where="launch 3 (from the durable tier)")
     # A clean finish removes the in-memory copies on every node.
     assert [p.name for p in (nodes / "node0").iterdir()] == [] and [p.name for p in (nodes / "node1").iterdir()] == []
