@@ -236,6 +236,34 @@ def test_a_live_tensor_changing_under_the_copy_removes_no_good_copy(tmp_path, mo
         durable.close()
 
 
+def test_memory_short_while_copying_is_not_called_damage(tmp_path, monkeypatch):
+    """New memory refused half-way through a file's tensors (an optimizer with no state yet: they all need new
+    memory): the restore fails and the durable tier restores, the copy is neither called damaged nor removed."""
+    from robustdist.checkpoint.local import mapped
+
+    durable, local, _ = _saved(tmp_path)
+    copy = Path(local.directory, "owner_00000", "own", "step_0000000003")
+    real_empty, calls = torch.empty, []
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("DefaultCPUAllocator: not enough memory")
+        return real_empty(*args, **kwargs)
+
+    model, opt = _objects(5, stepped=False)
+    monkeypatch.setattr(mapped.torch, "empty", empty)
+    try:
+        with pytest.warns(Warning) as seen:
+            loaded = TrainState(model=model, optimizer=opt).load(durable, local=local)
+        text = " ".join(str(w.message) for w in seen)
+        assert "not enough memory" in text and "checksum differs" not in text, text
+        assert loaded is not None and loaded.source == "durable" and copy.is_dir()
+    finally:
+        local.close()
+        durable.close()
+
+
 def test_the_records_of_a_copy_must_be_its_tensors_one_to_one(tmp_path):
     """A data record no tensor uses (added by someone who knows the format, meta.json agreeing) is not a file this
     tier wrote: the copy is refused, the durable tier used."""

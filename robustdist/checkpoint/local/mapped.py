@@ -45,7 +45,7 @@ def usable() -> bool:
     return os.path.isdir(_PROC_FD)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Storage:
     offset: int
     nbytes: int
@@ -76,11 +76,14 @@ class Mapped:
         """Copy every storage without a live tensor to go into (``live``: ``id`` of a tensor of the structure -> the
         live tensor it restores) into new memory, summing it; the structure then holds the copies. Their sums are
         judged with the rest's (:meth:`fill_live`)."""
-        for s in self.storages:
+        for s in list(self.storages):
             if _live_target(s, live) is not None:
                 continue
             fresh = torch.empty(s.nbytes, dtype=torch.uint8)
-            sums.copy_summed(fresh, s.source, s.offset, self.digest)
+            digest = sums.Digest()
+            sums.copy_summed(fresh, s.source, s.offset, digest)
+            self.digest.merge(digest)  # only a storage copied whole counts (verify() sums the rest from the file)
+            self.storages.remove(s)
             storage = fresh.untyped_storage()
             for container, key, t in s.refs:
                 view = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
@@ -90,7 +93,6 @@ class Mapped:
             empty = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
             container[key] = empty if type(t) is torch.Tensor else torch.nn.Parameter(empty,
                                                                                      requires_grad=t.requires_grad)
-        self.storages = [s for s in self.storages if _live_target(s, live) is not None]
         self.empties = []
 
     def fill_live(self, live: dict[int, torch.Tensor]) -> None:

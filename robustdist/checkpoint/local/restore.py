@@ -348,7 +348,6 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     replicated_src = here if here is not None else source0
     replicated_file = got[source0[0]][-1].tensor if rank in far else None if mem_replicated else \
         data[replicated_src][layout.REPLICATED]
-    mapped = [f for f in (payload_file, replicated_file) if isinstance(f, _mapped.Mapped)]
     # step 5: deserialise and check
     kinds = _row(everyone, source0, cand)[4]
     source0 = replicated_src if rank not in far else source0  # the copy whose bytes this rank checks

@@ -94,6 +94,13 @@ class Digest:
             self._number(view[at - pos:], at)
         return self
 
+    def merge(self, other: Digest) -> None:
+        """Add what ``other`` holds (sums of other ranges of the same file)."""
+        for j, (rows, cols) in other.blocks.items():
+            my_rows, my_cols = self._block(j)
+            my_rows += rows
+            my_cols += cols
+
     def copy(self) -> Digest:
         out = Digest()
         out.blocks = {j: (rows.copy(), cols.copy()) for j, (rows, cols) in self.blocks.items()}
