@@ -365,7 +365,7 @@ def _save_then_load_refused(rank: int, base: str) -> tuple[bool, list[str]]:
 
 @pytest.mark.timeout(90)
 def test_a_restore_that_fails_in_a_users_object_ends_the_in_memory_attempt_once(tmp_path):
-    """Step 6 of recovery (``_local_restore._restore_all``): when restoring a candidate fails on some rank (here a
+    """Step 6 of recovery (``restore._restore_all``): when restoring a candidate fails on some rank (here a
     stateful entry's ``load_state_dict`` raises), it warns "could not be restored ...; the durable tier is used
     instead" and returns None. ``LocalTier.load`` must then return None (the durable tier decides, and names the
     problem). Two ranks, a "node" each (GROUP_RANK), one complete in-memory step."""

@@ -45,17 +45,16 @@ import pickle
 from typing import Any, Callable, Protocol
 
 import torch
-from torch import nn
 
 from robustdist.checkpoint import _payload, _restore, _schema
 from robustdist.checkpoint._loading import check_entries
 from robustdist.checkpoint._safeio import check_torch_zip
 from robustdist.checkpoint._schema import weights_only_reason
-from robustdist.checkpoint._sharded import _optimizer_pair, _state_dicts
 from robustdist.checkpoint._types import LoadedCheckpoint
 from robustdist.checkpoint.local import layout
 from robustdist.checkpoint.local import mapped as _mapped
 from robustdist.checkpoint.local.held import Held
+from robustdist.checkpoint.local.shards import restore_shards
 from robustdist.checkpoint.local.wire import Blob, exchange
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger, user_stacklevel, warn
@@ -76,75 +75,13 @@ class LocalTier(Protocol):
     filled: bool
     refused: list[Any]
 
-__all__ = ["local_shards", "recover"]
+__all__ = ["recover"]
 
 log = get_logger(__name__)
 Source = tuple[int, int, str]
 """``(holder rank, owner rank, role)``: one copy of one owner's state."""
 Candidate = tuple[int, str]
 """``(step, save id)``: one save of one step (copies of two saves of a step are never combined)."""
-
-
-# ---------------------------------------------------------------------- FSDP shards
-def _is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def _to_local(value: Any, staging: dict[tuple[Any, ...], torch.Tensor], key: tuple[Any, ...]) -> Any:
-    if isinstance(value, torch.Tensor):
-        local = value.to_local() if _is_dtensor(value) else value
-        return _payload.snapshot(local, clone=True, staging=staging, key=key)
-    if isinstance(value, dict):
-        return {k: _to_local(v, staging, (*key, k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_local(v, staging, (*key, i)) for i, v in enumerate(value))
-    return value
-
-
-def local_shards(sharded: dict[str, Any], staging: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, Any]:
-    """This rank's local shards of the sharded (FSDP2) entries, as plain CPU tensors and data."""
-    if not sharded:
-        return {}
-    out = {}
-    for name, sd in _state_dicts(sharded).items():
-        out[name] = _payload.plain(_to_local(sd, staging, ("s", name)), f"state[{name!r}] (local shards)")
-    return out
-
-
-def _fill(template: Any, saved: Any, where: str) -> Any:
-    """``template`` (a live state dict with DTensors) with every local shard and value taken from ``saved``."""
-    if isinstance(template, torch.Tensor):
-        local = template.to_local() if _is_dtensor(template) else template
-        if not isinstance(saved, torch.Tensor) or saved.shape != local.shape or saved.dtype != local.dtype:
-            shown = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-            raise CheckpointError(f"{where}: saved shard {shown} does not fit the live shard {tuple(local.shape)} "
-                                  f"{local.dtype} (another world size or model?)")
-        with torch.no_grad():
-            local.copy_(saved)
-        return template
-    if isinstance(template, dict):
-        if not isinstance(saved, dict) or set(saved) != set(template):
-            raise CheckpointError(f"{where}: saved keys differ from the live object's")
-        return type(template)((k, _fill(template[k], saved[k], f"{where}.{k}")) for k in template)
-    if isinstance(template, (list, tuple)):
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(template):
-            raise CheckpointError(f"{where}: saved list differs in length from the live object's")
-        return type(template)(_fill(t, s, f"{where}[{i}]") for i, (t, s) in enumerate(zip(template, saved)))
-    return saved
-
-
-def _restore_shards(entries: dict[str, Any], shards: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    templates = _state_dicts(entries)
-    for name, value in entries.items():
-        if name not in shards:
-            raise CheckpointError(f"state[{name!r}]: no local shards saved for it")
-        filled = _fill(templates[name], shards[name], f"state[{name!r}]")
-        if isinstance(value, nn.Module):
-            value.load_state_dict(filled)
-        elif isinstance(value, torch.optim.Optimizer):
-            set_optimizer_state_dict(_optimizer_pair(entries, value), value, filled)
 
 
 class _Skip(Exception):
@@ -490,7 +427,7 @@ def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: di
     if sharded and problem is None:
         try:
             copies += [(f"state[{n!r}]", v, _restore._capture(v)) for n, v in sharded.items()]
-            _restore_shards(sharded, shards)
+            restore_shards(sharded, shards)
         except Exception as e:
             problem = f"{type(e).__name__}: {str(e)[:500]}"
     damaged = next(((src, f"{f.where}: its checksum differs from its meta.json (the bytes changed)")

@@ -53,6 +53,7 @@ from robustdist.checkpoint.local import layout, memory
 from robustdist.checkpoint.local import restore as _local_restore
 from robustdist.checkpoint.local.lineage import LINEAGE, lineage_of
 from robustdist.checkpoint.local.memory import node_need
+from robustdist.checkpoint.local.shards import local_shards
 from robustdist.checkpoint.local.wire import Blob, exchange, nbytes, serialise
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import exit_drain
@@ -203,7 +204,7 @@ class LocalTier:
         snap, shards, error = None, {}, None
         try:
             snap = collect(state, per_rank, rank=self.rank, clone=True, staging=self._staging, err_rank=self.err_rank)
-            shards = _local_restore.local_shards(snap.sharded, self._staging)
+            shards = local_shards(snap.sharded, self._staging)
         except BaseException as e:  # told to every rank in the agreement below; every rank raises there
             error = e
         size = nbytes(snap.replicated) + nbytes(snap.mine) + nbytes(shards) if snap is not None else 0
