@@ -19,6 +19,7 @@ from robustdist.config.schema import HardenConfig
 from robustdist.data.dataloader import SafeDataLoader
 from robustdist.parallel.state_dict import unwrap_model
 from robustdist.health import restart_guard as _restart_guard
+from robustdist.health.restart_guard import ProgressMarks
 from robustdist.health.step_guard import StepDecision, StepGuard, Watchdog
 from robustdist.init.process_group import InitReport, destroy_process_group_if_owned
 from robustdist.ray import train as _ray_train
@@ -37,7 +38,7 @@ log = get_logger("robustdist.harden")
 T = TypeVar("T")
 
 
-class Hardened(RayReporting):
+class Hardened(RayReporting, ProgressMarks):
     """What :func:`~robustdist.harden.harden` returns. Unpacks as ``model, loader = harden(...)``.
 
     Attributes: ``model``, ``loader``, ``attempt`` (0 on a fresh run, then 1, 2, ... after restarts, the same on
@@ -51,27 +52,33 @@ class Hardened(RayReporting):
     Inside Ray Train (V2), every committed durable checkpoint is reported to Ray with ``ray.train.report``
     (each rank its own files), with the ``metrics`` given to ``save``; ``resume`` also considers
     ``ray.train.get_checkpoint()`` and takes the newest valid of the two; a run resumed at its end reports
-    its last metrics again at ``close`` (so a restored Tune trial that is already done has its result).
+    its last metrics again at ``close`` (so a restored Tune trial that is already done has its result). In a Ray
+    Tune function trainable's trial (``tune``), ``save`` reports to Tune and ``resume`` takes a checkpoint Tune
+    handed over from another trial (:mod:`robustdist.ray.tune`).
     """
 
     def __init__(self, *, state: TrainState, topology: Topology, init_report: InitReport,
                  checkpointer: AtomicCheckpointer | None, config: HardenConfig,
                  watchdog: Watchdog | None = None, local: LocalTier | None = None,
-                 ray: _ray_train.RayTrain | None = None, identity: RunIdentity | None = None, scaler: Any = None):
+                 ray: _ray_train.RayTrain | None = None, identity: RunIdentity | None = None, scaler: Any = None,
+                 tune: _ray_train.TuneTrial | None = None):
         self._rebuild: Callable[..., Hardened] | None = None  # recovery.in_process: the next generation's harden
         self._sockets: GroupSockets | None = None  # recovery.in_process: this generation's group connections
         self._renew(state=state, topology=topology, init_report=init_report, checkpointer=checkpointer,
-                    config=config, watchdog=watchdog, local=local, ray=ray, identity=identity, scaler=scaler)
+                    config=config, watchdog=watchdog, local=local, ray=ray, identity=identity, scaler=scaler,
+                    tune=tune)
 
     def _renew(self, *, state: TrainState, topology: Topology, init_report: InitReport,
                checkpointer: AtomicCheckpointer | None, config: HardenConfig, watchdog: Watchdog | None,
                local: LocalTier | None, ray: _ray_train.RayTrain | None, identity: RunIdentity | None,
-               scaler: Any) -> Hardened:
+               scaler: Any, tune: _ray_train.TuneTrial | None = None) -> Hardened:
         """This object's parts, new (at construction, and at each in-process recovery's next generation: the
         script's ``h`` then holds the new model, group, checkpointer and guards)."""
         self.state, self.topology, self.init_report = state, topology, init_report
         self.checkpointer, self.config, self.watchdog = checkpointer, config, watchdog
-        self.local, self.ray, self.identity = local, ray, identity
+        self.local, self.ray, self.identity, self.tune = local, ray, identity, tune
+        self._adopted: dict[str, Any] | None = None  # a Tune trial's state from another trial's checkpoint
+        self._handed: dict[str, Any] | None = None
         self.last_loaded: LoadedCheckpoint | None = None
         self.last_metrics: dict[str, Any] | None = None
         self._unreported: list[tuple[CheckpointInfo, dict[str, Any]]] = []  # committed (or committing) durable saves
@@ -244,22 +251,28 @@ class Hardened(RayReporting):
         :class:`~robustdist.checkpoint.LocalSaveInfo`, or None when this step is not a saving step.
 
         Inside Ray Train a synchronous durable save is reported to Ray as soon as it commits; an asynchronous
-        one at the next durable save (once it has committed) or at ``close``.
+        one at the next durable save (once it has committed) or at ``close``. In a Ray Tune function trainable's
+        trial, each call given ``metrics`` reports them to Tune once (``ray.tune.report``): with the checkpoint
+        when this call committed a synchronous durable save, the metrics alone otherwise (so Tune's PBT can
+        exploit it); without ``metrics`` nothing is reported.
         """
         if self.checkpointer is None:
             if force:
                 raise ConfigError("save(force=True) was called but checkpoint.dir is None; expected a checkpoint "
                                   "directory. Fix: set checkpoint.dir in the config passed to harden().",
                                   rank=self._err_rank())
+            self._report_uncommitted(step, metrics, 0)
             return None
         cfg = self.config.checkpoint
         durable = force or (cfg.every_n_steps is not None and step % cfg.every_n_steps == 0)
         local = self.local is not None and cfg.local_every_n_steps is not None and step % cfg.local_every_n_steps == 0
         if not durable and not local:
+            self._report_uncommitted(step, metrics, 0)
             return None
         self._remember(optimizer, scheduler, extra)
         self._mark_progress()
         info: CheckpointInfo | LocalSaveInfo | None = None
+        sent = 0
         if local and self.local is not None:
             with self._bounded("in-memory checkpoint save"):
                 info = self.state.save_local(self.local, step, extra)
@@ -269,13 +282,16 @@ class Hardened(RayReporting):
             metadata: dict[str, Any] = {"metrics": shown}
             if self.identity is not None and not self.identity.empty:
                 metadata["run"] = {"run": self.identity.run, "config": self.identity.config}
+            if self._adopted is not None:
+                metadata["adopted"] = self._adopted
             with self._bounded("checkpoint save"):
                 info = self.state.save(self.checkpointer, step, extra, metadata=metadata)
             self._pending.append(info)
-            if self.ray is not None:
+            if self.ray is not None or (self.tune is not None and metrics is not None and not cfg.async_save):
                 self._unreported.append((info, {"step": step, **(metrics or {})}))
-            if not self.config.checkpoint.async_save:
-                self._report_committed(wait=False)
+            if not cfg.async_save:
+                sent = self._report_committed(wait=False)
+        self._report_uncommitted(step, metrics, sent)
         self._mark_progress()
         return info
 
@@ -300,7 +316,7 @@ class Hardened(RayReporting):
             return None
         loaded = self.last_loaded
         source = loaded.source_detail or loaded.source if loaded else "durable"
-        where = loaded.path if loaded is not None and source == "ray" else self.checkpointer.directory
+        where = loaded.path if loaded is not None and loaded.source == "ray" else self.checkpointer.directory
         written = loaded.manifest.get("torch") if loaded is not None else None
         versions = (f"; written by torch {written[:40]}, resumed under torch {torch.__version__}"
                     if isinstance(written, str) and written != torch.__version__ else "")
@@ -328,29 +344,6 @@ class Hardened(RayReporting):
             kind, message = verdict
             raise (RestartLoopError if kind == "loop" else CheckpointError)(message, rank=self._err_rank())
 
-    def _resumed(self, step: int | None) -> None:
-        assert self.checkpointer is not None
-        self._resumed_from, self._progress_marked, self._pending = step, False, []
-        if self.checkpointer.rank == 0:
-            _restart_guard.resumed(self.checkpointer.directory, step)
-
-    def _committed(self, step: int) -> None:
-        """A step is committed (a durable save, or an in-memory one completing on its background thread): on rank
-        0, the first one newer than the step resumed from marks progress in the restart record."""
-        if self._progress_marked or self.checkpointer is None:
-            return
-        if self._resumed_from is None or step > self._resumed_from:
-            self._progress_marked = True
-            if self.checkpointer.rank == 0:
-                _restart_guard.mark_progress(self.checkpointer.directory, step)
-
-    def _mark_progress(self) -> None:
-        """Durable async saves commit in the background: look at them at the next save."""
-        for info in self._pending:
-            if info.done.is_set() and info.total_seconds is not None:
-                self._committed(info.step)
-        self._pending = [i for i in self._pending if not i.done.is_set()]
-
     def _load(self, *, missing_ok: bool = False, ray_checkpoint: Any = None, ray_step: int | None = None,
               ray_first: bool = False) -> int | None:
         if self.checkpointer is None:  # rollback and resume only reach here with a checkpointer
@@ -376,6 +369,7 @@ class Hardened(RayReporting):
         if loaded is None:
             return None
         self.last_metrics = self._metrics_of(loaded)
+        self._lineage(loaded)
         self.last_loaded, self._step = loaded, loaded.step
         self.guard.state_restored()
         self._beat()

@@ -9,6 +9,9 @@
   runs short of the live objects (:mod:`robustdist.checkpoint._verify`) and prints step, files, bytes, status and
   reason. Exit code 1 if any is not "ok": "corrupt" exactly where a load would fall back past it, "another torch"
   where a load stops at it (only a newer torch reads it).
+* ``robustdist clean [--dir BASE] [--dry-run] [--force] [--json]`` removes this user's in-memory checkpoint
+  directories under ``BASE`` (``/dev/shm``) that no running process uses (:mod:`robustdist.checkpoint.local.
+  leftovers`), and lists those it kept. Exit code 0, or 2 when ``BASE`` cannot be listed.
 * ``robustdist run [torchrun's flags] SCRIPT [ARGS]`` is torchrun whose agent starts a worker killed by a signal
   again alone when the script recovers in process (:mod:`robustdist.recovery.launch`); otherwise exactly torchrun.
 """
@@ -134,6 +137,28 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 
+def _cmd_clean(args: argparse.Namespace) -> int:
+    from robustdist.checkpoint.local.leftovers import clean
+    from robustdist.runtime.errors import CheckpointError
+
+    try:
+        found = clean(args.dir, dry_run=args.dry_run, force=args.force)
+    except CheckpointError as e:
+        print(f"robustdist clean: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([vars(f) for f in found], indent=2))
+        return 0
+    if not found:
+        print(f"no in-memory checkpoint directories of this user (uid {os.getuid()}) in {args.dir}")
+    for f in found:
+        print(f"{f.state:8}  {f.bytes / 2**20:10.1f} MiB  {f.path}" + (f"  ({f.why})" if f.why else ""))
+    gone = sum(f.bytes for f in found if f.state in ("removed", "unused"))
+    if found:
+        print(f"{'would free' if args.dry_run else 'freed'} {gone / 2**20:.1f} MiB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="robustdist", description="Hardening for PyTorch distributed and Ray.")
     parser.add_argument("--version", action="version", version=f"robustdist {__version__}")
@@ -150,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("directory")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(func=_cmd_verify)
+    cleaner = sub.add_parser("clean", help="remove in-memory checkpoints (/dev/shm) that no running job uses")
+    cleaner.add_argument("--dir", default="/dev/shm", help="the base the jobs' checkpoint.local_dir named "
+                         "(default /dev/shm)")
+    cleaner.add_argument("--dry-run", action="store_true", help="remove nothing; say what would go")
+    cleaner.add_argument("--force", action="store_true", help="also remove directories without a lock file "
+                         "(made by an older robustdist; make sure their jobs are over)")
+    cleaner.add_argument("--json", action="store_true", help="machine-readable output")
+    cleaner.set_defaults(func=_cmd_clean)
     sub.add_parser("run", add_help=False, help="torchrun whose agent replaces a killed worker alone "
                    "(robustdist run --help: torchrun's flags)")
     return parser

@@ -49,9 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
-import re
 import sys
 import weakref
 from collections.abc import Mapping
@@ -62,8 +60,7 @@ from torch import nn
 
 from robustdist._hardened import Hardened
 from robustdist.checkpoint import AtomicCheckpointer, LocalTier
-from robustdist.checkpoint._layout import committed_steps
-from robustdist.checkpoint._run_owner import TUNE_TRIAL_SOURCE, RunIdentity, claim
+from robustdist.checkpoint._run_owner import RunIdentity, claim
 from robustdist.checkpoint.local.tier import lineage_of
 from robustdist.checkpoint.train_state import TrainState
 from robustdist.config.schema import HardenConfig, resolve_config
@@ -81,6 +78,8 @@ from robustdist.parallel import fsdp, fsdp_wrap
 from robustdist.parallel.ddp import HF_TRAINER_FIX, wrap_ddp
 from robustdist.ray import group as _ray_group
 from robustdist.ray import train as _ray_train
+from robustdist.ray import tune as _tune
+from robustdist.ray.runs import run_directory
 from robustdist.recovery import building as _building
 from robustdist.recovery import loop as _recovery
 from robustdist.recovery import joining as _joining
@@ -181,12 +180,17 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
             safe = safe_dataloader(loader, config.data)
         ckpt = config.checkpoint
         ray = _ray_train.current() if topo.launcher == "ray_train" else None
+        trial = _ray_train.current_trial() if ray is None else None
+        tune = trial if trial is not None and trial.function else None  # a function trainable's one process
+        if tune is not None:
+            _tune.take_over()  # an earlier trial in this (reused) actor that left its Hardened open
         if ckpt.dir is not None:
-            directory, identity = _run_directory(ckpt.dir, ckpt.run_name, ray)
+            directory, identity = run_directory(ckpt.dir, ckpt.run_name, ray, trial)
             checkpointer = AtomicCheckpointer(directory, keep_last=ckpt.keep_last, async_save=ckpt.async_save,
                                               timeout=config.distributed.timeout,
                                               arrival_timeout=ckpt.arrival_timeout,
-                                              config_fingerprint=config.fingerprint())
+                                              config_fingerprint=config.fingerprint(),
+                                              lock_patience=_tune.LOCK_PATIENCE_S if tune is not None else 0.0)
             claim(checkpointer.directory, identity, checkpointer.rank, checkpointer.collectives)
             if ckpt.local_every_n_steps is not None:
                 # a fresh launch renews the lineage; a restart, or an in-process recovery, continues it
@@ -204,7 +208,7 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
         recording.close()
         parts: dict[str, Any] = dict(state=TrainState(wrapped, optimizer=optimizer, loader=safe), topology=topo,
                                      init_report=report, checkpointer=checkpointer, config=config, watchdog=watchdog,
-                                     local=local, ray=ray, identity=identity, scaler=scaler)
+                                     local=local, ray=ray, identity=identity, scaler=scaler, tune=tune)
         hardened = Hardened(**parts) if into is None else into._renew(**parts)
     except BaseException as e:
         recording.close()
@@ -222,6 +226,8 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
                                                         init_weights=init_weights, scaler=given_scaler))
     for module in (model, wrapped):
         _HARDENED[module] = weakref.ref(hardened)
+    if tune is not None:
+        _tune.opened(hardened)
     log.info("hardened: %s", _describe(hardened))
     return hardened
 
@@ -358,43 +364,6 @@ def _foreign_wrapper(model: Any) -> str | None:
     if "_original_forward" in vars(model):
         return "Accelerate (accelerator.prepare: its mixed-precision forward)"
     return None
-
-
-def _run_directory(base: str, run_name: str | None,
-                   ray: _ray_train.RayTrain | None) -> tuple[str, RunIdentity]:
-    """Where this run's checkpoints go, and who it is. Inside Ray Train: ``<base>/<run>`` (the run is
-    ``checkpoint.run_name``, else Ray's ``RunConfig.name``), so Tune trials never share a directory; its
-    identity adds the ``train_loop_config`` fingerprint. In a Ray Tune function trainable's trial:
-    ``<base>/<experiment>/<trial id>``, or ``<base>/<run_name>`` owned by that trial alone. Elsewhere: ``base``,
-    and ``checkpoint.run_name``."""
-    if ray is None:
-        trial = _ray_train.current_trial()
-        if trial is None:
-            return base, RunIdentity(run=run_name)
-        source = f"{TUNE_TRIAL_SOURCE} {trial.trial_id} of experiment {trial.experiment!r}"
-        if run_name is not None:  # one name for every trial: the first trial owns it, the others are refused
-            return (os.path.join(base, _safe_component(run_name)),
-                    RunIdentity(run=run_name, config=f"trial {trial.trial_id}", source=source))
-        directory = os.path.join(base, _safe_component(trial.experiment), _safe_component(trial.trial_id))
-        if committed_steps(base):  # written there by a robustdist that gave Tune trials no directories of their own
-            log.warning("%s holds checkpoints of its own, but this Ray Tune trial now checkpoints in %s (one directory "
-                        "per trial, so trials never resume each other's); they are not resumed from. Fix: to resume "
-                        "them, move that trial's step directories into %s", base, directory, directory)
-        return directory, RunIdentity(run=f"{trial.experiment}/{trial.trial_id}"[:400], source=source)
-    run = run_name or ray.run_name
-    recorded = run if len(run) <= 200 else f"{run[:150]}-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
-    return (os.path.join(base, _safe_component(run)),
-            RunIdentity(run=recorded, config=ray.config,
-                        source="checkpoint.run_name" if run_name else "Ray Train RunConfig.name, train_loop_config"))
-
-
-def _safe_component(name: str) -> str:
-    """``name`` as one directory name: letters, digits and ``._=-`` kept, anything else ``_``, at most 100
-    characters (a hash of the original keeps changed or shortened names apart)."""
-    kept = re.sub(r"[^A-Za-z0-9._=-]", "_", name)
-    if kept != name or len(kept) > 100 or kept in ("", ".", ".."):
-        kept = f"{kept.strip('.')[:80]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
-    return kept
 
 
 def _init(config: HardenConfig, topo: Topology) -> InitReport:

@@ -31,6 +31,7 @@ def test_the_plugin_records_every_checkpoint_of_a_straight_run(runs):
     result, _ = runs
     for info, _ in result["straight"]:
         assert info["world"] == 2 and info["attempt"] == 0 and info["steps"] == STEPS and not info["resumed"]
+        assert info["group_before_trainer"]  # the plugin made the group, robustdist's way, before the Trainer
         assert info["records"] == ["epoch=0-step=8.ckpt.robustdist.json", "epoch=1-step=16.ckpt.robustdist.json",
                                    "epoch=2-step=24.ckpt.robustdist.json", "last.ckpt.robustdist.json"]
     assert tr.bitwise_equal(result["straight"][0][1], result["straight"][1][1])
@@ -43,5 +44,6 @@ def test_a_rank_killed_mid_epoch_resumes_from_the_last_verified_checkpoint_bitwi
         info, final = result["killed"][rank]
         straight, reference = result["straight"][rank]
         assert info["attempt"] == 1 and info["resumed"] and info["steps"] == STEPS, outs["killed"][-3000:]
+        assert info["group_before_trainer"]
         assert info["losses"] == straight["losses"][RESUMED_AT:]  # the same batches after the resume
         assert tr.bitwise_equal(final, reference)

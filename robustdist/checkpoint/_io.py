@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -175,20 +176,31 @@ class DirLock:
     names no holder (the file itself stays: removing it would race with a process that has just opened it).
     """
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, *, patience: float = 0.0):
         self.path = os.path.join(directory, LOCK)
+        self.patience = patience
+        """Seconds to keep trying for a lock another process holds before it is refused (0: at once)."""
         self._fh: Any = None
 
     def acquire(self) -> None:
         key = os.path.realpath(self.path)
-        if key in _held and _held[key] is not self:
+        holder = _held.get(key)  # one lookup: another thread may release it in between
+        if holder is not None and holder is not self:
             raise CheckpointError(f"{os.path.dirname(self.path)} is already being written by another "
                                   f"AtomicCheckpointer in this process (pid {os.getpid()}); expected one writer per "
                                   "directory. Fix: reuse that checkpointer, or close() it first.")
         with Confined(os.path.dirname(self.path)) as folder:
             fh = folder.open_lock(LOCK)
+        deadline = time.monotonic() + self.patience
         try:
-            fcntl.lockf(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            while True:
+                try:
+                    fcntl.lockf(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.1)
         except OSError as e:
             fh.seek(0)
             holder = fh.read(200).strip() or "unknown holder"

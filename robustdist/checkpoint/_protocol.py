@@ -117,11 +117,12 @@ class Committer:
         ctx: the directory, the group and this rank's place in it.
         keep_last: committed checkpoints to keep (>= 1).
         config_fingerprint: recorded in every manifest.
+        lock_patience: seconds to wait for the directory's lock while another process holds it.
     """
 
-    def __init__(self, ctx: Context, *, keep_last: int, config_fingerprint: str | None):
+    def __init__(self, ctx: Context, *, keep_last: int, config_fingerprint: str | None, lock_patience: float = 0.0):
         self.ctx, self.keep_last, self.config_fingerprint = ctx, keep_last, config_fingerprint
-        self.lock = DirLock(ctx.directory)
+        self.lock = DirLock(ctx.directory, patience=lock_patience)
         self.node = this_node() if ctx.distributed else ""
         """This rank's node, in the report (rank 0 names it if it cannot see the rank's files)."""
         self.protected: int | None = None

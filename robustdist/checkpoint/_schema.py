@@ -46,7 +46,7 @@ _HEX = {"crc32": re.compile(r"[0-9a-f]{8}"), "sha256": re.compile(r"[0-9a-f]{64}
 def weights_only_reason(e: BaseException) -> str:
     """The line of torch's weights_only message that names what was refused (it starts with boilerplate)."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(e).splitlines()]
-    found = [line for line in lines if "WeightsUnpickler error" in line or "Unsupported" in line]
+    found = [line for line in lines if "WeightsUnpickler error" in line or "unsupported" in line.lower()]
     return (found or [line for line in lines if line] or [type(e).__name__])[0].split(". Please")[0][:300]
 
 

@@ -88,13 +88,20 @@ class AtomicCheckpointer:
             plus 100 times the bytes of the live tensors it is restored into; a larger file is refused unread (a
             hostile directory cannot make a small model's load read gigabytes). Raise it only for plain data
             (entries with no live object to size) that really is larger.
+        lock_patience: seconds a save waits for the directory's lock while another process holds it (default 0:
+            refused at once, naming the holder). A Ray Tune trial that moves to another actor waits for the actor
+            it left to release it.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keep_last: int = 3, async_save: bool = False,
                  group: ProcessGroup | None = None, timeout: float | None = None,
                  arrival_timeout: float | None = None, config_fingerprint: str | None = None,
-                 max_file_bytes: int | None = None):
+                 max_file_bytes: int | None = None, lock_patience: float = 0.0):
         _check_args(keep_last, timeout, arrival_timeout, max_file_bytes)
+        if isinstance(lock_patience, bool) or not isinstance(lock_patience, (int, float)) \
+                or not 0 <= lock_patience <= 1e9:
+            raise CheckpointError(f"lock_patience={lock_patience!r:.40}; expected a number of seconds in [0, 1e9]. "
+                                  "Fix: pass 0 (refuse a held lock at once) or a positive number of seconds.")
         directory = os.path.abspath(os.fspath(directory))
         try:
             Confined(directory, create=True, what="the checkpoint directory").close()
@@ -119,7 +126,8 @@ class AtomicCheckpointer:
         self._ctx = Context(directory=directory, group=group, rank=rank, world_size=world_size,
                             distributed=distributed, timeout=seconds, collectives=collectives,
                             max_file_bytes=max_file_bytes)
-        self._committer = Committer(self._ctx, keep_last=keep_last, config_fingerprint=config_fingerprint)
+        self._committer = Committer(self._ctx, keep_last=keep_last, config_fingerprint=config_fingerprint,
+                                    lock_patience=lock_patience)
         self._shared_ok = world_size <= 1
         """Whether every rank was seen to share the directory (:mod:`._shared`), checked at the first save/load."""
         self._thread: threading.Thread | None = None

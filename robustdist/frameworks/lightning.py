@@ -12,12 +12,22 @@ Lightning owns the loop, the DDP and the sampler; robustdist adds what it lacks,
   ``weights_only=True`` unless Lightning asks otherwise; a damaged checkpoint (a record that disagrees, a torch
   file that is not an uncompressed zip, a pickle past robustdist's cost scan) falls back to the newest intact
   ``.ckpt`` of the same folder, with a warning, and raises :class:`~robustdist.runtime.errors.CheckpointCorruptError`
-  when there is none. A ``.ckpt`` without a record (written before this plugin) loads, with a warning.
+  when there is none. A ``.ckpt`` without a record (written before this plugin) loads, with a warning. When
+  Lightning asks for ``weights_only=False`` (``trainer.fit(..., weights_only=False)``, for hyperparameters that are
+  objects), or when classes were named in ``checkpoint_io(allowed_globals=[...])``, the file is still unpickled by
+  torch's weights-only unpickler, allowing besides tensors and plain data only ``argparse.Namespace``, Lightning's
+  ``AttributeDict`` and the classes named: Lightning's flag is not the user's consent to run what a file names.
 * :func:`callback` (a ``Callback``): the watchdog on the LightningModule's forward, and ``nan_policy`` checked in
   ``on_before_optimizer_step`` (after backward, so under DDP on the all-reduced gradients: every rank reaches the
   same verdict with no extra collective). ``"raise"`` raises :class:`~robustdist.runtime.errors.NonFiniteLossError`
   naming the step; ``"skip"`` drops this step's gradients (the optimizer skips parameters without one) and counts
-  it.
+  it. A checkpoint saved mid-epoch is warned about once, with the fix: Lightning does not restore a plain
+  ``DataLoader``'s position, so a resume from it replays the epoch's batches from the start (not bitwise).
+* Under torchrun (or ``robustdist run``) with several processes, either of them, called before the ``Trainer`` is
+  built, makes the process group with :func:`~robustdist.init.process_group.safe_init_process_group` (``backend``:
+  robustdist's choice unless given) when there is none yet:
+  Lightning then uses it, and each restarted attempt rendezvous on a fresh store (Lightning's own
+  ``init_process_group`` reuses torchrun's store, and a restart may fail with "Connection refused").
 
 Lightning is imported when one of them is first called, never at import.
 """
@@ -25,16 +35,20 @@ Lightning is imported when one of them is first called, never at import.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import re
+import threading
 import uuid
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 from robustdist.checkpoint._confined import Confined
 from robustdist.checkpoint._io import Crc32
 from robustdist.checkpoint._safeio import check_torch_zip, open_in, read_in
+from robustdist.checkpoint._schema import weights_only_reason
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, ConfigError, NonFiniteLossError
 from robustdist.runtime.log import get_logger
@@ -49,14 +63,21 @@ _POLICIES = ("raise", "skip")
 _classes: dict[str, type] = {}
 
 
-def checkpoint_io() -> Any:
-    """A Lightning ``CheckpointIO`` that saves atomically and verifies on load (see the module docstring)."""
-    return _class("io")()
+def checkpoint_io(*, allowed_globals: Any = (), backend: str | None = None) -> Any:
+    """A Lightning ``CheckpointIO`` that saves atomically and verifies on load (see the module docstring).
+    ``allowed_globals``: classes (or ``"module.Name"`` strings, imported here) a checkpoint may hold: your
+    hyperparameters' own types, from files you trust. ``backend``: the process group's backend where this call
+    makes the group (default: nccl on a CUDA machine, else gloo; say ``"gloo"`` for a CPU Trainer there)."""
+    allowed = _resolve(allowed_globals)
+    _make_group(backend)
+    return _class("io")(allowed)
 
 
-def callback(*, hang_timeout: float | None = 1800.0, nan_policy: str = "raise", dump_dir: str | None = None) -> Any:
+def callback(*, hang_timeout: float | None = 1800.0, nan_policy: str = "raise", dump_dir: str | None = None,
+             backend: str | None = None) -> Any:
     """A Lightning ``Callback``: the watchdog (``hang_timeout`` seconds, None for none) and the ``nan_policy``
-    ("raise" or "skip") before each optimizer step (see the module docstring)."""
+    ("raise" or "skip") before each optimizer step (see the module docstring). ``backend``: as for
+    :func:`checkpoint_io`."""
     if nan_policy not in _POLICIES:
         raise ConfigError(f"robustdist.frameworks.lightning.callback(nan_policy={nan_policy!r}); expected one of "
                           f"{', '.join(_POLICIES)}. Fix: pass one of those ('rollback' needs harden's loop).",
@@ -65,7 +86,69 @@ def callback(*, hang_timeout: float | None = 1800.0, nan_policy: str = "raise", 
                                      or not hang_timeout > 0):
         raise ConfigError(f"robustdist.frameworks.lightning.callback(hang_timeout={hang_timeout!r}); expected "
                           "seconds > 0, or None. Fix: pass e.g. 1800.", rank=_dist.error_rank())
+    _make_group(backend)
     return _class("callback")(hang_timeout=hang_timeout, nan_policy=nan_policy, dump_dir=dump_dir)
+
+
+def _make_group(backend: str | None) -> None:
+    """Under torchrun (or ``robustdist run``), several processes and no process group yet: make it, robustdist's
+    way (``backend``: None for robustdist's choice)."""
+    if _dist.is_up():
+        return
+    from robustdist.runtime.topology import detect_topology
+
+    topo = detect_topology()
+    if topo.launcher != "torchrun" or topo.world_size < 2:
+        return
+    from robustdist.init.process_group import safe_init_process_group
+
+    report = safe_init_process_group(backend=backend, topology=topo)
+    log.info("made the process group for Lightning (backend %s; a fresh store per torchrun attempt); Lightning uses "
+             "it, and its strategy's process_group_backend and timeout do not apply. Fix, for a CPU Trainer on a CUDA "
+             "machine: checkpoint_io(backend='gloo')", report.backend)
+
+
+def _resolve(allowed: Any) -> tuple[type, ...]:
+    """``allowed_globals`` as classes: a class as given, ``"module.Name"`` imported. Only classes: a function
+    allowed would be called with whatever arguments a file chooses."""
+    if isinstance(allowed, (str, type)):
+        allowed = [allowed]
+    try:
+        items = list(allowed)
+    except TypeError:
+        items = [allowed]
+    out: list[type] = []
+    for item in items:
+        found: Any = item
+        if isinstance(item, str):
+            module, _, name = item.replace(":", ".").rpartition(".")
+            try:
+                found = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ConfigError(f"checkpoint_io(allowed_globals=[{item!r:.200}]): cannot import it "
+                                  f"({type(e).__name__}: {str(e)[:200]}); expected 'module.Name' of an importable "
+                                  "class. Fix: name the class by its module path, or pass the class itself.",
+                                  rank=_dist.error_rank()) from None
+        if not isinstance(found, type):
+            raise ConfigError(f"checkpoint_io(allowed_globals=...) holds {item!r:.80}; expected classes (or "
+                              "'module.Name' strings naming classes): a function allowed would run with arguments "
+                              "the file chooses. Fix: pass e.g. [MyConfig] or ['mypackage.config.MyConfig'].",
+                              rank=_dist.error_rank())
+        out.append(found)
+    return tuple(out)
+
+
+def _lightning_types() -> list[Any]:
+    """What Lightning itself puts in a checkpoint's hyperparameters besides plain data."""
+    import argparse
+
+    found: list[Any] = [argparse.Namespace]
+    for module in ("lightning.fabric.utilities.data", "lightning.pytorch.utilities.parsing"):
+        with contextlib.suppress(ImportError, AttributeError):
+            kind = importlib.import_module(module).AttributeDict
+            if kind not in found:
+                found.append(kind)
+    return found
 
 
 def _class(kind: str) -> type:
@@ -82,13 +165,19 @@ def _build() -> dict[str, type]:
     class RobustCheckpointIO(CheckpointIO):
         """Atomic, verified ``.ckpt`` files (robustdist.frameworks.lightning)."""
 
+        def __init__(self, allowed: tuple[Any, ...] = ()) -> None:
+            super().__init__()
+            self.allowed = allowed
+
         def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
             if storage_options is not None:
                 raise TypeError("robustdist's CheckpointIO takes no storage_options")
             _save(checkpoint, os.fspath(path))
 
         def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-            return _load(os.fspath(path), map_location, True if weights_only is None else weights_only)
+            # weights_only=False (Lightning's request), or types the user named: Lightning's own and the user's
+            trusting = weights_only is False or bool(self.allowed)
+            return _load(os.fspath(path), map_location, (*_lightning_types(), *self.allowed) if trusting else None)
 
         def remove_checkpoint(self, path: Any) -> None:
             folder, name = os.path.split(os.fspath(path))
@@ -103,6 +192,7 @@ def _build() -> dict[str, type]:
             self.hang_timeout, self.nan_policy, self.dump_dir = hang_timeout, nan_policy, dump_dir
             self.watchdog: Any = None
             self.skipped = 0
+            self.warned_mid_epoch = False
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             if self.hang_timeout is not None and self.watchdog is None:
@@ -129,6 +219,23 @@ def _build() -> dict[str, type]:
                     p.grad = None
             self.skipped += 1
             log.warning("step %d: non-finite gradients; this step's update is skipped (%d so far)", step, self.skipped)
+
+        def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            done = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step  # the run's last
+            if self.warned_mid_epoch or done or trainer.global_rank != 0 or progress.is_last_batch \
+                    or progress.current.ready == 0:
+                return
+            loader = trainer.train_dataloader
+            if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
+                return  # Lightning saves and restores a stateful loader's position
+            self.warned_mid_epoch = True
+            log.warning("the checkpoint at step %d is taken mid-epoch (after batch %d of epoch %d): Lightning does not "
+                        "restore a plain DataLoader's position, so a resume from it replays the epoch's batches from "
+                        "its start (steps trained twice; not bitwise the run without the fault). Fix: checkpoint at "
+                        "epoch ends (ModelCheckpoint(every_n_epochs=1, save_last=True)), or train from a loader with "
+                        "state_dict()/load_state_dict() (torchdata's StatefulDataLoader), which Lightning restores",
+                        trainer.global_step, progress.current.ready, trainer.current_epoch)
 
         def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
             self._close()
@@ -192,20 +299,22 @@ class _Hashing:
         self.fh.flush()
 
 
-def _load(path: str, map_location: Any, weights_only: bool) -> Any:
+def _load(path: str, map_location: Any, allowed: tuple[Any, ...] | None) -> Any:
+    """``allowed``: None for Lightning's ``weights_only=True``; the globals allowed besides plain data for
+    ``weights_only=False``."""
     try:
-        return _load_verified(path, map_location, weights_only)
+        return _load_verified(path, map_location, allowed)
     except CheckpointCorruptError as e:
         fallback = _newest_intact(os.path.dirname(path) or ".", exclude=path)
         if fallback is None:
+            fix = "" if "Fix:" in str(e) else " Fix: restore the file from a copy, or start without ckpt_path."
             raise CheckpointCorruptError(f"{e} No other intact .ckpt in {os.path.dirname(path) or '.'} to fall back "
-                                         "to. Fix: restore the file from a copy, or start without ckpt_path.",
-                                         rank=_dist.error_rank()) from None
+                                         f"to.{fix}", rank=_dist.error_rank()) from None
         log.warning("%s is refused (%s); loading %s, the newest intact checkpoint beside it", path, e, fallback)
-        return _load_verified(fallback, map_location, weights_only)
+        return _load_verified(fallback, map_location, allowed)
 
 
-def _load_verified(path: str, map_location: Any, weights_only: bool) -> Any:
+def _load_verified(path: str, map_location: Any, allowed: tuple[Any, ...] | None) -> Any:
     import torch
 
     folder, name = os.path.dirname(path) or ".", os.path.basename(path)
@@ -225,10 +334,39 @@ def _load_verified(path: str, map_location: Any, weights_only: bool) -> Any:
             log.warning("%s has no %s record (written without robustdist's CheckpointIO): loaded unverified",
                         path, RECORD_SUFFIX)
         try:
-            return torch.load(fh, map_location=map_location, weights_only=weights_only)
+            with _allowing(allowed or ()):
+                return torch.load(fh, map_location=map_location, weights_only=True)
         except Exception as e:  # weights_only refusals, a damaged stream
-            raise CheckpointCorruptError(f"{path}: torch.load(weights_only={weights_only}) failed "
-                                         f"({type(e).__name__}: {str(e)[:200]})") from None
+            if allowed is None:
+                raise CheckpointCorruptError(
+                    f"{path}: torch.load(weights_only=True) failed ({type(e).__name__}: {weights_only_reason(e)}). "
+                    "Fix: if the file is yours and its hyperparameters are objects, name their classes: "
+                    "checkpoint_io(allowed_globals=['module.Name'])") from None
+            raise CheckpointCorruptError(
+                f"{path}: refused although Lightning asked for weights_only=False ({weights_only_reason(e)}); "
+                "robustdist unpickles only tensors, plain data, argparse.Namespace, Lightning's AttributeDict and "
+                "the globals named in checkpoint_io(allowed_globals=...), since unpickling anything else runs what "
+                "the file names. Fix: if you trust this file and the global named is your own type, allow it: "
+                "checkpoint_io(allowed_globals=['module.Name'])") from None
+
+
+_allow_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _allowing(allowed: tuple[Any, ...]) -> Iterator[None]:
+    """torch's weights-only unpickler also accepts ``allowed`` while this runs: only the classes not allowed
+    already are added, and only those are removed after (what the script allowed itself stays allowed)."""
+    import torch
+
+    if not allowed:
+        yield
+        return
+    with _allow_lock:
+        present = set(map(id, torch.serialization.get_safe_globals()))
+        missing = [kind for kind in allowed if id(kind) not in present]
+        with torch.serialization.safe_globals(missing):
+            yield
 
 
 def _record(folder: str, name: str) -> dict[str, Any] | None:
@@ -237,8 +375,9 @@ def _record(folder: str, name: str) -> dict[str, Any] | None:
         return None
     try:
         record = json.loads(read_in(folder, record_name, max_size=_MAX_RECORD))
-    except (ValueError, UnicodeDecodeError):
-        raise CheckpointCorruptError(f"{os.path.join(folder, record_name)}: not JSON") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested deeper than json can parse
+        raise CheckpointCorruptError(f"{os.path.join(folder, record_name)}: not a JSON record robustdist wrote "
+                                     "(malformed, or nested beyond any record's depth)") from None
     if (not isinstance(record, dict) or record.get("format") != "robustdist-lightning/1"
             or not isinstance(record.get("size"), int) or isinstance(record.get("size"), bool)
             or not isinstance(record.get("crc32"), str) or not re.fullmatch(r"[0-9a-f]{8}", record["crc32"])):

@@ -29,13 +29,16 @@ import json
 import os
 import re
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from robustdist.checkpoint._confined import Confined
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger
 
-__all__ = ["RECORD", "begin", "mark_progress", "record_error", "resumed"]
+if TYPE_CHECKING:
+    from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo
+
+__all__ = ["RECORD", "ProgressMarks", "begin", "mark_progress", "record_error", "resumed"]
 
 log = get_logger(__name__)
 RECORD = ".robustdist-restarts.json"
@@ -194,3 +197,37 @@ def _last_errors(directory: str, attempts: list[int]) -> str:
         return ("none recorded (a rank killed by a signal or the OOM killer records none; see the launcher's log "
                 "and dmesg)")
     return "; ".join(f"attempt {a} rank {r}: {t}" for a, r, t in found[-6:])
+
+
+class ProgressMarks:
+    """The guard's bookkeeping in ``Hardened`` (a mixin): the step resumed from, and the first commit newer than
+    it marking progress. ``Hardened`` holds ``checkpointer``, ``_resumed_from``, ``_progress_marked`` and
+    ``_pending`` (durable async saves not known to have committed yet)."""
+
+    checkpointer: AtomicCheckpointer | None
+    _resumed_from: int | None
+    _progress_marked: bool
+    _pending: list[CheckpointInfo]
+
+    def _resumed(self, step: int | None) -> None:
+        assert self.checkpointer is not None
+        self._resumed_from, self._progress_marked, self._pending = step, False, []
+        if self.checkpointer.rank == 0:
+            resumed(self.checkpointer.directory, step)
+
+    def _committed(self, step: int) -> None:
+        """A step is committed (a durable save, or an in-memory one completing on its background thread): on rank
+        0, the first one newer than the step resumed from marks progress in the restart record."""
+        if self._progress_marked or self.checkpointer is None:
+            return
+        if self._resumed_from is None or step > self._resumed_from:
+            self._progress_marked = True
+            if self.checkpointer.rank == 0:
+                mark_progress(self.checkpointer.directory, step)
+
+    def _mark_progress(self) -> None:
+        """Durable async saves commit in the background: look at them at the next save."""
+        for info in self._pending:
+            if info.done.is_set() and info.total_seconds is not None:
+                self._committed(info.step)
+        self._pending = [i for i in self._pending if not i.done.is_set()]

@@ -41,7 +41,7 @@ from robustdist.runtime import _ray_compat
 from robustdist.runtime.log import get_logger
 
 __all__ = ["RayTrain", "TuneTrial", "checkpoint_step", "current", "current_trial", "json_metrics", "latest_checkpoint",
-           "raise_in_training_thread", "report", "report_metrics"]
+           "manifest_digest", "raise_in_training_thread", "report", "report_metrics"]
 
 log = get_logger(__name__)
 STAGE_PREFIX = ".ray-report-"
@@ -79,10 +79,12 @@ def current() -> RayTrain | None:
 
 @dataclass(frozen=True)
 class TuneTrial:
-    """The Ray Tune trial this process runs (a function trainable): its experiment's name and its trial id."""
+    """The Ray Tune trial this process runs: its experiment's name, its trial id, and ``function``: whether it
+    is a function trainable's own process (False: a Ray Train V1 worker of the trial, one of several ranks)."""
 
     experiment: str
     trial_id: str
+    function: bool = True
 
 
 def current_trial() -> TuneTrial | None:
@@ -91,7 +93,7 @@ def current_trial() -> TuneTrial | None:
     if "ray.tune" not in sys.modules:
         return None
     found = _ray_compat.tune_trial()
-    return TuneTrial(experiment=found[0], trial_id=found[1]) if found is not None else None
+    return TuneTrial(experiment=found[0], trial_id=found[1], function=found[2]) if found is not None else None
 
 
 def fingerprint(config: Any) -> str:
@@ -209,13 +211,20 @@ def _stage(step_dir: str, rel: str, stage: Any, size: int | None) -> None:
                 inner.close()
 
 
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """A short digest of a checkpoint's manifest: names one committed checkpoint (its step, files and sums)."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:8]
+
+
 def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any], *, rank: int,
            world_size: int, timeout: float = REGISTER_TIMEOUT_S,
-           agree: Callable[[str | None], None] | None = None) -> str:
+           agree: Callable[[str | None], None] | None = None, tune: bool = False) -> str:
     """Report a committed checkpoint to Ray Train: this rank's part of ``step_dir`` (the files the manifest lists
     that this rank wrote; rank 0 adds the manifest and the replicated state). Collective (a Ray barrier). Then
     wait (at most ``timeout``) until Ray's controller has registered it. Returns the checkpoint's directory name
-    in Ray's storage.
+    in Ray's storage. ``tune``: to Ray Tune instead, from a function trainable's trial (one process:
+    ``ray.tune.report``, which persists the checkpoint before it returns, and may end the trial's thread with
+    ``SystemExit`` when Tune stops or resets the trial).
 
     ``agree``: called on every rank with this rank's staging problem (None: staged), before Ray's barrier; it
     must raise on every rank if any rank's staging failed (robustdist's own collective, which a fault can cut:
@@ -227,8 +236,7 @@ def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any
     from robustdist.runtime.errors import CheckpointError
 
     files = [n for n in manifest.get("files", {}) if _owner(n, world_size) == rank]
-    crc = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:8]
-    name = f"{os.path.basename(step_dir)}-{crc}"
+    name = f"{os.path.basename(step_dir)}-{manifest_digest(manifest)}"
     parent = os.path.dirname(step_dir)
     prefix = f"{STAGE_PREFIX}{rank}-"
     ours = re.compile(re.escape(prefix) + r"[A-Za-z0-9_]{1,64}")  # this rank's scratch (older ones: mkdtemp's)
@@ -261,6 +269,11 @@ def report(metrics: Mapping[str, Any], step_dir: str, manifest: Mapping[str, Any
                 raise
         if problem is not None:
             raise problem
+        if tune:
+            import ray.tune
+
+            ray.tune.report(dict(metrics), checkpoint=ray.tune.Checkpoint.from_directory(stage))
+            return name
         with uncuttable("ray.train.report", lambda m: CheckpointError(m, rank=rank)):
             ray.train.report(dict(metrics), checkpoint=checkpoint, checkpoint_dir_name=name)
     finally:
@@ -287,8 +300,14 @@ def _wait_registered(name: str, timeout: float) -> None:
                     "fails now, Ray's newest checkpoint is the one before it", name, timeout, type(e).__name__, e)
 
 
-def report_metrics(metrics: Mapping[str, Any]) -> None:
-    """Report metrics without a checkpoint (collective, like every ``ray.train.report``)."""
+def report_metrics(metrics: Mapping[str, Any], *, tune: bool = False) -> None:
+    """Report metrics without a checkpoint (collective, like every ``ray.train.report``); ``tune``: to Ray Tune,
+    from a function trainable's trial."""
+    if tune:
+        import ray.tune
+
+        ray.tune.report(dict(metrics))
+        return
     import ray.train
 
     from robustdist.runtime.dist import error_rank, uncuttable
@@ -298,8 +317,14 @@ def report_metrics(metrics: Mapping[str, Any]) -> None:
         ray.train.report(dict(metrics))
 
 
-def latest_checkpoint() -> Any | None:
-    """``ray.train.get_checkpoint()``: the run's newest reported checkpoint, or None."""
+def latest_checkpoint(*, tune: bool = False) -> Any | None:
+    """``ray.train.get_checkpoint()``: the run's newest reported checkpoint, or None. ``tune``: in a Ray Tune
+    function trainable, ``ray.tune.get_checkpoint()``: the checkpoint Tune started this trial from (its own
+    newest, or another trial's that Tune handed over, as PBT's exploit does)."""
+    if tune:
+        import ray.tune
+
+        return ray.tune.get_checkpoint()
     import ray.train
 
     return ray.train.get_checkpoint()

@@ -189,11 +189,12 @@ def _get_session() -> Callable[[], Any]:
     return get_session
 
 
-def tune_trial() -> tuple[str, str] | None:
-    """``(experiment name, trial id)`` of the Ray Tune trial this process runs (a function trainable; Ray Train
-    V1 workers too), or None outside one. Read from the trial's session (``ray.train._internal.session``), which
-    says "no trial" without a warning; where this Ray has no such internal, from ``ray.tune.get_context()``
-    (public; outside a trial it warns once and says None)."""
+def tune_trial() -> tuple[str, str, bool] | None:
+    """``(experiment name, trial id, function)`` of the Ray Tune trial this process runs (a function trainable;
+    Ray Train V1 workers too, with ``function`` False: their session has a world rank), or None outside one. Read
+    from the trial's session (``ray.train._internal.session``), which says "no trial" without a warning; where this
+    Ray has no such internal, from ``ray.tune.get_context()`` (public; outside a trial it warns once and says
+    None; ``function`` True)."""
     try:
         get = _get_session()
     except ImportError as e:
@@ -205,10 +206,11 @@ def tune_trial() -> tuple[str, str] | None:
     if session is None:
         return None
     experiment, trial = getattr(session, "experiment_name", None), getattr(session, "trial_id", None)
-    return (str(experiment or "unnamed"), str(trial)) if trial else None
+    function = getattr(session, "world_rank", None) is None
+    return (str(experiment or "unnamed"), str(trial), function) if trial else None
 
 
-def _public_tune_trial() -> tuple[str, str] | None:
+def _public_tune_trial() -> tuple[str, str, bool] | None:
     try:
         import ray.tune
 
@@ -216,7 +218,7 @@ def _public_tune_trial() -> tuple[str, str] | None:
         trial, experiment = ctx.get_trial_id(), ctx.get_experiment_name()
     except Exception:  # no Tune, or a context that cannot answer: not a trial
         return None
-    return (str(experiment or "unnamed"), str(trial)) if trial else None
+    return (str(experiment or "unnamed"), str(trial), True) if trial else None
 
 
 def worker_error(error: BaseException) -> BaseException:

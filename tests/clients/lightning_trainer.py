@@ -5,9 +5,10 @@ The usual shape, kept: a ``LightningModule`` with ``training_step`` and ``config
 ``ModelCheckpoint`` (``save_last=True``), ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` and
 ``trainer.fit(model, loader, ckpt_path="last" if it exists)``. What the port adds (docs/porting.md, "(e)"):
 
-* ``plugins=[robustdist.frameworks.lightning.checkpoint_io()]`` and ``callbacks=[..., callback(...)]``;
-* ``robustdist.safe_init_process_group()`` before the ``Trainer``: Lightning uses a group that exists, and its own
-  ``init_process_group`` cannot rendezvous again after torchrun restarts the job.
+* ``plugins=[robustdist.frameworks.lightning.checkpoint_io()]`` and ``callbacks=[..., callback(...)]``, nothing
+  else: under torchrun the plugin makes the process group (a fresh store per attempt) before the ``Trainer`` is
+  built, and Lightning uses it (its own ``init_process_group`` may not rendezvous again after torchrun restarts
+  the job). ``group_before_trainer`` in the result says the group was there before the ``Trainer``.
 
 Lightning restarts an epoch's data from its start when it resumes mid-epoch, so the checkpoint is taken at epoch
 ends (``every_n_epochs=1``): the resumed run is then bitwise the straight one. Run under ``torchrun
@@ -29,7 +30,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import robustdist
 from robustdist.frameworks import lightning as rdl
 
 
@@ -62,15 +62,16 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     args = parser.parse_args()
     workdir = Path(args.workdir)
-    robustdist.safe_init_process_group()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 8, generator=g)
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
     ckpt_dir = workdir / "ckpt"
     saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=True)
+    io = rdl.checkpoint_io()
+    group_before_trainer = torch.distributed.is_initialized()
     trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                        plugins=[rdl.checkpoint_io()],
+                        plugins=[io],
                         callbacks=[saver, rdl.callback(hang_timeout=120.0, nan_policy="raise")])
     model = Regressor(args.kill_at)
     last = ckpt_dir / "last.ckpt"
@@ -80,7 +81,7 @@ def main() -> None:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, workdir / f"final-{args.tag}-rank{rank}.pt")
     (workdir / f"result-{args.tag}-rank{rank}.json").write_text(json.dumps({
         "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "world": trainer.world_size,
-        "steps": trainer.global_step, "losses": model.losses, "resumed": resumed,
+        "steps": trainer.global_step, "losses": model.losses, "resumed": resumed, "group_before_trainer": group_before_trainer,
         "records": sorted(p.name for p in ckpt_dir.iterdir() if p.name.endswith(rdl.RECORD_SUFFIX))}))
 
 

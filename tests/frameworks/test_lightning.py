@@ -195,3 +195,121 @@ def test_names_planted_as_links_are_replaced_and_removed_never_written_through(t
     assert links == ["step=6.ckpt"] and loaded
     assert not os.path.lexists(directory / "step=6.ckpt")
     assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == {n: b"precious" for n in ("hard", "soft", "removed")}
+
+
+class Hyper:
+    """A user's hyperparameter type (module-level, so pickled by reference)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+
+def _trusting_loads(rank, directory):
+    """Lightning's weights_only=False: code refused, Namespace loaded, a user type only once allowed."""
+    import argparse
+
+    from robustdist.frameworks import lightning as rdl
+    from robustdist.runtime.errors import CheckpointCorruptError
+
+    def outcome(io, name):
+        try:
+            return io.load_checkpoint(f"{directory}/{name}", weights_only=False)
+        except CheckpointCorruptError as e:
+            return str(e)
+
+    io = rdl.checkpoint_io()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": _Runs()}, f"{directory}/evil.ckpt")
+    evil = outcome(io, "evil.ckpt")
+    os.rename(f"{directory}/evil.ckpt", f"{directory}/evil.keep")  # the next loads have no fallback to it
+    os.rename(f"{directory}/evil.ckpt{rdl.RECORD_SUFFIX}", f"{directory}/evil.keep{rdl.RECORD_SUFFIX}")
+    io.save_checkpoint({"hyper_parameters": {"ns": argparse.Namespace(a=1)}}, f"{directory}/ns.ckpt")
+    namespace = outcome(io, "ns.ckpt")["hyper_parameters"]["ns"].a
+    os.makedirs(f"{directory}/own")
+    io.save_checkpoint({"hyper_parameters": {"h": Hyper(8)}}, f"{directory}/own/h.ckpt")
+    refused = outcome(io, "own/h.ckpt")
+    torch.serialization.add_safe_globals([argparse.Namespace])  # the script's own: stays allowed after the loads
+    allowed = outcome(rdl.checkpoint_io(allowed_globals=[f"{__name__}.Hyper"]), "own/h.ckpt")
+    by_default = rdl.checkpoint_io(allowed_globals=Hyper).load_checkpoint(f"{directory}/own/h.ckpt")  # named: enough
+    kept = argparse.Namespace in torch.serialization.get_safe_globals()
+    added = Hyper in torch.serialization.get_safe_globals()
+    return evil, namespace, refused, (allowed["hyper_parameters"]["h"].width, by_default["hyper_parameters"]["h"].width,
+                                      kept, added)
+
+
+@pytest.mark.processes
+def test_weights_only_false_unpickles_only_what_robustdist_allows(tmp_path):
+    marker = Path("/tmp/robustdist-lightning-pwned")
+    marker.unlink(missing_ok=True)
+    ((evil, namespace, refused, width),) = run_ranks(_trusting_loads, 1, init=False, timeout=TIMEOUT,
+                                                        args=(str(tmp_path),), env=ALONE)
+    assert "refused although Lightning asked for weights_only=False" in evil and "system" in evil
+    assert "No other intact .ckpt" in evil and not marker.exists()  # nothing ran
+    assert namespace == 1  # argparse.Namespace, as Lightning's save_hyperparameters writes it, loads
+    assert "Hyper" in refused and "checkpoint_io(allowed_globals=['module.Name'])" in refused
+    assert width == (8, 8, True, False)  # named by the user: loads (with or without Lightning's flag); the
+    # script's own allowed global stays allowed, and the plugin's go when the load is done
+
+
+def test_allowed_globals_are_classes_that_can_be_imported():
+    from robustdist.frameworks import lightning as rdl
+    from robustdist.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cannot import it .*expected 'module.Name' of an importable class"):
+        rdl.checkpoint_io(allowed_globals=["no_such_module_here.Config"])
+    with pytest.raises(ConfigError, match=r"expected classes \(or 'module.Name' strings naming classes\)"):
+        rdl.checkpoint_io(allowed_globals=[3])
+    with pytest.raises(ConfigError, match=r"'os.system'.*a function allowed would run with arguments the file"):
+        rdl.checkpoint_io(allowed_globals=["os.system"])
+    assert rdl._resolve(Hyper) == (Hyper,)  # one class, not in a list
+
+
+def _nested_record(rank, directory):
+    from robustdist.frameworks import lightning as rdl
+
+    io = rdl.checkpoint_io()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, f"{directory}/step=2.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, f"{directory}/step=4.ckpt")
+    Path(f"{directory}/step=4.ckpt{rdl.RECORD_SUFFIX}").write_text("[" * 60_000 + "]" * 60_000)
+    return tuple(io.load_checkpoint(f"{directory}/step=4.ckpt")["state_dict"]["w"].shape)
+
+
+@pytest.mark.processes
+def test_a_record_nested_beyond_parsing_falls_back_to_the_checkpoint_before(tmp_path):
+    (shape,) = run_ranks(_nested_record, 1, init=False, timeout=TIMEOUT, args=(str(tmp_path),), env=ALONE)
+    assert shape == (2,)  # step=2's, named fallback (not a RecursionError)
+
+
+def _warned(rank, directory, every_n_epochs):
+    import logging
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from robustdist.frameworks import lightning as rdl
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logging.getLogger("robustdist").addHandler(Keep(logging.WARNING))
+    saver = (ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1) if every_n_epochs else
+             ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=-1))
+    trainer = L.Trainer(max_steps=12, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[rdl.checkpoint_io()],
+                        callbacks=[saver, rdl.callback(hang_timeout=None)])
+    trainer.fit(_module(), _data())
+    return [m for m in seen if "mid-epoch" in m]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("every_n_epochs", [False, True], ids=["every-2-steps", "every-epoch"])
+def test_a_mid_epoch_checkpoint_is_warned_about_once_with_the_fix(tmp_path, every_n_epochs):
+    (warnings,) = run_ranks(_warned, 1, init=False, timeout=TIMEOUT, args=(str(tmp_path), every_n_epochs),
+                              env=ALONE)
+    if every_n_epochs:
+        assert warnings == []  # saves at 8 (an epoch end) and 12 (the run's last step: not warned)
+    else:
+        assert len(warnings) == 1 and "the checkpoint at step 2 is taken mid-epoch (after batch 2 of epoch 0)" in warnings[0]
+        assert "Fix: checkpoint at epoch ends (ModelCheckpoint(every_n_epochs=1, save_last=True))" in warnings[0]

@@ -72,7 +72,7 @@ def fits(root: str, node: int, need: int, in_flight: int, others: list[tuple[str
     shm, ram = free(root)
     held = held_bytes(root)
     left = f"; other in-memory tiers of this user hold {size(sum(b for _, b in others))} here " \
-        f"({', '.join(p for p, _ in others[:3])}: remove them if their jobs are gone)" if others else ""
+        f"({', '.join(p for p, _ in others[:3])}: `robustdist clean` removes those no running job uses)" if others else ""
     if need > shm + held:
         return (f"node {node} needs {size(need)} in {root} for the in-memory tier (kept steps + 1 being written, x "
                 f"the copies it holds) and has {size(shm)} free plus {size(held)} it already holds{left}")

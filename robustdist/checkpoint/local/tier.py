@@ -49,7 +49,7 @@ from robustdist.checkpoint import _background, _faults
 from robustdist.checkpoint._schema import MAX_STEP, is_int
 from robustdist.checkpoint._snapshot import collect
 from robustdist.checkpoint.local import held as _held
-from robustdist.checkpoint.local import layout, memory
+from robustdist.checkpoint.local import layout, leftovers, memory
 from robustdist.checkpoint.local import restore as _local_restore
 from robustdist.checkpoint.local.lineage import LINEAGE, lineage_of
 from robustdist.checkpoint.local.memory import node_need
@@ -115,6 +115,7 @@ class LocalTier:
         self.directory = layout.tier_root(os.path.abspath(base), self.lineage)
         """The tier's own directory: the only one it writes, rotates or removes."""
         layout.make_root(self.directory)
+        self._in_use = leftovers.hold(self.directory)  # what `robustdist clean` sees: a job uses this directory
         self.keep_last = keep_last
         self.timeout = float(timeout) if timeout is not None else 1800.0
         self.arrival_timeout = float(arrival_timeout) if arrival_timeout is not None else 60.0
@@ -133,6 +134,7 @@ class LocalTier:
             keys = self.collectives.all_gather(_node_key(), "node map")
         except BaseException:
             self._destroy_group()
+            leftovers.release(self._in_use)
             raise
         order = list(dict.fromkeys(keys))
         self.nodes = [order.index(k) for k in keys]
@@ -147,9 +149,9 @@ class LocalTier:
                      "a node loss is a job loss here, recovered from the durable tier")
         self.others = layout.siblings(self.directory) if self.leader else []
         if self.others:
-            log.warning("other in-memory checkpoint tiers of this user hold %s of RAM on this node (%s); remove them if "
-                        "their jobs are gone", memory.size(sum(b for _, b in self.others)),
-                        ", ".join(p for p, _ in self.others[:3]))
+            log.warning("other in-memory checkpoint tiers of this user hold %s of RAM on this node (%s). Fix: `robustdist "
+                        "clean --dir %s` removes those no running job uses", memory.size(sum(b for _, b in self.others)),
+                        ", ".join(p for p, _ in self.others[:3]), os.path.dirname(self.directory))
         self.last_complete: int | None = None
         """The newest step this rank saw complete (saved or loaded)."""
         self.overwritten, self.filled = "", False
@@ -407,11 +409,13 @@ class LocalTier:
                 # (a save left behind set _held, if at all, before its collectives: its copy is committed)
                 _held.carry(self.directory, self._held if self.carry and self._thread is None else None)
                 if self.leader:
-                    log.info("in-memory checkpoints kept in %s for a restart", self.directory)
+                    log.info("in-memory checkpoints kept in %s for a restart (`robustdist clean --dir %s` removes "
+                             "them once no job uses them)", self.directory, os.path.dirname(self.directory))
         finally:
             self._staging.clear()
             self._held = self._carried = None
             self._destroy_group()
+            leftovers.release(self._in_use)
         if error is not None:
             try:
                 raise error
