@@ -4,7 +4,8 @@ and calls ``h.save(step, metrics=...)`` once per iteration (the checkpoint every
 where the example reports ``Checkpoint.from_directory``). No ``with`` and no ``close()``: the example's function
 never returns either (Tune stops it).
 
-Every start and every save appends a line to ``<out>/<trial>.jsonl``: the step, the learning rate used, a digest
+``kill_at``: the first trial to reach that step SIGKILLs its own actor (once per run; ``<out>/killed`` names it),
+and Tune restarts it from its checkpoint. Every start, every save and the kill append a line to ``<out>/<trial>.jsonl``: the step, the learning rate used, a digest
 of the parameters, the number of threads in the process and the actor's pid, so a test can follow each exploit
 (a start whose parameters are another trial's saved ones) and see what a reused actor kept.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import threading
 
 import torch
@@ -32,6 +34,17 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     x = torch.randn(16, 4, generator=g)
     return x, x.sum(dim=1, keepdim=True) * 0.5
+
+
+def _first_kill(out: str, trial: str) -> bool:
+    """True once per run (the first trial to get here): the marker names it."""
+    try:
+        fd = os.open(os.path.join(out, "killed"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return False
+    os.write(fd, trial.encode())
+    os.close(fd)
+    return True
 
 
 def pbt_trainable(config: dict) -> None:
@@ -64,6 +77,9 @@ def pbt_trainable(config: dict) -> None:
         loss.backward()
         opt.step()
         step += 1
+        if step == config.get("kill_at") and _first_kill(config["out"], trial):
+            note("kill")
+            os.kill(os.getpid(), signal.SIGKILL)  # the trial's actor dies; Tune restarts the trial (max_failures)
         if step % config["checkpoint_interval"] == 0:
             note("save")  # before: Tune may end this thread inside the report that carries the checkpoint
         h.save(step, metrics={"mean_accuracy": -loss.item(), "lr": config["lr"]})

@@ -221,6 +221,32 @@ def test_a_second_writer_fails_fast_and_a_dead_holder_is_taken_over(tmp_path):
     _assert_newest(tmp_path, 2)
 
 
+RELEASING = "import sys, time; from robustdist.checkpoint import AtomicCheckpointer; import torch\n" \
+            "c = AtomicCheckpointer(sys.argv[1]); c.save(1, {'weights': torch.full((64,), 1.0), 'meta': {'step': 1}})\n" \
+            "print('ready', flush=True); time.sleep(1.5); c.close(); time.sleep(60)"
+
+
+@pytest.mark.processes
+def test_a_patient_writer_waits_for_the_holder_to_release(tmp_path):
+    """lock_patience (a Ray Tune trial that moved to another actor): the save waits while the holder still holds
+    the lock, and commits once it lets go; no patience refuses at once, as above."""
+    holder = subprocess.Popen([sys.executable, "-c", RELEASING, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        start = time.monotonic()
+        with AtomicCheckpointer(tmp_path, lock_patience=30) as ckpt:
+            ckpt.save(2, state_for(2))
+        assert 0.5 < time.monotonic() - start < 25  # it waited for the release, not for its patience's end
+        _assert_newest(tmp_path, 2)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    for bad in (-1, "30", True, float("nan")):
+        with pytest.raises(CheckpointError, match=r"lock_patience=.*; expected a number of seconds in \[0, 1e9\]"):
+            AtomicCheckpointer(tmp_path, lock_patience=bad)
+
+
 # 7. a malicious pickle -----------------------------------------------------------------------------------
 class _Evil:
     def __init__(self, path):

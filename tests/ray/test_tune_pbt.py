@@ -1,10 +1,10 @@
 """Ray Tune's PBT with harden() in a function trainable, in the shape of Ray's ``pbt_function.py``
-(``tests/clients/tune_pbt.py``): 4 trials, an exploit chance every 4 iterations, a checkpoint at each, run with
-``reuse_actors`` both ways. Every exploit restores the donor's checkpoint through robustdist (the trial continues
-from the donor's saved parameters with its own new learning rate, and its later manifests record the lineage),
-every other start resumes the trial's own state, no trial errors, and a reused actor keeps no thread of the
-trials before. A trial that does fail reaches Tune's results with robustdist's message, and ``fail_fast="raise"``
-raises it from ``fit()``."""
+(``tests/clients/tune_pbt.py``): 4 trials, the lower half exploiting the upper every 4 iterations, a checkpoint at
+each, ``reuse_actors`` both ways, one trial's actor SIGKILLed mid-run. Every exploit restores the donor's checkpoint
+through robustdist (the trial continues from the donor's saved parameters with its own new learning rate, and its
+later manifests record the lineage), every other start (a pause, the restart after the kill) resumes the trial's
+own saved state, no trial errors, and a reused actor keeps no thread of the trials before. A trial that does fail
+reaches Tune's results with robustdist's message, and ``fail_fast="raise"`` raises it from ``fit()``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.clients import tune_pbt as client
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(420)]
 
 INTERVAL = 4
+KILL_AT = 10  # between the saves at 8 and 12
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,10 @@ def _fit(tmp_path: Path, *, reuse: bool, iterations: int, **failure: object):
 
     (tmp_path / "out").mkdir()
     pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=INTERVAL,
+                                  quantile_fraction=0.5,  # the lower half exploits the upper: exploits every run
                                   hyperparam_mutations={"lr": tune.uniform(0.001, 0.05)})
     space = {"lr": tune.uniform(0.001, 0.05), "checkpoint_interval": INTERVAL, "dir": str(tmp_path / "ckpt"),
-             "out": str(tmp_path / "out")}
+             "out": str(tmp_path / "out"), "kill_at": KILL_AT}
     return tune.Tuner(
         tune.with_resources(client.pbt_trainable, {"cpu": 0.5}), param_space=space,
         tune_config=tune.TuneConfig(scheduler=pbt, metric="mean_accuracy", mode="max", num_samples=4,
@@ -64,7 +66,7 @@ def _lines(out: Path) -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("reuse", [True, False], ids=["reused-actors", "fresh-actors"])
 def test_pbt_exploits_restore_the_donor_through_robustdist(client_by_value, tmp_path, reuse):
-    results = _fit(tmp_path, reuse=reuse, iterations=40 if reuse else 24)
+    results = _fit(tmp_path, reuse=reuse, iterations=40 if reuse else 32, max_failures=1)
     assert results.num_errors == 0, [str(e)[:1500] for e in results.errors]
     trials = _lines(tmp_path / "out")
     assert len(trials) == 4
@@ -85,6 +87,11 @@ def test_pbt_exploits_restore_the_donor_through_robustdist(client_by_value, tmp_
             else:  # a pause, or a restart in another actor: this trial's own newest state
                 assert (trial, start["step"], start["digest"]) in saved, start
     assert exploits >= 1  # PBT did exploit, through robustdist's checkpoints
+    killed = (tmp_path / "out" / "killed").read_text()
+    after = [line["kind"] for line in trials[killed]]
+    assert "kill" in after and after[after.index("kill") + 1] == "start"  # Tune restarted the killed trial, and
+    restart = trials[killed][after.index("kill") + 1]  # it resumed a saved state (the checks above: whose)
+    assert 0 < restart["step"] <= KILL_AT
     lineages = 0
     for trial, lines in trials.items():
         handed = [line for line in lines if line["kind"] == "start" and _donor(line["source"])]
