@@ -54,6 +54,15 @@ dataset = TensorDataset(x, x.sum(1, keepdim=True))
 loss_fn = nn.MSELoss()
 """
 
+LOOP = TOY + """
+from robustdist import harden
+
+loader = DataLoader(dataset, batch_size=8, shuffle=True)
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
+"""
+
 LIGHTNING_MODULE = """
 import lightning as L
 
@@ -84,13 +93,7 @@ open("train.yaml", "w").write("checkpoint:\\n  dir: ckpt\\n")
 print("RESULT", json.dumps({"batches": len(loader), "loss": float(loss)}))
 """),
     ("README.md", 2): Run(
-        TOY + """
-from robustdist import harden
-
-loader = DataLoader(dataset, batch_size=8, shuffle=True)
-model = nn.Linear(4, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
+        LOOP + """
 total_steps = 1000  # the snippet's cfg saves every 500
 """, """
 from robustdist.checkpoint._layout import committed_steps
@@ -112,13 +115,7 @@ from robustdist.checkpoint._layout import committed_steps
 print("RESULT", json.dumps({"committed": committed_steps("snapshots")}))
 """),
     ("docs/porting.md", 1): Run(
-        TOY + """
-from robustdist import harden
-
-loader = DataLoader(dataset, batch_size=8, shuffle=True)
-model = nn.Linear(4, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
+        LOOP + """
 total_steps = 6
 """, """
 from robustdist.checkpoint._layout import committed_steps
