@@ -44,6 +44,14 @@ from hypothesis import settings
 
 from tests import _global_state, _procs, _process_guard
 
+import robustdist  # noqa: E402
+
+# `from robustdist import harden` must give the function in every test: Python's import system sets the package's
+# attribute `harden` to the submodule robustdist.harden when that is first imported (`from robustdist.harden import
+# ...`, or test_docs resolving `robustdist.harden:harden`). Resolving the public name first binds the function,
+# and a later import of the submodule finds it loaded and leaves the attribute alone.
+robustdist.harden  # noqa: B018
+
 RUN_TMP_ENV = "ROBUSTDIST_TEST_RUN_TMP"  # the run's own temporary directory, set by the controller for its workers
 _RUN_TMP_OWNED = pytest.StashKey[str]()  # set in the process that made it (and removes it)
 _STATE_BEFORE = pytest.StashKey[dict]()

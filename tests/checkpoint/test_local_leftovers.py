@@ -95,3 +95,15 @@ def test_the_cli_reports_and_removes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "robustdist", "clean", "--dir", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot list" in out.stderr and "Fix:" in out.stderr
+
+
+def test_a_tier_removed_again_and_again_while_it_is_made_is_named(tmp_path, monkeypatch):
+    from robustdist.checkpoint.local.leftovers import hold
+    from robustdist.runtime.errors import CheckpointError
+
+    root = layout.tier_root(str(tmp_path), "lineage")
+    layout.make_root(root)
+    monkeypatch.setattr(os.path, "samestat", lambda a, b: False)  # as if a clean removed it after each lock
+    with pytest.raises(CheckpointError, match=r"was removed three times while this job made it; expected it to stay\. "
+                                              r"Fix: do not run `robustdist clean` on a job that is starting"):
+        hold(root)

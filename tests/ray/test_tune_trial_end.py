@@ -69,3 +69,22 @@ def test_a_hardened_the_script_closed_is_left_alone():
     thread.join(10)
     tune.take_over(timeout=5.0)
     assert made[0].closes == 1 and not tune._open  # not closed a second time
+
+
+def test_retire_removes_every_own_step_and_names_one_it_cannot(tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from robustdist.checkpoint import AtomicCheckpointer, _cleanup
+    from robustdist.runtime.errors import CheckpointError
+
+    with AtomicCheckpointer(tmp_path / "a") as ckpt:
+        for step in (4, 8):
+            ckpt.save(step, {"w": torch.ones(2)})
+        assert tune.retire(ckpt) == [4, 8] and ckpt.steps() == []
+    with AtomicCheckpointer(tmp_path / "b") as ckpt:
+        ckpt.save(4, {"w": torch.ones(2)})
+        monkeypatch.setattr(_cleanup, "trash", lambda directory, step: None)  # a rename that failed (warned there)
+        with pytest.raises(CheckpointError, match=r"its own steps \[4\] in .* could not be set aside .*expected them "
+                                                  r"gone.*Fix: make the directory writable"):
+            tune.retire(ckpt)

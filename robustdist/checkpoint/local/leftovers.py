@@ -7,7 +7,8 @@ looks at this user's tier directories under a base (``/dev/shm`` by default), ea
 the tier checks its own (a real directory of this user's that no one else can write, never through a link):
 one whose lock it can take exclusively is used by no process and is removed while the lock is held; one held is
 kept. A directory without the lock file (made by a robustdist without it) cannot be told apart from a running
-job's and is kept unless ``force``. Nothing else under the base is looked at, let alone removed.
+job's and is kept unless ``force``. Nothing else under the base is looked at, let alone removed. A tier's own
+``close`` removes its directory only when every rank voted clean (:func:`voted_clean`).
 """
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ import errno
 import fcntl
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from robustdist.checkpoint.local import layout
+from robustdist.runtime.dist import default_store
 from robustdist.runtime.errors import CheckpointError
+from robustdist.runtime.log import get_logger
 
-__all__ = ["IN_USE", "Leftover", "clean", "hold", "release"]
+__all__ = ["IN_USE", "Leftover", "clean", "hold", "release", "voted_clean"]
 
+log = get_logger("robustdist.checkpoint.local.tier")
 IN_USE = ".in-use"
 _MAX_LISTED = 10_000
 
@@ -113,3 +118,32 @@ def _judge(path: str, *, dry_run: bool, force: bool) -> Leftover:
         return Leftover(path, size, "removed")
     finally:
         fh.close()
+
+
+def voted_clean(tier: Any, clean: bool) -> bool:
+    """Whether every rank of ``tier`` (a :class:`~robustdist.checkpoint.local.tier.LocalTier` closing) closed it
+    cleanly, so its directory may go. The vote goes through the job's store, not a collective: a rank leaving on
+    an error posts its vote and returns at once; a clean rank waits at most ``arrival_timeout`` for the others, and
+    any doubt keeps the files (a restart restores from them)."""
+    if not tier.distributed:
+        return clean
+    store = default_store()
+    if store is None:
+        return False
+    base = f"robustdist/local-close/{tier.collectives.token}"
+    try:
+        store.set(f"{base}/{tier.rank}", "1" if clean else "0")
+        if not clean:
+            return False
+        keys = [f"{base}/{r}" for r in range(tier.world_size)]
+        deadline = time.monotonic() + tier.arrival_timeout
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                log.warning("in-memory checkpoints: not every rank closed within %g s; the files stay in %s",
+                            tier.arrival_timeout, tier.directory)
+                return False
+            time.sleep(0.05)
+        return all(store.get(k) == b"1" for k in keys)
+    except Exception as e:  # the store is gone (its host exited): keep the files
+        log.debug("in-memory tier close vote failed: %s", e)
+        return False

@@ -54,6 +54,7 @@ from robustdist.checkpoint._types import LoadedCheckpoint
 from robustdist.checkpoint.local import layout
 from robustdist.checkpoint.local import mapped as _mapped
 from robustdist.checkpoint.local.held import Held
+from robustdist.checkpoint.local.sources import Candidate, Source, assign, describe, reads, replicated_on, row
 from robustdist.checkpoint.local.shards import restore_shards
 from robustdist.checkpoint.local.wire import Blob, exchange
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
@@ -78,10 +79,6 @@ class LocalTier(Protocol):
 __all__ = ["recover"]
 
 log = get_logger(__name__)
-Source = tuple[int, int, str]
-"""``(holder rank, owner rank, role)``: one copy of one owner's state."""
-Candidate = tuple[int, str]
-"""``(step, save id)``: one save of one step (copies of two saves of a step are never combined)."""
 
 
 class _Skip(Exception):
@@ -124,64 +121,6 @@ def _inventory(tier: LocalTier) -> list[tuple[int, str, int, dict[str, int], dic
     return rows
 
 
-def _local_index(nodes: list[int], rank: int) -> int:
-    return [r for r, n in enumerate(nodes) if n == nodes[rank]].index(rank)
-
-
-def _assign(cand: Candidate, everyone: list[Any], nodes: list[int], excluded: set[tuple[Any, ...]]
-            ) -> dict[int, Source] | None:
-    """owner -> the copy of ``cand`` (a step and a save id) to use, the same on every rank, or None when some
-    owner has no usable copy. ``excluded`` holds ``(node, owner, role, step)``: a bad copy is one directory,
-    whichever rank of its node lists it. Among equal choices the rank with the owner's local index is taken,
-    so the reads spread over a node's ranks instead of landing on its lowest."""
-    out: dict[int, Source] = {}
-    step, save = cand
-    for owner in range(len(everyone)):
-        options = []
-        for holder, (rows, _) in enumerate(everyone):
-            for o, role, s, files, _, _, sid in rows:
-                if o != owner or s != step or sid != save or (nodes[holder], owner, role, step) in excluded:
-                    continue
-                if owner == 0 and layout.REPLICATED not in files:
-                    continue
-                rank_order = (0 if holder == owner else 1 if nodes[holder] == nodes[owner] else 2,
-                              0 if role == "own" else 1,
-                              0 if _local_index(nodes, holder) == _local_index(nodes, owner) else 1, holder)
-                options.append((rank_order, (holder, owner, role)))
-        if not options:
-            return None
-        out[owner] = min(options)[1]
-    return out
-
-
-def _replicated_on(node: int, cand: Candidate, everyone: list[Any], nodes: list[int],
-                   excluded: set[tuple[Any, ...]]) -> Source | None:
-    """A copy of rank 0's state holding the replicated entries on ``node`` (own copy first), or None."""
-    options = [(0 if role == "own" else 1, holder, (holder, 0, role))
-               for holder, (rows, _) in enumerate(everyone) if nodes[holder] == node
-               for o, role, s, files, _, _, sid in rows
-               if o == 0 and (s, sid) == cand and layout.REPLICATED in files
-               and (node, 0, role, s) not in excluded]
-    return min(options)[2] if options else None
-
-
-def _reads(rank: int, assigned: dict[int, Source], here: Source | None) -> list[tuple[Source, list[str]]]:
-    """What this rank reads from its node: the payloads it serves (and the replicated entries with rank 0's), and
-    the replicated entries from ``here`` when its node holds a copy."""
-    out: dict[Source, set[str]] = {}
-    for owner, src in assigned.items():
-        if src[0] == rank:
-            out.setdefault(src, set()).update([layout.PAYLOAD] + ([layout.REPLICATED] if owner == 0 else []))
-    if here is not None:
-        out.setdefault(here, set()).add(layout.REPLICATED)
-    return [(src, sorted(names)) for src, names in out.items()]
-
-
-def _row(everyone: list[Any], source: Source, cand: Candidate) -> tuple[Any, ...]:
-    holder, owner, role = source
-    return next(r for r in everyone[holder][0] if r[0] == owner and r[1] == role and (r[2], r[6]) == cand)
-
-
 def _find(tier: LocalTier, source: Source, cand: Candidate) -> layout.Holding:
     holdings, _ = layout.scan(tier.directory)
     _, owner, role = source
@@ -190,12 +129,6 @@ def _find(tier: LocalTier, source: Source, cand: Candidate) -> layout.Holding:
         if (h.owner, h.role, h.step, h.save, h.lineage) == (owner, role, step, save, tier.lineage):
             return h
     raise CheckpointCorruptError(f"{layout.step_path(tier.directory, owner, role, step)}: gone since it was listed")
-
-
-def _describe(source: Source, step: int) -> str:
-    holder, owner, role = source
-    what = "its own copy" if role == "own" else "the replica"
-    return f"{what} of rank {owner}'s step {step} held by rank {holder}"
 
 
 # ---------------------------------------------------------------------- the protocol
@@ -211,7 +144,7 @@ def recover(tier: LocalTier, state: dict[str, Any], per_rank: dict[str, Any], at
     excluded: set[tuple[Any, ...]] = set()
     outcome: LoadedCheckpoint | str | None = None
     for cand in candidates:
-        while (assigned := _assign(cand, everyone, tier.nodes, excluded)) is not None:
+        while (assigned := assign(cand, everyone, tier.nodes, excluded)) is not None:
             outcome = _attempt(tier, cand, assigned, everyone, state, per_rank, excluded, held)
             if outcome == "unfit" or isinstance(outcome, LoadedCheckpoint):
                 break
@@ -233,7 +166,7 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     step = cand[0]
     source0, mine_src = assigned[0], assigned[rank]
     # the replicated entries: from a copy on this rank's node if there is one (no transfer), else sent by source0
-    near = {n: _replicated_on(n, cand, everyone, tier.nodes, excluded) for n in set(tier.nodes)}
+    near = {n: replicated_on(n, cand, everyone, tier.nodes, excluded) for n in set(tier.nodes)}
     here = near[tier.nodes[rank]]
     far = [r for r in range(tier.world_size) if near[tier.nodes[r]] is None]
     # this rank's own copy, as this process holds it: its payload, and rank 0's replicated entries unless sent
@@ -250,20 +183,20 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     # read into memory
     sent = {(src, layout.PAYLOAD) for owner, src in assigned.items() if src[0] == rank and owner != rank}
     sent |= {(source0, layout.REPLICATED)} if source0[0] == rank and far else set()
-    for source, names in _reads(rank, assigned, here):
+    for source, names in reads(rank, assigned, here):
         names = [n for n in names if source != own_src or n not in unread]
         if not names:
             continue
         try:
             holding = _find(tier, source, cand)
             for n in names:
-                where = f"{_describe(source, step)} ({n})"
+                where = f"{describe(source, step)} ({n})"
                 got = _mapped.load(holding, n, where) if (source, n) not in sent and _mapped.usable() else None
                 data.setdefault(source, {})[n] = got if got is not None else layout.read_verified(holding, n)
         except CheckpointCorruptError as e:
             problems.append((source, str(e)[:500]))
         except Exception as e:  # an I/O error, memory short, a crafted file torch chokes on: not usable here
-            problems.append((source, f"{_describe(source, step)}: could not be read ({type(e).__name__}: "
+            problems.append((source, f"{describe(source, step)}: could not be read ({type(e).__name__}: "
                                      f"{str(e)[:300]})"))
     if _exclude(tier, step, c.all_gather(problems, "local read"), excluded):
         return None
@@ -286,14 +219,14 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
     replicated_file = got[source0[0]][-1].tensor if rank in far else None if mem_replicated else \
         data[replicated_src][layout.REPLICATED]
     # step 5: deserialise and check
-    kinds = _row(everyone, source0, cand)[4]
+    kinds = row(everyone, source0, cand)[4]
     source0 = replicated_src if rank not in far else source0  # the copy whose bytes this rank checks
     checked, replicated, mine, payload = None, None, None, None
     read: list[str] = []  # the held copies that failed their checks (their files were read instead)
     problem: tuple[Any, ...] | None = None
     corrupt_of: Source = source0
     try:
-        where0 = f"{_describe(source0, step)} ({layout.REPLICATED})"
+        where0 = f"{describe(source0, step)} ({layout.REPLICATED})"
         corrupt_of = source0
         copy = dict(step=step, lineage=tier.lineage, save=cand[1])
 
@@ -302,7 +235,7 @@ def _attempt(tier: LocalTier, cand: Candidate, assigned: dict[int, Source], ever
                                                                   **copy), kinds)
         replicated = _held_or_file(tier, held.replicated, check, own_src, cand, layout.REPLICATED, where0, read) \
             if held is not None and mem_replicated else check(_loaded(replicated_file, where0))
-        where = f"{_describe(mine_src, step)} ({layout.PAYLOAD})"
+        where = f"{describe(mine_src, step)} ({layout.PAYLOAD})"
         corrupt_of = mine_src
         check_own = _payload_check(where, rank, copy)
         payload, mine = _held_or_file(tier, held.payload, check_own, own_src, cand, layout.PAYLOAD, where, read) \
@@ -395,7 +328,7 @@ def _exclude(tier: LocalTier, step: int, rows: list[Any], excluded: set[tuple[An
         if key not in excluded:
             excluded.add(key)
             if tier.rank == 0:
-                warn(f"in-memory checkpoint: {_describe(source, step)} is unusable ({text}); falling back to the next "
+                warn(f"in-memory checkpoint: {describe(source, step)} is unusable ({text}); falling back to the next "
                      "source (another copy, an older step, then the durable tier).", stacklevel=user_stacklevel())
     return bool(bad)
 
@@ -467,7 +400,7 @@ def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: di
     holder, owner, role = source
     kind = "memory" if role == "own" and tier.nodes[holder] == tier.nodes[tier.rank] else "replica" \
         if role == "replica" else "peer"
-    detail = _describe(source, step) + (", as this process holds it (no file read)" if from_process else "")
+    detail = describe(source, step) + (", as this process holds it (no file read)" if from_process else "")
     log.info("rank %d restored step %d from %s", tier.rank, step, detail)
     return LoadedCheckpoint(step=step, path=layout.step_path(tier.directory, owner, role, step), state=replicated,
                             per_rank=own.get("per_rank", {}), metadata={}, manifest={}, source=kind,

@@ -57,7 +57,7 @@ from robustdist.checkpoint.local.shards import local_shards
 from robustdist.checkpoint.local.wire import Blob, exchange, nbytes, serialise
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import exit_drain
-from robustdist.runtime.dist import Collectives, default_store
+from robustdist.runtime.dist import Collectives
 from robustdist.runtime.errors import CheckpointError, ranks_phrase
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label, node_rank
@@ -399,7 +399,7 @@ class LocalTier:
                 self.wait()
             except BaseException as e:  # raised after the vote
                 error, clean = e, False
-            if self._thread is None and self._votes_clean(clean):
+            if self._thread is None and leftovers.voted_clean(self, clean):
                 _held.discard(self.directory)
                 try:
                     layout.remove_root(self.directory)
@@ -421,30 +421,6 @@ class LocalTier:
                 raise error
             finally:  # the error's traceback holds this frame: no cycle keeping the tier (its buffers) alive
                 error = None
-
-    def _votes_clean(self, clean: bool) -> bool:
-        if not self.distributed:
-            return clean
-        store = default_store()
-        if store is None:
-            return False
-        base = f"robustdist/local-close/{self.collectives.token}"
-        try:
-            store.set(f"{base}/{self.rank}", "1" if clean else "0")
-            if not clean:
-                return False
-            keys = [f"{base}/{r}" for r in range(self.world_size)]
-            deadline = time.monotonic() + self.arrival_timeout
-            while not store.check(keys):
-                if time.monotonic() > deadline:
-                    log.warning("in-memory checkpoints: not every rank closed within %g s; the files stay in %s",
-                                self.arrival_timeout, self.directory)
-                    return False
-                time.sleep(0.05)
-            return all(store.get(k) == b"1" for k in keys)
-        except Exception as e:  # the store is gone (its host exited): keep the files
-            log.debug("in-memory tier close vote failed: %s", e)
-            return False
 
     def _destroy_group(self) -> None:
         group, self.group = self.group, None
