@@ -243,13 +243,15 @@ def test_a_worker_stuck_in_a_transfer_the_teardown_cannot_end_hands_its_error_to
                                                                                                           tmp_path):
     """Rank 1 stops (8 s) while rank 0's 200 MB point-to-point send to it is under way (in the generation before
     any recovery): rank 0 finds rank 1's heartbeats stopped, shuts the group's connections down, and stays blocked
-    in the send (gloo does not end it). It is judged stuck: its error is handed to Ray's controller, which shows it
-    and restarts the worker group once; the run resumes bitwise."""
+    in the send (gloo does not end it); rank 1, continued, stays blocked in its receive the same way. Each such
+    rank is judged stuck and its error handed to Ray's controller, which shows what it received first (either rank
+    or both, by timing) and restarts the worker group once; the run resumes bitwise."""
     faulted = _config(tmp_path, "stuck", stuck_at=5)
     seen = _fit_restarted(tmp_path, faulted, "stuck")
-    assert len(seen) == 1 and "0" in seen[0], seen
-    assert seen[0]["0"].startswith("RecoveryError: [rank 0] in-process recovery generation 0: this rank's training "
-                                   "thread is still blocked in send_to_a_stopping_peer (ray_train_v2.py:"), seen
+    assert len(seen) == 1 and seen[0] and set(seen[0]) <= {"0", "1"}, seen
+    for rank, error in seen[0].items():
+        assert error.startswith(f"RecoveryError: [rank {rank}] in-process recovery generation 0: this rank's "
+                                "training thread is still blocked in send_to_a_stopping_peer (ray_train_v2.py:"), seen
     rows = _generations(faulted)
     for rank in range(2):
         mine = [r for r in rows if r["rank"] == rank]
