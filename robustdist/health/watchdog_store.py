@@ -39,6 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from robustdist.runtime import _torch_compat, group_sockets
+from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import ranks_phrase
 from robustdist.runtime.log import get_logger
 
@@ -230,12 +231,10 @@ def gather(connect: Callable[[], Any], own_key: str, own_record: Callable[[], di
     second for the last read); the thread is abandoned, never waited for, past that."""
     box = Collected()
     deadline = time.monotonic() + grace
-    thread = threading.Thread(target=collect, name=f"robustdist-hang-report-rank{rank}", daemon=True,
-                              args=(connect, own_key, own_record, prefix, world_size, stale_after, deadline, box))
-    thread.start()
-    thread.join(timeout=grace + 0.5)
+    _, _, finished = bounded(lambda: collect(connect, own_key, own_record, prefix, world_size, stale_after,
+                                             deadline, box), deadline + 0.5, f"hang-report-rank{rank}")
     box.abandoned = True
-    if thread.is_alive() and box.records is None and box.error is None:
+    if not finished and box.records is None and box.error is None:
         box.error = "no reply"
     return box
 

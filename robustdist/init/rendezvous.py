@@ -37,12 +37,9 @@ an earlier attempt can make a missing rank look present: the arrival check is th
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -51,6 +48,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from robustdist.runtime import netenv
+from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import InitError, ranks_phrase
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
@@ -65,14 +63,11 @@ _PROBE_S = 1.0  # the plain-socket connect that says why no store came
 _HANDSHAKE_S = 5.0  # a store client's handshake, once something accepts: a real store answers in milliseconds
 _SPOKE_TRIES = 2  # failed handshakes in a row, the port accepting each time, that make it "not a c10d store"
 _SERVE_SLACK_S = 60.0  # rank 0's store constructor gives up this long after the deadline (see _serve)
-_EXIT_WAIT_S = 3.0  # at most this long at exit for handshakes left running (see _bounded)
 _LINGER_S = 0.6  # a rank serving the store keeps it up this long after abandoning, so the others read why
 _ADDR_FIX = ("MASTER_ADDR must name the master node by an address every node reaches: launch torchrun with "
              "--local_addr=<that node's IP>, or export MASTER_ADDR=<that node's IP>, or map its hostname to that IP "
              "in /etc/hosts (not to 127.0.1.1)")
 _generation = 0
-_left_behind: list[tuple[threading.Thread, float]] = []  # handshakes still running after their deadline
-_exit_hook = False
 
 
 def store_lost(error: BaseException) -> bool:
@@ -156,46 +151,6 @@ def _check_file(ep: Endpoint, topo: Topology) -> None:
             f"without a bound). Expected the path of a file, new or left by no other job, in an existing directory "
             f"that every rank shares. Fix: create the directory first (mkdir -p {parent or '<dir>'}) on a "
             "filesystem every node mounts, or use env:// with torchrun.", rank=topo.rank)
-
-
-def bounded(make: Callable[[], Any], deadline: float, name: str, *, ends_by: float | None = None
-             ) -> tuple[Any, BaseException | None, bool]:
-    """Run ``make`` on a daemon thread until ``deadline``: ``(value, error, finished)``.
-
-    A constructor still running in C++ at the deadline (it releases the GIL) is left on its thread. If it
-    returned while the interpreter shuts down, Python 3.11 would end the thread with ``pthread_exit`` inside
-    C++ frames and the process would abort ("terminate called without an active exception"); so a thread
-    expected to end by ``ends_by`` is joined at exit, for at most :data:`_EXIT_WAIT_S` seconds."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = make()
-        except BaseException as e:  # handed to the caller, which names it
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name=f"robustdist-{name}", daemon=True)
-    thread.start()
-    thread.join(max(0.0, deadline - time.monotonic()))
-    if thread.is_alive():
-        if ends_by is not None:
-            _join_at_exit(thread, ends_by)
-        return None, None, False
-    return box.get("value"), box.get("error"), True
-
-
-def _join_at_exit(thread: threading.Thread, ends_by: float) -> None:
-    global _exit_hook
-    _left_behind.append((thread, ends_by))
-    if not _exit_hook:
-        atexit.register(_join_left_behind)
-        _exit_hook = True
-
-
-def _join_left_behind() -> None:
-    stop = time.monotonic() + _EXIT_WAIT_S
-    for thread, ends_by in _left_behind:
-        thread.join(max(0.0, min(ends_by, stop) - time.monotonic()))
 
 
 def _remaining(deadline: float) -> timedelta:

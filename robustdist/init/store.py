@@ -11,6 +11,7 @@ from robustdist.config.schema import DistributedConfig
 from robustdist.init import elastic_store as _elastic_store
 from robustdist.init import reach as _reach
 from robustdist.init import rendezvous as _rendezvous
+from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import InitError
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
@@ -89,7 +90,7 @@ def rendezvous_store(dcfg: DistributedConfig, topo: Topology) -> tuple[Any, int,
         return store, attempt, share
 
     bound = max(deadline, time.monotonic() + 10.0) + 5.0  # the peer check's floor, and time to name the absent
-    value, error, finished = _rendezvous.bounded(rendezvous, bound, "rendezvous", ends_by=bound + 30.0)
+    value, error, finished = bounded(rendezvous, bound, "rendezvous", ends_by=bound + 30.0)
     if error is not None:
         raise error
     if not finished:

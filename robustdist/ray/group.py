@@ -35,10 +35,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from robustdist.init import rendezvous as _rendezvous
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
+from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import InitError, ranks_phrase
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.topology import Topology
@@ -123,7 +123,7 @@ def _take_over(config: Any, topo: Topology) -> None:
                     return
                 time.sleep(0.02)
 
-        _, error, finished = _rendezvous.bounded(publish, deadline + 5, "ray-takeover")
+        _, error, finished = bounded(publish, deadline + 5, "ray-takeover")
         missing = [r for r, k in zip(range(1, world), acks) if not _check(store, k)]
         if error is not None or not finished or missing:
             release()
@@ -145,7 +145,7 @@ def _take_over(config: Any, topo: Topology) -> None:
             store.set(f"{_KEY}/read/{rank}", "1")
             return got
 
-        got, error, _ = _rendezvous.bounded(read, deadline + 5, "ray-takeover")
+        got, error, _ = bounded(read, deadline + 5, "ray-takeover")
         if got is None:
             raise InitError(
                 f"giving up Ray Train's process group for in-process recovery: rank 0 did not publish robustdist's "

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from robustdist.health.watchdog_store import connector
-from robustdist.init.rendezvous import bounded
+from robustdist.runtime.deadline import bounded
 from robustdist.recovery import stuck as stuck_mod
 from robustdist.recovery.faults import FaultWatch, declare_fault, decide, read_fault
 from robustdist.runtime import _torch_compat

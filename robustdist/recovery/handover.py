@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from robustdist.init.rendezvous import bounded
+from robustdist.runtime.deadline import bounded
 from robustdist.runtime.log import get_logger
 
 __all__ = ["PROBE_S", "await_new_server", "leave", "mark_kept"]

@@ -41,6 +41,7 @@ from robustdist.init import rendezvous as _rendezvous
 from robustdist.recovery import handover
 from robustdist.recovery.faults import SCOPE, declare_found
 from robustdist.runtime import _torch_compat
+from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import InitError, RecoveryError
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
@@ -103,7 +104,7 @@ def publish(store: Any, scope: str, generation: int, world: int, fingerprint: st
         _connect(*endpoint, time.monotonic() + timeout, "the agent's store", 0).set(STATE_KEY, state)
 
     end = time.monotonic() + timeout
-    _, problem, finished = _rendezvous.bounded(put, end, "replacement-publish", ends_by=end + 15)
+    _, problem, finished = bounded(put, end, "replacement-publish", ends_by=end + 15)
     if problem is not None or not finished:
         log.warning("rank 0: could not publish in-process generation %d in robustdist run's store (%s); a worker "
                     "killed now restarts every worker. Fix: check the launcher on the master node.", generation,
@@ -123,7 +124,7 @@ def withdraw(timeout: float = 5.0) -> None:
     except OSError:
         return
     end = time.monotonic() + timeout
-    _rendezvous.bounded(lambda: _connect(*endpoint, end, "the agent's store", 0).delete_key(STATE_KEY), end,
+    bounded(lambda: _connect(*endpoint, end, "the agent's store", 0).delete_key(STATE_KEY), end,
                         "replacement-withdraw", ends_by=end + 15)
 
 
@@ -234,7 +235,7 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float,
             time.sleep(0.05)
         return state, store.get(verdict).decode("ascii", "replace") if store.check([verdict]) else "none"
 
-    value, problem, finished = _rendezvous.bounded(take_part, deadline + 5, "replacement-join", ends_by=deadline + 20)
+    value, problem, finished = bounded(take_part, deadline + 5, "replacement-join", ends_by=deadline + 20)
     if problem is not None:
         if isinstance(problem, RecoveryError):
             raise problem
@@ -250,7 +251,7 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float,
     if rank == 0:  # as a living rank 0 does at a "recover" verdict: a death while the next generation is built is not
         # replaced from this generation's state (every other replacement of this death read it before deciding)
         end = time.monotonic() + 5.0
-        _rendezvous.bounded(lambda: _connect(*endpoint, end, "the agent's store", 0).delete_key(STATE_KEY), end,
+        bounded(lambda: _connect(*endpoint, end, "the agent's store", 0).delete_key(STATE_KEY), end,
                             "replacement-withdraw", ends_by=end + 15)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 serves the store on the job's port: as the
         # survivors do, wait until the generation's server there is a new one (its rendezvous would lose the old one)

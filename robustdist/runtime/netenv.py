@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import threading
 import time
 from collections.abc import Sequence
+
+from robustdist.runtime.deadline import bounded
 
 __all__ = ["check_socket_ifname", "interfaces", "local_only", "probe", "resolve_addresses", "resolve_host"]
 
@@ -73,21 +74,20 @@ def check_socket_ifname(var: str, value: str | None, names: Sequence[str] | None
 
 def resolve_addresses(host: str, timeout: float = 10.0) -> tuple[list[str], str | None]:
     """The distinct addresses ``host`` resolves to, in resolver order, and None; or ``([], reason)``."""
-    result: list[tuple[list[str], str | None]] = []
 
-    def work() -> None:
+    def work() -> tuple[list[str], str | None]:
         try:
             infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-            result.append((list(dict.fromkeys(str(info[4][0]) for info in infos)), None))
+            return list(dict.fromkeys(str(info[4][0]) for info in infos)), None
         except (OSError, UnicodeError) as e:
-            result.append(([], str(e) or type(e).__name__))
+            return [], str(e) or type(e).__name__
 
-    thread = threading.Thread(target=work, name="robustdist-resolve", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not result:
+    found, error, finished = bounded(work, time.monotonic() + timeout, "resolve")
+    if not finished:
         return [], f"name resolution did not answer within {timeout:g} s"
-    return result[0]
+    if error is not None:
+        return [], f"{type(error).__name__}: {error}"
+    return found
 
 
 def resolve_host(host: str, timeout: float = 10.0) -> str | None:

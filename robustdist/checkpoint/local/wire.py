@@ -9,7 +9,7 @@ for point-to-point work), so a peer that died mid-transfer is an error naming it
 
 from __future__ import annotations
 
-import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from robustdist.checkpoint.local import sums
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
+from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import CheckpointError
 
 __all__ = ["Blob", "as_tensor", "exchange", "nbytes", "serialise"]
@@ -56,46 +57,37 @@ class Blob:
         return memoryview(self.tensor.numpy())
 
 
-_POLL_S = 0.05
-
-
 def _wait(works: list[tuple[Any, str]], timeout: float, rank: int, what: str) -> None:
     """Wait for ``works`` (bounded by ``timeout`` each) on a helper thread, and give up at once when an in-process
-    recovery interrupts the waits. gloo does not always wake a point-to-point wait whose transfer is under way when
-    its connections are shut down (benchmarks/findings.md, P10: 7 of 28 runs of a 200 MB exchange): waited for
-    here, such a wait held the recovery's teardown for its 2 s bound, then its thread until the timeout. Now only
-    the helper is left with it (the timeout still ends it); the caller goes on at once."""
-    box: dict[str, Any] = {}
-    done = threading.Event()
+    recovery interrupts the waits: gloo does not always wake a point-to-point wait whose transfer is under way when
+    its connections are shut down (benchmarks/findings.md, P10), so only the helper is left with such a wait (the
+    timeout still ends it) and the caller goes on."""
+    where: dict[str, str] = {}
 
-    def run() -> None:
-        try:
-            for work, peer in works:
-                box["peer"] = peer
-                if work.wait(timedelta(seconds=timeout)) is False:
-                    box["late"] = peer
-                    return
-        except Exception as e:  # gloo raises on timeout or a closed connection
-            box["error"] = e
-        finally:
-            done.set()
+    def run() -> str | None:
+        for work, peer in works:
+            where["peer"] = peer
+            if work.wait(timedelta(seconds=timeout)) is False:
+                return peer
+        return None
 
-    threading.Thread(target=run, name=f"robustdist-local-wait-{rank}", daemon=True).start()
-    while not done.wait(_POLL_S):
-        if (reason := _dist.interrupted()) is not None:
-            raise CheckpointError(f"the in-memory checkpoint {what} with {box.get('peer', 'its peer')} was given up: "
-                                  f"{reason}. Expected when the job recovers in place (its wait is left to end on "
-                                  "its own). Fix: none; the recovery resumes from the newest complete step.",
-                                  rank=rank)
-    if (e := box.pop("error", None)) is not None:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise CheckpointError(f"the in-memory checkpoint {what} with {box.get('peer', 'its peer')} failed "
-                              f"({type(e).__name__}: {first}); expected it within {timeout:g} s. The peer probably "
-                              "died. Fix: see its log; the restarted job recovers from the newest complete step.",
-                              rank=rank) from e
-    if "late" in box:
-        raise CheckpointError(f"the in-memory checkpoint {what} with {box['late']} did not finish within "
-                              f"{timeout:g} s; expected the peer to take part. Fix: see its log.", rank=rank)
+    late, error, finished = bounded(run, time.monotonic() + timeout * len(works) + 5.0, f"local-wait-{rank}",
+                                    stop=_dist.interrupted)
+    if not finished and (reason := _dist.interrupted()) is not None:
+        raise CheckpointError(f"the in-memory checkpoint {what} with {where.get('peer', 'its peer')} was given up: "
+                              f"{reason}. Expected when the job recovers in place (its wait is left to end on "
+                              "its own). Fix: none; the recovery resumes from the newest complete step.",
+                              rank=rank)
+    if error is not None:  # gloo raises on timeout or a closed connection
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise CheckpointError(f"the in-memory checkpoint {what} with {where.get('peer', 'its peer')} failed "
+                              f"({type(error).__name__}: {first}); expected it within {timeout:g} s. The peer "
+                              "probably died. Fix: see its log; the restarted job recovers from the newest complete "
+                              "step.", rank=rank) from error
+    if not finished or late is not None:
+        raise CheckpointError(f"the in-memory checkpoint {what} with {late or where.get('peer', 'its peer')} did not "
+                              f"finish within {timeout:g} s; expected the peer to take part. Fix: see its log.",
+                              rank=rank)
 
 
 def exchange(group: Any, rank: int, sends: dict[int, list[Blob]], receive_from: list[int], *,
