@@ -34,7 +34,11 @@ FLOORS = {
     "robustdist.runtime.errors": set(),
     "robustdist._version": set(),
     "robustdist.runtime.log": {"robustdist.runtime.errors", "robustdist.runtime.dist"},
-    "robustdist.runtime.dist": {"robustdist.runtime.errors", "robustdist.runtime._torch_compat"},
+    "robustdist.runtime.dist": {"robustdist.runtime.errors", "robustdist.runtime._torch_compat",
+                                "robustdist.runtime.store_barrier"},
+    # The coordination primitives: the store barrier and the deadline helper, on the standard library only.
+    "robustdist.runtime.store_barrier": set(),
+    "robustdist.runtime.deadline": set(),
     # The private-API fences: the record type, and the torch fence below the group state that uses it.
     "robustdist.runtime.private_api": set(),
     "robustdist.runtime._torch_compat": {"robustdist.runtime.errors", "robustdist.runtime.private_api"},

@@ -37,7 +37,6 @@ an earlier attempt can make a missing rank look present: the arrival check is th
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from robustdist.runtime import netenv
+from robustdist.runtime import store_barrier
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import InitError, ranks_phrase
 from robustdist.runtime.log import get_logger
@@ -165,8 +165,8 @@ def try_connect(host: str, port: int, world_size: int, deadline: float, *,
     socket connects (cheap, in Python, retried with a backoff while ``retry_refused``) until something accepts,
     then the store handshake, bounded by :data:`_HANDSHAKE_S`. torch retries a handshake inside that bound
     whatever the failure, so a failed one may only mean the server went away meanwhile: a re-initialising rank 0
-    whose previous store closed as this rank connected, its next store not up within the bound (seen in a
-    harden/close loop). So the port is probed again: nothing listening is waited for as before the handshake
+    whose previous store closed as this rank connected, its next store not up within the bound (a harden/close
+    loop does this). So the port is probed again: nothing listening is waited for as before the handshake
     (with ``retry_refused=False``, ``"refused"`` is returned at once); a port that accepts again and fails
     :data:`_SPOKE_TRIES` handshakes in a row is ``"spoke"``, with torch's last error. A handshake still unanswered
     at the deadline is ``"spoke"`` if one had failed, else ``"accepted"``.
@@ -247,9 +247,9 @@ def _serve(ep: Endpoint, world_size: int, deadline: float, rank: int) -> Any:
     def make() -> Any:
         # The master's own client connects to ep.host. On an address this node does not own it retries until
         # its timeout, and torch aborts the process when the constructor then gives up ("terminate called
-        # without an active exception", seen on torch 2.8 and 2.15 when the process was still alive at that
-        # moment). So its timeout runs _SERVE_SLACK_S past the deadline: this rank's InitError, and its exit,
-        # come first. (The later store operations use the collective timeout, set by for_group.)
+        # without an active exception" on torch 2.8 and 2.15, when the process is still alive at that moment).
+        # So its timeout runs _SERVE_SLACK_S past the deadline: this rank's InitError, and its exit, come first.
+        # (The later store operations use the collective timeout, set by for_group.)
         return dist.TCPStore(ep.host, ep.port, world_size, is_master=True,
                              timeout=_remaining(deadline) + timedelta(seconds=_SERVE_SLACK_S),
                              wait_for_workers=False, multi_tenant=True, use_libuv=use_libuv)
@@ -293,23 +293,12 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
         generation = next_generation()
     base, world = f"robustdist/rendezvous/{generation}", topo.world_size
     try:
-        store.set(f"{base}/{rank}", node_label())
-        count = int(store.add(f"{base}/count", 1))
-        delay = 0.02
-        while count < world and not store.check([f"{base}/abandoned"]):
-            if time.monotonic() >= deadline:
-                missing = [r for r in range(world) if not store.check([f"{base}/{r}"])]
-                store.set(f"{base}/abandoned", json.dumps(missing))
-                if serves_it:  # the others read the names from this store: keep it up a moment
-                    time.sleep(_LINGER_S)
-                break
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(2 * delay, 0.5)
-            count = int(store.add(f"{base}/count", 0))
-        if not store.check([f"{base}/abandoned"]):
-            log.debug("all %d ranks arrived at the rendezvous (%s)", world, where)
-            return
-        raw = store.get(f"{base}/abandoned")
+        store_barrier.barrier(store, base, rank, world, deadline, value=node_label(), first=0.02, most=0.5,
+                              linger=_LINGER_S if serves_it else 0.0)  # the others read the names from this store
+        log.debug("all %d ranks arrived at the rendezvous (%s)", world, where)
+        return
+    except store_barrier.Absent as e:
+        absent = e
     except (RuntimeError, OSError, ValueError) as e:  # DistError is a RuntimeError
         lost = InitError(
             f"the c10d store at {where} stopped answering while this rank waited for the others to arrive ({e}). "
@@ -318,7 +307,13 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
             rank=rank)
         lost.store_lost = True  # type: ignore[attr-defined]
         raise lost from e
-    missing = _absent_ranks(raw, world, f"{base}/abandoned", rank, where)
+    if absent.garbled is not None:
+        raise InitError(f"the rendezvous read {absent.garbled[:200]!r} from the key {base + '/abandoned'!r} of the "
+                        f"c10d store at {where}; expected the JSON list of absent ranks (0 to {world - 1}, each once) "
+                        "a rank of this job writes when it gives up waiting. Fix: another process writes into this "
+                        "job's store (a second job on the same MASTER_ADDR:MASTER_PORT, or a stale one): give each "
+                        "job its own port.", rank=rank)
+    missing = list(absent.absent)
     if rank in missing:  # the others gave up before this rank came: their list names it, not the ones to blame
         raise InitError(
             f"this rank reached the rendezvous (the c10d store at {where}) after the other ranks stopped waiting: "
@@ -328,23 +323,6 @@ def wait_for_arrivals(store: Any, rank: int, topo: Topology, deadline: float, *,
             "re-initialises, the step that held it); raise distributed.init_timeout if the delay is expected.",
             rank=rank, ranks=missing)
     raise _absent(missing, topo, rank, where, init_timeout)
-
-
-def _absent_ranks(raw: bytes, world: int, key: str, rank: int, where: str) -> list[int]:
-    """The absent ranks a rank that gave up wrote under ``key``: a JSON list of distinct ranks of this world, at
-    most ``world`` long; anything else (the store is input) is an InitError naming the key."""
-    try:
-        found = json.loads(raw) if len(raw) <= 12 * world + 16 else None
-    except (ValueError, RecursionError):
-        found = None
-    if not (isinstance(found, list) and all(type(r) is int and 0 <= r < world for r in found)
-            and len(set(found)) == len(found)):
-        raise InitError(f"the rendezvous read {bytes(raw[:200])!r} from the key {key!r} of the c10d store at {where}; "
-                        f"expected the JSON list of absent ranks (0 to {world - 1}, each once) a rank of this job "
-                        "writes when it gives up waiting. Fix: another process writes into this job's store (a "
-                        "second job on the same MASTER_ADDR:MASTER_PORT, or a stale one): give each job its own port.",
-                        rank=rank)
-    return sorted(found)
 
 
 def _absent(missing: list[int], topo: Topology, rank: int, where: str, init_timeout: float) -> InitError:

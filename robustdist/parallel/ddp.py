@@ -264,8 +264,8 @@ def pin_group_past_reducer(model: nn.Module) -> int:
     model is freed, the Reducer can drop the group's last reference with the GIL held (pybind11 frees it without
     releasing the GIL), and ``~ProcessGroupGloo`` then joins a gloo worker that needs the GIL to free the tensors
     of a collective made from Python (``all_gather_object``): each waits on the other for ever, with no Python
-    frame past the line that freed the model. Measured here (torch 2.13, gloo, 2 ranks): it hung in most runs
-    of a collective, ``h.close()`` and a return that freed the model.
+    frame past the line that freed the model (torch 2.13, gloo: a collective, ``h.close()`` and a return that frees
+    the model).
 
     Each DDP module gets one more reference to its group's Python object, stored after every other attribute,
     so it is released after the Reducer (and the Logger that holds the Reducer): the group's last owner is then

@@ -1,4 +1,4 @@
-"""Ray Train's process group, given up for robustdist's own when in-process recovery is on (issue #34).
+"""Ray Train's process group, given up for robustdist's own when in-process recovery is on.
 
 In-process recovery makes a new process group after a fault, in the same processes, so robustdist must own the
 group. In a Ray Train worker, Ray made the default group (its ``TorchConfig`` backend, before the training function
@@ -41,6 +41,7 @@ from robustdist.runtime import group_teardown
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import InitError, ranks_phrase
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.store_barrier import wait_for
 from robustdist.runtime.topology import Topology
 
 __all__ = ["prepare", "release", "taken"]
@@ -118,10 +119,7 @@ def _take_over(config: Any, topo: Topology) -> None:
 
         def publish() -> None:
             store.set(f"{_KEY}/endpoint", json.dumps([host, port]))
-            while not store.check(acks):  # rank 0 serves Ray's store: it goes last
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.02)
+            wait_for(store, acks, deadline)  # rank 0 serves Ray's store: it goes last
 
         _, error, finished = bounded(publish, deadline + 5, "ray-takeover")
         missing = [r for r, k in zip(range(1, world), acks) if not _check(store, k)]
@@ -137,10 +135,8 @@ def _take_over(config: Any, topo: Topology) -> None:
         key = f"{_KEY}/endpoint"
 
         def read() -> Any:
-            while not store.check([key]):
-                if time.monotonic() > deadline:
-                    return None
-                time.sleep(0.02)
+            if not wait_for(store, [key], deadline):
+                return None
             got = json.loads(store.get(key))
             store.set(f"{_KEY}/read/{rank}", "1")
             return got

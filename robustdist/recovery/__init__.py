@@ -1,4 +1,4 @@
-"""In-process recovery (issue #34, in progress): a fault on one rank becomes a job-wide generation change, and
+"""In-process recovery (experimental, off by default): a fault on one rank becomes a job-wide generation change, and
 every rank gets out of the collective it is in, without a process restart.
 
 What exists: :mod:`.loop` (:func:`run_in_process`: the re-entrant loop, experimental), :mod:`.faults` (the
@@ -6,7 +6,7 @@ generation protocol: :func:`declare_fault`, :class:`FaultWatch`), :mod:`.buildin
 moment its group exists; a failed build declared), :mod:`.handover` (the store from one generation to the next),
 :mod:`.timings` (each recovery's phases on this rank: :func:`history`) and, in the runtime,
 :mod:`robustdist.runtime.group_sockets` (a gloo collective in progress unblocked by shutting its group's
-connections down) and :func:`robustdist.runtime.dist.interrupt_waits`. ``robustdist run`` (issue #35): :mod:`.launch`
+connections down) and :func:`robustdist.runtime.dist.interrupt_waits`. ``robustdist run``: :mod:`.launch`
 (the command: torchrun's parser and agent), :mod:`.agent` (a worker killed by a signal started again alone),
 :mod:`.spare` (the warm spare), :mod:`.replacement` and :mod:`.joining` (the new process joins the survivors). What is missing: docs/status.md. Imports
 :mod:`robustdist.runtime` and :mod:`robustdist.health`.

@@ -1,4 +1,4 @@
-"""Each attempt's store, served by ``robustdist run``'s agent on node 0 instead of rank 0's process (issue #35).
+"""Each attempt's store, served by ``robustdist run``'s agent on node 0 instead of rank 0's process.
 
 Under torchrun with ``--max-restarts`` and the agent's store shared with the workers, rank 0's process serves a fresh
 TCPStore for each attempt (:mod:`robustdist.init.elastic_store`), and every in-process recovery generation keeps its
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, ATTEMPT_STORE_KEY, ATTEMPT_TOKEN_KEY, attempt_store_info
+from robustdist.runtime.store_barrier import wait_for
 
 __all__ = ["AttemptStore"]
 
@@ -90,11 +91,8 @@ class AttemptStore:
     def _read(self, rounds: Any) -> str:
         """Node 0's published value, polled (a ``wait`` would hold the agent's store client, which torch's rendezvous
         heartbeats share, for as long as it waits)."""
-        deadline = time.monotonic() + self.wait_s
-        while not rounds.check([ATTEMPT_STORE_KEY]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node 0's agent published no address within {self.wait_s:g} s")
-            time.sleep(0.1)
+        if not wait_for(rounds, [ATTEMPT_STORE_KEY], time.monotonic() + self.wait_s, first=0.1, most=0.1):
+            raise TimeoutError(f"node 0's agent published no address within {self.wait_s:g} s")
         return str(rounds.get(ATTEMPT_STORE_KEY).decode("utf-8", "replace"))
 
     def _serve(self, spec: Any, master: str, run: str) -> str:

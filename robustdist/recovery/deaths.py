@@ -1,4 +1,4 @@
-"""``robustdist run``'s agent wakes at a worker's end, not at its next look (issue #35).
+"""``robustdist run``'s agent wakes at a worker's end, not at its next look.
 
 torchrun's agent sleeps ``--monitor-interval`` between looks at its workers (0.1 s by default, often set higher), so
 it sees a death on average half an interval late, and every survivor waits that much longer for the replacement.

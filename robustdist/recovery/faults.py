@@ -1,4 +1,4 @@
-"""One rank's fault becomes a job-wide generation change that every live rank sees (in-process recovery, #34).
+"""One rank's fault becomes a job-wide generation change that every live rank sees (in-process recovery).
 
 Protocol (every rank runs the same code; keys live under ``<scope>/`` in the job's c10d store):
 
@@ -46,6 +46,7 @@ from typing import Any
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
+from robustdist.runtime.store_barrier import wait_for
 
 __all__ = ["Fault", "FaultWatch", "agree", "clear_generation", "decide", "declare_fault", "declare_found",
            "read_fault", "wake_all"]
@@ -298,8 +299,7 @@ def agree(store: Any, scope: str, gen: int, rank: int, world: int, mine: str,
     out: list[str] = []
     for r in range(world):
         key = f"{base}/{r}"
-        while not store.check([key]) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(store, [key], deadline)
         out.append(store.get(key).decode("ascii", "replace") if store.check([key]) else "escalate")
         if out[-1] != "recover":
             out += [store.get(k).decode("ascii", "replace") if store.check([k]) else "undecided"

@@ -1,4 +1,4 @@
-"""The agent's side of a spare that forks its workers (:func:`robustdist.recovery.spare.serve`, issue #35).
+"""The agent's side of a spare that forks its workers (:func:`robustdist.recovery.spare.serve`).
 
 A worker forked by the warm spare is the spare's child, not the agent's: only the spare can wait for it and learn how
 it ended. :class:`Channel` reads what the spare says on its pipe (``P <id> <pid>`` for the child it forked for order

@@ -18,6 +18,7 @@ from typing import Any
 
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.store_barrier import wait_for
 
 __all__ = ["PROBE_S", "await_new_server", "leave", "mark_kept"]
 
@@ -34,8 +35,7 @@ def leave(store: Any, scope: str, gen: int, rank: int, world: int, timeout: floa
     try:
         store.set(f"{base}/{rank}", "1")
         if rank == 0:
-            while time.monotonic() < deadline and not store.check([f"{base}/{r}" for r in range(world)]):
-                time.sleep(0.02)
+            wait_for(store, [f"{base}/{r}" for r in range(world)], deadline)
     except Exception as e:  # the store is gone: nothing left to wait for
         log.debug("rank %d: leaving generation %d's store: %s", rank, gen, e)
 

@@ -1,4 +1,4 @@
-"""Start-up work at the lowest CPU priority, then the process back as it was (the warm spare's warm-up, issue #35).
+"""Start-up work at the lowest CPU priority, then the process back as it was (the warm spare's warm-up).
 
 :func:`possible` says whether this process can lower a thread to ``SCHED_IDLE`` and bring it back: coming back needs
 ``CAP_SYS_NICE``, or ``RLIMIT_NICE`` of at least ``20 - nice``, which a root container often lacks. :func:`run` runs a

@@ -1,4 +1,4 @@
-"""``harden``'s side of a replacement (``robustdist run``, issue #35): a worker started in place of a dead one joins
+"""``harden``'s side of a replacement (``robustdist run``): a worker started in place of a dead one joins
 the others' in-process recovery (:func:`robustdist.recovery.replacement.join`) before it makes its group, then
 builds as their next generation, so a failure of its build is told to them as theirs is
 (:mod:`robustdist.recovery.building`)."""

@@ -1,4 +1,4 @@
-"""``robustdist run``: torchrun with an agent that replaces a killed worker alone (issue #35).
+"""``robustdist run``: torchrun with an agent that replaces a killed worker alone.
 
 Every torchrun flag is torchrun's own: the command line is parsed by ``torch.distributed.run``'s parser and the job is
 launched by its ``run`` (rendezvous, ``--max-restarts``, ``--nnodes``, ``--rdzv_*``, logs and error files alike);

@@ -1,4 +1,4 @@
-"""A rank whose heartbeats stop is a fault of that rank (in-process recovery, #34).
+"""A rank whose heartbeats stop is a fault of that rank (in-process recovery).
 
 Every rank's watchdog writes a heartbeat record to the job's store every ``interval`` seconds from a thread of its
 own, whether or not training steps (:mod:`robustdist.health.watchdog_store`). A rank that stops writing them is

@@ -1,4 +1,4 @@
-"""The in-process recovery loop (experimental; issue #34): a fault on any rank, and every rank tears down and runs
+"""The in-process recovery loop (experimental): a fault on any rank, and every rank tears down and runs
 the training function again from the last checkpoint, in the same process.
 
 .. code-block:: python

@@ -1,4 +1,4 @@
-"""A worker started in place of a dead one joins the survivors' in-process recovery (``robustdist run``, issue #35).
+"""A worker started in place of a dead one joins the survivors' in-process recovery (``robustdist run``).
 
 Under ``robustdist run`` (:data:`~robustdist.runtime.replacing.RUN_ENV`), rank 0 of every in-process generation
 publishes where the generation stands in the agent's store (:func:`publish`: the recovery scope, the generation,
@@ -46,6 +46,7 @@ from robustdist.runtime.errors import InitError, RecoveryError
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 from robustdist.runtime.replacing import REPLACES_ENV, RUN_ENV, STATE_KEY, job_of
+from robustdist.runtime.store_barrier import wait_for
 
 __all__ = ["COUNTERS", "counters", "join", "publish", "withdraw"]
 
@@ -209,12 +210,10 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float,
 
     def take_part() -> tuple[dict[str, Any], str]:
         agent = _connect(*endpoint, deadline, "the agent's store", rank)
-        while not agent.check([STATE_KEY]):
-            if time.monotonic() > deadline:
-                raise RecoveryError(f"no in-process state in robustdist run's store within {init_timeout:g} s; "
-                                    "expected rank 0 to publish it while the run trains. Fix: see rank 0's log.",
-                                    rank=rank)
-            time.sleep(0.05)
+        if not wait_for(agent, [STATE_KEY], deadline, first=0.05):
+            raise RecoveryError(f"no in-process state in robustdist run's store within {init_timeout:g} s; "
+                                "expected rank 0 to publish it while the run trains. Fix: see rank 0's log.",
+                                rank=rank)
         state = _state(agent.get(STATE_KEY), world, rank)
         scope, gen = state["scope"], state["generation"]
         if fingerprint and state["fingerprint"] != fingerprint:
@@ -231,8 +230,7 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float,
         store.compare_set(f"{scope}/{gen}/decision/{rank}", "", "recover")
         store.set(f"{scope}/{gen}/left/{rank}", "1")
         verdict = f"{scope}/{gen}/verdict"
-        while not store.check([verdict]) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(store, [verdict], deadline, first=0.05)
         return state, store.get(verdict).decode("ascii", "replace") if store.check([verdict]) else "none"
 
     value, problem, finished = bounded(take_part, deadline + 5, "replacement-join", ends_by=deadline + 20)

@@ -4,11 +4,11 @@ Shutting a gloo group's connections down ends a collective in progress, except w
 (torch 2.13's, and gloo's main branch of April 2026) signals a closed connection's error to the buffers of the
 operations it has queued, but not to the unbound buffer of the send it is writing (``Pair::signalException`` looks
 at ``op.buf`` of the queued sends, where an unbound send keeps ``op.ubuf``) nor to the one its read is filling
-(``rx_``). Such a wait ends only at the group's timeout (``distributed.timeout``): measured here, a 200 MB send to a
-stopped peer waited out a 15 s timeout in every run after the shutdown; an ``all_reduce`` whose segments were
-flowing when both ranks shut their connections down, in 2 of 8 runs (benchmarks/findings.md, R1). A rank caught so
-cannot join the recovery. Before this module, the other ranks then waited the whole decision bound (60 s) and
-escalated, and the caught rank went on waiting for the group's timeout.
+(``rx_``). Such a wait ends only at the group's timeout (``distributed.timeout``): a large send to a stopped peer
+always, an ``all_reduce`` whose segments are flowing when both ranks shut their connections down sometimes
+(benchmarks/findings.md, R1; docs/design/stuck-ranks-escalate.md). A rank caught so cannot join the recovery: the
+other ranks would wait the whole decision bound and escalate, and the caught rank would go on waiting for the
+group's timeout.
 
 :func:`watch` (started by the generation's fault callback, on its own thread) samples the training thread after
 the shutdown. It is *stuck* when, :data:`STUCK_AFTER_S` seconds after the shutdown, it has been asleep (state ``S``

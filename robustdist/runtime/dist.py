@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from robustdist.runtime import store_barrier
 from robustdist.runtime.errors import RobustDistError, ranks_phrase
 
 __all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "error_rank", "interrupt_waits",
@@ -217,40 +218,31 @@ class Collectives:
                     break
 
     def _wait_for_all(self, op: str, base: str) -> None:
-        store = self._store
-        if store.check([f"{base}/abandoned"]):
-            self._fail(f"the other ranks stopped waiting for {op}() before this rank arrived (each waits "
-                       f"{self.arrival_timeout:g} s)", op, [])
-        store.set(f"{base}/{op}/{self.rank}", "1")
-        keys = [f"{base}/{op}/{r}" for r in range(self.world_size)]
-        start = time.monotonic()
-        delay = 0.001
-        while not store.check(keys):
+        def interrupt() -> None:
             if (reason := interrupted()) is not None:
                 self.broken = f"{op}() was interrupted"
                 raise self.error(f"{op}() was interrupted while this rank waited for the others: {reason}. Expected "
                                  "when the job recovers in place (the recovery makes new objects); anywhere else, "
                                  "robustdist.runtime.dist.resume_waits() was not called after a recovery.",
                                  rank=self.rank)
-            gave_up = store.check([f"{base}/abandoned"])
-            if gave_up or time.monotonic() - start > self.arrival_timeout:
-                if store.check(keys):  # the last rank arrived just now
-                    break
-                store.set(f"{base}/abandoned", str(self.rank))
-                self._fail_absent(op, base)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        if store.check([f"{base}/abandoned"]):
-            self._fail(f"another rank stopped waiting for {op}() just as this rank arrived", op, [])
 
-    def _fail_absent(self, op: str, base: str) -> None:
-        store = self._store
-        missing = [r for r in range(self.world_size) if not store.check([f"{base}/{op}/{r}"])]
-        elsewhere = [f"rank {r} is in {other}() instead" for r in missing for other in self.ops
-                     if other != op and store.check([f"{base}/{other}/{r}"])]
-        where = f" ({'; '.join(elsewhere)})" if elsewhere else ""
-        self._fail(f"{ranks_phrase(missing)} did not reach {op}() within {self.arrival_timeout:g} s{where}; expected "
-                   f"all {self.world_size} ranks", op, missing)
+        try:
+            store_barrier.barrier(self._store, f"{base}/{op}", self.rank, self.world_size,
+                                  time.monotonic() + self.arrival_timeout, abandon_key=f"{base}/abandoned",
+                                  interrupt=interrupt)
+        except store_barrier.Absent as e:
+            if e.when == "before":
+                self._fail(f"the other ranks stopped waiting for {op}() before this rank arrived (each waits "
+                           f"{self.arrival_timeout:g} s)", op, [])
+            if e.when == "after":
+                self._fail(f"another rank stopped waiting for {op}() just as this rank arrived", op, [])
+            # this rank's own look: a rank that gave up in another call listed who was absent from that one
+            missing = [r for r in range(self.world_size) if not self._store.check([f"{base}/{op}/{r}"])]
+            elsewhere = [f"rank {r} is in {other}() instead" for r in missing for other in self.ops
+                         if other != op and self._store.check([f"{base}/{other}/{r}"])]
+            where = f" ({'; '.join(elsewhere)})" if elsewhere else ""
+            self._fail(f"{ranks_phrase(missing)} did not reach {op}() within {self.arrival_timeout:g} s{where}; "
+                       f"expected all {self.world_size} ranks", op, missing)
 
     def _fail(self, found: str, op: str, missing: list[int]) -> None:
         self.broken = found
@@ -265,7 +257,7 @@ class Collectives:
     def run(self, what: str, fn: Callable[[], T]) -> T:
         """Run a collective; turn its failure into ``self.error`` saying when and what failed. Not started while
         waits are interrupted (:func:`interrupt_waits`): a gloo collective started on connections an in-process
-        recovery shut down was seen waiting out its whole timeout instead of failing."""
+        recovery shut down waits out its whole timeout instead of failing."""
         if (reason := interrupted()) is not None:
             self.broken = f"the {what} collective was interrupted"
             raise self.error(f"the {self.noun}'s {what} collective was not started: {reason}. Expected when the job "

@@ -6,11 +6,10 @@ of a tensor (``t = torch.ones(1); dist.all_reduce(t); del t``, or a script that 
 worker frees the tensor's Python object, which takes the GIL. If the main thread has by then started shutting
 the interpreter down, Python (3.10 to 3.13) ends that thread with ``pthread_exit`` inside C++ frames and the
 process aborts: ``terminate called without an active exception``, exit code -6, after a run that succeeded.
-Measured here (torch 2.13, gloo, 2 ranks under torchrun, 2 loaded cores): 5 of 20 runs of a script that
-all-reduced one tensor and exited; 3 of about 250 runs of ``examples/resilient_training.py``. A core dump showed
-the worker in ``~AsyncAllreduceWork`` -> ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``.
-torch names the worker threads from 2.13 on (2.13 and 2.14 measured); torch 2.8 does not (every thread
-is ``python``), so there the drain finds no worker and returns at once (2.9 to 2.12 not measured).
+It happens in a fraction of the runs of a script that all-reduces a tensor and exits (torch 2.13, gloo, under
+torchrun on a loaded machine); a core dump shows the worker in ``~AsyncAllreduceWork`` -> ``decref_pyobject`` ->
+``take_gil`` -> ``pthread_exit``. Where torch does not name its worker threads (torch 2.8: every thread is
+``python``), the drain finds no worker and returns at once.
 ``destroy_process_group()`` does not stop the workers (only freeing the group does; a DDP module keeps it).
 
 :func:`install` registers :func:`drain` with :mod:`atexit` (once; it runs before the interpreter's shutdown):

@@ -1,4 +1,4 @@
-"""Unblock a gloo collective in progress by shutting down its group's connections (in-process recovery, #34).
+"""Unblock a gloo collective in progress by shutting down its group's connections (in-process recovery).
 
 A rank blocked in a gloo collective whose peer will never join (the peer raised outside any collective, hangs,
 or was partitioned) stays blocked until the group's timeout (``distributed.timeout``; torch's default 30 min):

@@ -5,10 +5,9 @@ it alive through its C++ ``Reducer``. When such a module is freed later, the Red
 reference with the GIL held (pybind11 frees it without releasing the GIL), and ``~ProcessGroupGloo`` then joins
 a gloo worker that is itself waiting for the GIL to free the Python tensors of an earlier collective (DDP's
 construction broadcast, say). Each waits on the other for ever, with no Python frame past the line that freed
-the module. Seen in CI and here (torch 2.13, gloo, 2 ranks): a script's own ``DistributedDataParallel`` (what
-Ray's ``prepare_model`` hands a script) freed after ``h.close()``; gdb showed the main thread in
-``~Reducer -> ~ProcessGroup -> ~ProcessGroupGloo -> std::thread::join`` and a gloo worker in
-``~AsyncBroadcastWork -> decref_pyobject -> take_gil``.
+the module. A script's own ``DistributedDataParallel`` (what Ray's ``prepare_model`` hands a script) freed after
+``h.close()`` hangs so (torch 2.13, gloo): the main thread in ``~Reducer -> ~ProcessGroup -> ~ProcessGroupGloo ->
+std::thread::join``, a gloo worker in ``~AsyncBroadcastWork -> decref_pyobject -> take_gil``.
 
 :func:`pin_ddp_modules` gives every live DDP module one more reference to the group's Python
 object, stored as its last attribute, so it is released after the Reducer (and the Logger that holds the

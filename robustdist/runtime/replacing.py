@@ -1,4 +1,4 @@
-"""What ``robustdist run``'s agent and its workers say to each other (issue #35): environment variables and one key
+"""What ``robustdist run``'s agent and its workers say to each other: environment variables and one key
 in the agent's store. The standard library only: both sides import it (the launcher and :mod:`robustdist.recovery`
 are peers)."""
 

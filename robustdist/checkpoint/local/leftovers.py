@@ -25,6 +25,7 @@ from robustdist.checkpoint.local import layout
 from robustdist.runtime.dist import default_store
 from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.store_barrier import wait_for
 
 __all__ = ["IN_USE", "Leftover", "clean", "hold", "release", "voted_clean"]
 
@@ -136,13 +137,10 @@ def voted_clean(tier: Any, clean: bool) -> bool:
         if not clean:
             return False
         keys = [f"{base}/{r}" for r in range(tier.world_size)]
-        deadline = time.monotonic() + tier.arrival_timeout
-        while not store.check(keys):
-            if time.monotonic() > deadline:
-                log.warning("in-memory checkpoints: not every rank closed within %g s; the files stay in %s",
-                            tier.arrival_timeout, tier.directory)
-                return False
-            time.sleep(0.05)
+        if not wait_for(store, keys, time.monotonic() + tier.arrival_timeout):
+            log.warning("in-memory checkpoints: not every rank closed within %g s; the files stay in %s",
+                        tier.arrival_timeout, tier.directory)
+            return False
         return all(store.get(k) == b"1" for k in keys)
     except Exception as e:  # the store is gone (its host exited): keep the files
         log.debug("in-memory tier close vote failed: %s", e)

@@ -153,7 +153,7 @@ def nbytes(value: Any) -> int:
 class _Sink:
     """A write-only file for ``torch.save`` that grows a ``bytearray``. Not ``BytesIO.getbuffer()``: a view of a
     BytesIO that a garbage-collected cycle outlives crashes CPython 3.12.1 ("deallocated BytesIO object has
-    exported buffers", then a segfault; seen in the version matrix with torch 2.15)."""
+    exported buffers", then a segfault, with torch 2.15)."""
 
     def __init__(self) -> None:
         self.data = bytearray()
