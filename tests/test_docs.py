@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 BENCH = ROOT / "benchmarks"
 README = (ROOT / "README.md").read_text()
-PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
 
 def _prose(text: str) -> str:
@@ -37,6 +37,20 @@ def _slug(heading: str) -> str:
 
 def _anchors(path: Path) -> set[str]:
     return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.*)$", _prose(path.read_text()), re.M)}
+
+
+# ---------------------------------------------------------------------------------------------- what is
+def test_code_and_docs_say_what_is_not_their_history():
+    """History belongs in CHANGELOG.md and measurements in benchmarks/findings.md: no issue numbers or run counts
+    in the package or the docs, and docs/status.md is the current state (short), not a log."""
+    history = re.compile(r"issue #\d|(?<![\w/])#[1-9]\d\b(?!\w)|\b\d+ of \d+ runs\b|\bseen (?:once|in CI)\b")
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
+             for path in [*sorted((ROOT / "robustdist").rglob("*.py")), *sorted(DOCS.rglob("*.md"))]
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if history.search(line) and "pytorch/pytorch" not in line and "PR #" not in line]
+    assert not found, "history in code or docs (say what is; history goes to CHANGELOG.md):\n" + "\n".join(found)
+    size = len((DOCS / "status.md").read_bytes())
+    assert size <= 9 * 1024, f"docs/status.md is {size} bytes; keep it the current state, about 8 KB"
 
 
 # ---------------------------------------------------------------------------------------------- the README
