@@ -32,10 +32,61 @@ from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger, logging_configured
 from robustdist.runtime.topology import Topology
 
-__all__ = ["Hardened"]
+__all__ = ["Generations", "Hardened"]
 
 log = get_logger("robustdist.harden")
 T = TypeVar("T")
+
+
+class Generations:
+    """What in-process recovery does to a :class:`Hardened` (``recovery.in_process``), and nothing else outside
+    this module touches its private state: ``harden`` records the group's connections and how to harden the next
+    generation into the same object (:meth:`record`); the recovery loop reads those connections (:attr:`sockets`),
+    lets the closed generation's parts go (:meth:`let_go`) and hardens the next one (:meth:`next`)."""
+
+    def __init__(self, hardened: Hardened):
+        self._h = hardened
+
+    def record(self, sockets: GroupSockets | None, rebuild: Callable[..., Hardened]) -> None:
+        """The connections harden recorded, and ``rebuild(optimizer=..., into=h, kept_loader=...)``."""
+        self._h._sockets, self._h._rebuild = sockets, rebuild
+
+    @property
+    def sockets(self) -> GroupSockets | None:
+        """The current generation's recorded group connections (None where none were recorded)."""
+        return self._h._sockets
+
+    def let_go(self, optimizer: Optimizer | None = None) -> None:
+        """After ``close()``: drop the closed generation's parts (its checkpointer's group, its watchdog, its report,
+        the copy last loaded): they go with their last reference, not keeping the old group, store or memory while
+        the next generation is made. Model, loader, optimizer, scheduler, extras stay."""
+        h = self._h
+        scheduler, extras = h.scheduler, dict(h.extras)
+        optimizer = optimizer if optimizer is not None else h.optimizer
+        if h.local is not None:  # a save of this generation left behind reports nothing to the next
+            h.local.on_complete = None
+        h.state = TrainState(unwrap_model(h.model), optimizer=optimizer, loader=h.loader,
+                             scaler=h.state.scaler)  # the bare model, until renewed
+        h.state.remember(scheduler=scheduler, extra=extras)
+        h.checkpointer = h.watchdog = h.local = h.last_loaded = None
+        h.guard._restore_fn = None  # a bound method of the object: a cycle (the rebuild makes a new guard)
+        h._pending, h._unreported = [], []
+
+    def next(self, optimizer: Optimizer | None) -> GroupSockets | None:
+        """After ``close()``: harden the next generation into the object; its recorded connections."""
+        h = self._h
+        if h._rebuild is None:
+            raise ConfigError("this Hardened was not made with recovery.in_process: true; expected one that was. "
+                              "Fix: set recovery.in_process: true in the config given to harden().",
+                              rank=h._err_rank())
+        optimizer = optimizer if optimizer is not None else h.optimizer
+        loader, scheduler, extras = h.loader, h.scheduler, dict(h.extras)
+        self.let_go(optimizer)
+        kept = loader if isinstance(loader, SafeDataLoader) else None
+        h._rebuild(optimizer=optimizer, into=h, kept_loader=kept)
+        # what the script set on h (h.scheduler = ..., extras given to save) carries over, as a restart's would
+        h.state.remember(scheduler=scheduler, extra=extras)
+        return h._sockets
 
 
 class Hardened(RayReporting, ProgressMarks):
@@ -101,10 +152,10 @@ class Hardened(RayReporting, ProgressMarks):
             state.scaler = scaler
         return self
 
-    def _rebuilding(self, sockets: GroupSockets | None, rebuild: Callable[..., Hardened]) -> None:
-        """recovery.in_process: the connections harden recorded, and how to harden the next generation into this
-        object (``rebuild(optimizer=..., into=self)``)."""
-        self._sockets, self._rebuild = sockets, rebuild
+    def generations(self) -> Generations:
+        """In-process recovery's one way into this object (``harden`` and :mod:`robustdist.recovery.loop` use it;
+        a script has no need of it)."""
+        return Generations(self)
 
     # ------------------------------------------------------------------ drop-in shape
     def __iter__(self) -> Any:
@@ -185,36 +236,6 @@ class Hardened(RayReporting, ProgressMarks):
             with self:
                 return train_fn(self, self.resume(optimizer=optimizer, scheduler=scheduler, **extra) or 0)
         return _recovery.run_hardened(self, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra)
-
-    def _let_go(self, optimizer: Optimizer | None = None) -> None:
-        """recovery.in_process, after :meth:`close`: drop the closed generation's parts (its checkpointer's group,
-        its watchdog, its report, the copy last loaded): they go with their last reference, not keeping the old
-        group, store or memory while the next generation is made. Model, loader, optimizer, scheduler, extras stay."""
-        scheduler, extras = self.scheduler, dict(self.extras)
-        optimizer = optimizer if optimizer is not None else self.optimizer
-        if self.local is not None:  # a save of this generation left behind reports nothing to the next
-            self.local.on_complete = None
-        self.state = TrainState(unwrap_model(self.model), optimizer=optimizer, loader=self.loader,
-                                scaler=self.state.scaler)  # the bare model, until renewed
-        self.state.remember(scheduler=scheduler, extra=extras)
-        self.checkpointer = self.watchdog = self.local = self.last_loaded = None
-        self.guard._restore_fn = None  # a bound method of this object: a cycle (the rebuild makes a new guard)
-        self._pending, self._unreported = [], []
-
-    def _next_generation(self, optimizer: Optimizer | None) -> GroupSockets | None:
-        """recovery.in_process: harden the next generation into this object (after :meth:`close`)."""
-        if self._rebuild is None:
-            raise ConfigError("this Hardened was not made with recovery.in_process: true; expected one that was. "
-                              "Fix: set recovery.in_process: true in the config given to harden().",
-                              rank=self._err_rank())
-        optimizer = optimizer if optimizer is not None else self.optimizer
-        loader, scheduler, extras = self.loader, self.scheduler, dict(self.extras)
-        self._let_go(optimizer)
-        kept = loader if isinstance(loader, SafeDataLoader) else None
-        self._rebuild(optimizer=optimizer, into=self, kept_loader=kept)
-        # what the script set on h (h.scheduler = ..., extras given to save) carries over, as a restart's would
-        self.state.remember(scheduler=scheduler, extra=extras)
-        return self._sockets
 
     # ------------------------------------------------------------------ per step
     def step_guard(self, loss: Any, step: int, *, scaler: Any = None) -> StepDecision:

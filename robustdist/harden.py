@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -67,6 +66,7 @@ from robustdist.config.schema import HardenConfig, resolve_config
 from robustdist.data.dataloader import safe_dataloader
 from robustdist.frameworks import accelerate as _accelerate
 from robustdist.frameworks import fabric as _fabric
+from robustdist.frameworks import wrapped as _wrapped
 from robustdist.health.step_guard import Watchdog
 from robustdist.init.process_group import (
     InitReport,
@@ -74,8 +74,8 @@ from robustdist.init.process_group import (
     destroy_process_group_if_owned,
     safe_init_process_group,
 )
-from robustdist.parallel import fsdp, fsdp_wrap
-from robustdist.parallel.ddp import HF_TRAINER_FIX, wrap_ddp
+from robustdist.parallel import fsdp
+from robustdist.parallel.ddp import wrap_ddp
 from robustdist.ray import group as _ray_group
 from robustdist.ray import train as _ray_train
 from robustdist.ray import tune as _tune
@@ -142,7 +142,7 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
     topo = detect_topology()
     framework = _refuse_wrapped(model, topo)
     if framework == "accelerate":
-        _refuse_fsdp_under_accelerate(config, topo)
+        _wrapped.refuse_fsdp_under_accelerate(config, topo)
     elif framework == "fabric":
         _fabric.verdict(model, config.distributed.strategy, topo.rank if topo.is_distributed else None)
     topo = _ray_group.prepare(config, topo, framework=framework)  # Ray Train's group given up for in-process recovery
@@ -170,10 +170,10 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
                           else _fabric.scaler_of(model))
         else:
             wrapped = _wrap(model, config, topo, report, optimizer, shard_policy, init_weights)
-        if loader is None or _framework_loader(framework, loader):
+        if loader is None or _wrapped.framework_loader(framework, loader):
             safe = loader
             if loader is not None and config.checkpoint.dir is not None:
-                log.warning("%s", _FRAMEWORK_LOADER_WARNING[str(framework)])
+                log.warning("%s", _wrapped.FRAMEWORK_LOADER_WARNING[str(framework)])
         elif kept_loader is not None:
             safe = kept_loader  # a recovery keeps the loader (ranks and world are the same): resume sets its position
         else:
@@ -222,8 +222,9 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
         destroy_process_group_if_owned(report)
         raise
     if config.recovery.in_process:  # the next generation: the same bare model, loader and arguments
-        hardened._rebuilding(sockets, functools.partial(_build, model, loader, config, shard_policy=shard_policy,
-                                                        init_weights=init_weights, scaler=given_scaler))
+        rebuild = functools.partial(_build, model, loader, config, shard_policy=shard_policy,
+                                    init_weights=init_weights, scaler=given_scaler)
+        hardened.generations().record(sockets, rebuild)
     for module in (model, wrapped):
         _HARDENED[module] = weakref.ref(hardened)
     if tune is not None:
@@ -236,29 +237,10 @@ _HARDENED: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[Hardened]]
 """Every model harden() was given or returned, to the Hardened that holds it (while both live)."""
 
 
-_FRAMEWORK_LOADER_WARNING = {
-    "accelerate": "the loader is one accelerator.prepare returned: robustdist's checkpoints (h.save) do not hold its "
-                  "position. Resume it with accelerator.skip_first_batches(loader, n), or checkpoint with "
-                  "robustdist.frameworks.accelerate.save_state (docs/porting.md)",
-    "fabric": "the loader is one fabric.setup_dataloaders returned: robustdist's checkpoints (h.save) do not hold its "
-              "position, and Fabric sets its epoch from its own count of iterations, which restarts at 0 after a "
-              "resume. Give harden the plain DataLoader instead: harden shards it and h.resume continues it "
-              "mid-epoch (docs/porting.md, Fabric)",
-}
-
-
-def _framework_loader(framework: str | None, loader: Any) -> bool:
-    """``loader`` is one the framework in charge prepared (harden keeps it as it is)."""
-    if framework == "accelerate":
-        return _accelerate.is_prepared_loader(loader)
-    return framework == "fabric" and _fabric.is_fabric_loader(loader)
-
-
 def _refuse_wrapped(model: Any, topo: Topology) -> str | None:
     """A model robustdist hardened (and has not closed), or one another wrapper already wrapped, is refused before
     anything starts: a second DDP, a second checkpointer and a second watchdog on one model train wrongly, not
-    loudly. Returns the framework harden composes with: ``"accelerate"`` when an Accelerator is in charge (see
-    :func:`_accelerate_verdict`), ``"fabric"`` for a model ``fabric.setup`` returned, else None."""
+    loudly. Returns the framework harden composes with (:func:`robustdist.frameworks.wrapped.composes_with`)."""
     rank = topo.rank if topo.is_distributed else None
     inner = _torch_compat.compiled_inner(model)  # torch.compile(m) of a model harden holds is that model too
     for candidate in (model, inner):
@@ -272,98 +254,13 @@ def _refuse_wrapped(model: Any, topo: Topology) -> str | None:
                 "was given or the one it returned) and is still open; expected the bare model, hardened once. Fix: "
                 "keep the first result (h.model, h.loader) and remove the second harden() call, or h.close() the "
                 "first before hardening the model again.", rank=rank)
-        if candidate is holder.model and _foreign_wrapper(candidate) is not None \
+        if candidate is holder.model and _wrapped.foreign_wrapper(candidate) is not None \
                 and not _fabric.is_fabric_module(candidate):  # Fabric's wrapper is the model harden was given
             raise ConfigError(
                 f"harden() was given the {type(candidate).__name__} a closed harden() call returned (its wrapper); "
                 "expected the bare model. Fix: pass robustdist.unwrap_model(h.model), or the model you first "
                 "gave harden().", rank=rank)
-    wrapper = _foreign_wrapper(model)
-    processes = _accelerate.in_charge()
-    if processes is not None:
-        return "accelerate" if _accelerate_verdict(model, wrapper, processes, rank) else None
-    if _fabric.is_fabric_module(model):
-        return "fabric"
-    if wrapper is not None:
-        raise ConfigError(
-            f"harden() was given a model already wrapped by {wrapper}; expected the bare model: harden() wraps it "
-            "itself (DDP or FSDP), so a second wrapper would average every gradient twice or shard the data twice. "
-            "Fix: remove that wrapping call (ray.train.torch.prepare_model, accelerator.prepare or DDP(...)) and "
-            "pass the bare module (robustdist.unwrap_model(model) gives it back); see docs/porting.md.", rank=rank)
-    return None
-
-
-def _accelerate_verdict(model: Any, wrapper: str | None, processes: int, rank: int | None) -> bool:
-    """An Accelerator exists in this process: it owns DDP and the data sharding, and harden composes with it (keeps
-    the model as prepared, adds the watchdog, step guard and checkpoints). A bare model under several processes
-    has not been prepared yet (prepare wraps it in DDP there), and a model another framework wrapped or FSDP2
-    sharded (Accelerate's FSDP plugin) is refused."""
-    if isinstance(model, nn.Module) and (any(fsdp_wrap.is_fsdp(m) for m in model.modules()) or
-                                         any(type(p).__name__ == "DTensor" for p in model.parameters())):
-        raise ConfigError(
-            f"harden() was given a {fsdp_wrap.class_name(model)} sharded by FSDP2 (fully_shard: Accelerate's FSDP "
-            "plugin, or the script's own) or split by tensor parallelism (DTensor parameters) while an Accelerator "
-            "is in charge of this process; robustdist composes "
-            "with Accelerate's DDP and single-process paths only (its step guard, watchdog and checkpoints assume "
-            "whole parameters on every rank). Expected the model accelerator.prepare returned without an FSDP "
-            "plugin. Fix: drop the FSDP plugin (Accelerate then uses DDP), or give harden() the bare model with "
-            "distributed.strategy: fsdp and no Accelerator (docs/porting.md, Accelerate).", rank=rank)
-    if wrapper is None:
-        if processes > 1 and "transformers.trainer" in sys.modules:
-            raise ConfigError(
-                f"harden() was given a bare {type(model).__name__} while an Accelerator of {processes} processes is "
-                "in charge of this process and transformers' Trainer is loaded (a Trainer makes its Accelerator when "
-                "it is built): a Trainer wraps the model it holds in its own DDP and shards its own loader, so "
-                "harden's DDP would be a second one. Expected harden() without a Trainer. "
-                f"{HF_TRAINER_FIX} If this Accelerator is your own, not a Trainer's: "
-                "accelerator.prepare(model, optimizer, loader) first, then harden() what it returns.", rank=rank)
-        if processes > 1:
-            raise ConfigError(
-                f"harden() was given a bare {type(model).__name__} while an Accelerator of {processes} processes is "
-                "in charge of this process: accelerator.prepare would then wrap harden's DDP in a second one and "
-                "shard its loader again (each rank trains on half its data). Expected the model accelerator.prepare "
-                "returned. Fix: model, optimizer, loader = accelerator.prepare(model, optimizer, loader) first, then "
-                "h = harden(model, loader, cfg, optimizer=optimizer): harden keeps Accelerate's DDP and sampler and "
-                "adds the watchdog, the step guard and checkpoints (docs/porting.md, Accelerate).", rank=rank)
-        return True
-    if wrapper.startswith(("DistributedDataParallel", "Accelerate")):
-        return True
-    raise ConfigError(
-        f"harden() was given a model wrapped by {wrapper} while an Accelerator is in charge of this process; "
-        "expected the model accelerator.prepare returned (DDP, or the bare model on one process). Fix: prepare it "
-        "with Accelerate alone (docs/porting.md, Accelerate).", rank=rank)
-
-
-def _refuse_fsdp_under_accelerate(config: HardenConfig, topo: Topology) -> None:
-    if config.distributed.strategy == "fsdp":
-        raise ConfigError(
-            "distributed.strategy is 'fsdp' while an Accelerator is in charge of this process: Accelerate owns the "
-            "model's wrapping (its FSDP plugin), robustdist would shard it a second time; expected strategy 'ddp' "
-            "(harden then keeps what Accelerate prepared). Fix: set distributed.strategy: ddp, or drop Accelerate "
-            "and let harden shard the model.", rank=topo.rank if topo.is_distributed else None)
-
-
-def _foreign_wrapper(model: Any) -> str | None:
-    """Who wrapped ``model`` already, in words, or None for a bare module."""
-    kind = type(model)
-    if kind.__module__.startswith(("lightning.fabric", "lightning_fabric")) and kind.__name__ == "_FabricModule":
-        return "Lightning Fabric (fabric.setup)"
-    if kind.__module__.startswith("deepspeed") and kind.__name__ == "DeepSpeedEngine":
-        return "DeepSpeed (deepspeed.initialize)"
-    if not isinstance(model, nn.Module):
-        return None
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    for candidate in (model, _torch_compat.compiled_inner(model)):
-        if isinstance(candidate, DistributedDataParallel):
-            return ("DistributedDataParallel (ray.train.torch.prepare_model, accelerator.prepare under a launcher, "
-                    "or the script's own DDP(...))")
-        if isinstance(candidate, FullyShardedDataParallel):
-            return "FSDP1 (FullyShardedDataParallel(...), or accelerator.prepare with an FSDP plugin)"
-    if "_original_forward" in vars(model):
-        return "Accelerate (accelerator.prepare: its mixed-precision forward)"
-    return None
+    return _wrapped.composes_with(model, rank)
 
 
 def _init(config: HardenConfig, topo: Topology) -> InitReport:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -274,3 +275,48 @@ def test_each_package_exports_what_it_names():
             if name == "__version__":
                 continue
             assert getattr(package, name) is not None, f"{package.__name__}.{name} did not resolve"
+
+
+def _calls(predicate: Any) -> list[str]:
+    """``file:line`` of every node of the package's source that ``predicate`` accepts."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if predicate(node):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    return found
+
+
+def test_the_coordination_primitives_each_exist_once():
+    """One place makes a TCPStore (``runtime/job_store``), one polls a store for keys and one runs the arrival
+    rule (``runtime/store_barrier``), one runs a blocking call with a deadline on a thread (``runtime/deadline``):
+    every other part uses them."""
+    def named(node: ast.AST, name: str) -> bool:
+        return isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == name
+                                                or getattr(node.func, "id", None) == name)
+
+    stores = [s for s in _calls(lambda n: named(n, "TCPStore")) if not s.startswith("robustdist/runtime/job_store.py")]
+    assert not stores, f"TCPStore made outside robustdist.runtime.job_store: {stores}"
+
+    def polls_a_store(node: ast.AST) -> bool:  # `while not store.check(...)` / `while ... and not x.check(...)`
+        return isinstance(node, ast.While) and any(named(n, "check") for n in ast.walk(node.test))
+
+    polls = [s for s in _calls(polls_a_store) if not s.startswith("robustdist/runtime/store_barrier.py")]
+    assert not polls, f"store polls outside robustdist.runtime.store_barrier (use wait_for or barrier): {polls}"
+
+
+def test_only_the_facade_touches_a_hardened_object_s_private_state():
+    """In-process recovery goes through ``Hardened.generations()``; its mixins (``RayReporting``,
+    ``ProgressMarks``) use ``self``. No other module reads or writes a private attribute of a ``Hardened``."""
+    facade = PACKAGE / "_hardened.py"
+    private = {node.attr for node in ast.walk(ast.parse(facade.read_text()))
+               if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+               and isinstance(node.value, ast.Name) and node.value.id in ("self", "h")}
+    assert {"_sockets", "_rebuild", "_pending"} <= private, private
+
+    def reaches_in(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr in private and isinstance(node.value, ast.Name)
+                and node.value.id in ("h", "hardened"))
+
+    offenders = [s for s in _calls(reaches_in) if not s.startswith("robustdist/_hardened.py")]
+    assert not offenders, f"a Hardened's private attributes used outside robustdist/_hardened.py: {offenders}"

@@ -9,7 +9,8 @@ refuse a double wrap at once. It also makes ``Accelerator.save_state``/``load_st
 verifies, falling back to an older one. :mod:`.lightning` gives a Lightning ``Trainer`` a ``CheckpointIO`` plugin
 (atomic, verified ``.ckpt`` files, falling back to an intact one) and a ``Callback`` (the watchdog, the NaN
 policy). :mod:`.fabric` recognises what Lightning Fabric set up, so that harden keeps Fabric's DDP (or refuses a
-wrapping it cannot compose with).
+wrapping it cannot compose with). :mod:`.wrapped` is what harden accepts from them: the framework it composes
+with, a model another wrapper already wrapped refused, a loader the framework prepared kept.
 
 Importing this package imports no framework (and not torch): each is imported when a function needs it.
 """

@@ -33,12 +33,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from robustdist.runtime import _torch_compat, group_sockets
+from robustdist.runtime import job_store
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import ranks_phrase
 from robustdist.runtime.log import get_logger
@@ -65,7 +65,7 @@ def connector(store: Any, timeout: float) -> Callable[[], Any]:
     host, port = inner.host, inner.port
 
     def connect() -> Any:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        return job_store.connect(host, port, timeout=timeout)
 
     return connect
 

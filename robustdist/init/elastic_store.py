@@ -51,10 +51,10 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
 
 from robustdist.init import rendezvous as _rendezvous
 from robustdist.runtime import _torch_compat
+from robustdist.runtime import job_store
 from robustdist.runtime.errors import InitError
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, ATTEMPT_TOKEN_KEY, RUN_ENV, attempt_store_info, job_of
@@ -157,8 +157,7 @@ def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: f
     agent = _rendezvous.connect_tcp(endpoint, rank=rank, world_size=world_size, deadline=deadline,
                                     init_timeout=timeout_s, serving="torchrun's agent on the master node")
     if rank == 0:
-        server = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                               wait_for_workers=False)
+        server = job_store.serve(addr, 0, world_size=world_size, timeout=timeout_s)
         token = uuid.uuid4().hex
         server.set(_TOKEN, token)
         server.set(_ATTEMPT, str(count_attempt(agent)))

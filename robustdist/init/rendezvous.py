@@ -46,6 +46,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from robustdist.runtime import job_store
 from robustdist.runtime import netenv
 from robustdist.runtime import store_barrier
 from robustdist.runtime.deadline import bounded
@@ -179,7 +180,7 @@ def try_connect(host: str, port: int, world_size: int, deadline: float, *,
             handshake = timedelta(seconds=min(_HANDSHAKE_S, max(0.1, remaining / 2)))  # so it ends by the deadline
 
             def make() -> Any:
-                return dist.TCPStore(host, port, world_size, is_master=False, timeout=handshake)
+                return job_store.connect(host, port, world_size=world_size, timeout=handshake)
 
             ends_by = time.monotonic() + 2 * handshake.total_seconds()  # torch's last retry delay overshoots
             store, error, finished = bounded(make, deadline, "store-connect", ends_by=ends_by)
@@ -242,7 +243,6 @@ def _unreachable(ep: Endpoint, kind: str, detail: str, *, rank: int, init_timeou
 
 def _serve(ep: Endpoint, world_size: int, deadline: float, rank: int) -> Any:
     assert ep.host is not None and ep.port is not None
-    use_libuv = os.environ.get("USE_LIBUV", "1") == "1"
 
     def make() -> Any:
         # The master's own client connects to ep.host. On an address this node does not own it retries until
@@ -250,9 +250,8 @@ def _serve(ep: Endpoint, world_size: int, deadline: float, rank: int) -> Any:
         # without an active exception" on torch 2.8 and 2.15, when the process is still alive at that moment).
         # So its timeout runs _SERVE_SLACK_S past the deadline: this rank's InitError, and its exit, come first.
         # (The later store operations use the collective timeout, set by for_group.)
-        return dist.TCPStore(ep.host, ep.port, world_size, is_master=True,
-                             timeout=_remaining(deadline) + timedelta(seconds=_SERVE_SLACK_S),
-                             wait_for_workers=False, multi_tenant=True, use_libuv=use_libuv)
+        return job_store.serve(ep.host, ep.port, world_size=world_size, multi_tenant=True,
+                               timeout=_remaining(deadline) + timedelta(seconds=_SERVE_SLACK_S))
 
     store, error, _ = bounded(make, deadline, "store-serve")
     if store is not None:

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import os
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
+from robustdist.runtime import job_store
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import InitError, ranks_phrase
 from robustdist.runtime.log import get_logger
@@ -110,9 +110,7 @@ def _take_over(config: Any, topo: Topology) -> None:
            "distributed.strategy and backend alike on every rank), or set recovery.in_process: false.")
     if rank == 0:
         host = topo.master_addr or _node_ip()  # Ray's rendezvous reached rank 0 there
-        server = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, multi_tenant=True,
-                               use_libuv=os.environ.get("USE_LIBUV", "1") == "1",
-                               timeout=timedelta(seconds=bound + 60))
+        server = job_store.serve(host, 0, world_size=world, multi_tenant=True, timeout=bound + 60)
         _server.append(server)
         port = int(server.port)
         acks = [f"{_KEY}/read/{r}" for r in range(1, world)]

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -256,13 +255,12 @@ class Replacer:
         if self._client is None or self._client[0] != address:
             import socket
 
-            import torch.distributed as dist
+            from robustdist.runtime import job_store
 
             with socket.create_connection(address, timeout=0.5):  # refused at once: no 2 s of client retries
                 pass
 
-            self._client = (address, dist.TCPStore(*address, is_master=False,
-                                                   timeout=timedelta(seconds=self._timeout)))
+            self._client = (address, job_store.connect(*address, timeout=self._timeout))
         return self._client[1]
 
     def _in_process(self, group: Any) -> bool:

@@ -26,12 +26,11 @@ import os
 import socket
 import time
 import uuid
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from robustdist.runtime import job_store
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, ATTEMPT_STORE_KEY, ATTEMPT_TOKEN_KEY, attempt_store_info
 from robustdist.runtime.store_barrier import wait_for
 
@@ -101,8 +100,7 @@ class AttemptStore:
                                           "run": run})) is None:
             return json.dumps({"none": f"this node's address {host[:100]!r} is not a host name or IP address"})
         try:
-            self._server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                         timeout=timedelta(seconds=30))
+            self._server = job_store.serve(host, 0, timeout=30)
             token = uuid.uuid4().hex
             self._server.set(ATTEMPT_TOKEN_KEY, token)
         except SignalException:

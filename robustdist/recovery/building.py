@@ -26,13 +26,14 @@ import time
 from typing import Any
 
 from robustdist.health.watchdog_store import connector
-from robustdist.runtime.deadline import bounded
 from robustdist.recovery import stuck as stuck_mod
 from robustdist.recovery.faults import FaultWatch, declare_fault, decide, read_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
+from robustdist.runtime.deadline import bounded
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.store_barrier import wait_for
 
 __all__ = ["AWAIT_DECISIONS_S", "Generation", "await_decisions", "building", "decide_escalate", "failed",
            "group_made", "looks_like_transport", "tell"]
@@ -156,10 +157,8 @@ def await_decisions(connect: Any, base: str, world: int, end: float, stop: threa
     0, about to exit, usually serves the store, and its exit would take the store from the ranks still deciding."""
 
     def decided() -> None:
-        client = connect()
-        keys = [f"{base}/{r}" for r in range(world)]
-        while not client.check(keys) and time.monotonic() < end and not (stop is not None and stop.is_set()):
-            time.sleep(0.05)
+        wait_for(connect(), [f"{base}/{r}" for r in range(world)], end, first=0.05,
+                 stop=None if stop is None else stop.is_set)
 
     bounded(decided, end, "recovery-decided", ends_by=end + 15)
 

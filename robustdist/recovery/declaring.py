@@ -17,9 +17,9 @@ from typing import Any
 import torch.distributed as dist
 
 from robustdist.health.watchdog_store import connector
-from robustdist.runtime.deadline import bounded
 from robustdist.recovery.building import looks_like_transport
 from robustdist.recovery.faults import Fault, declare_fault, read_fault, wake_all
+from robustdist.runtime.deadline import bounded
 from robustdist.runtime.log import get_logger
 
 __all__ = ["cut_collective", "declared_fault", "hang_declarer"]

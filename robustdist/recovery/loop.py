@@ -140,12 +140,13 @@ def run_hardened(h: Any, train_fn: Callable[[Any, int], T], *, optimizer: Any, s
                  extra: dict[str, Any]) -> T:
     """``h.run(train_fn)`` with ``recovery.in_process``: the same loop, each generation hardened into ``h`` itself
     (the script's object; harden recorded the group's connections as it made them)."""
-    first: list[Any] = [h._sockets]
+    hook = h.generations()
+    first: list[Any] = [hook.sockets]
 
     def build() -> tuple[Any, GroupSockets | None]:
         if first:
             return h, first.pop()
-        return h, h._next_generation(optimizer)
+        return h, hook.next(optimizer)
 
     return _calling(build, train_fn, optimizer=optimizer, scheduler=scheduler, extra=extra)
 
@@ -407,7 +408,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         connect = connector(keep, handover.PROBE_S) if served_by_rank0 and address[0] and address[1] else None
         held = _still_held(store=inner, tier=h.local, checkpointer=h.checkpointer, watchdog=h.watchdog,
                            port=address[1])
-        h._let_go()
+        h.generations().let_go()
         del h, store, watch, live, inner, g, fired, on_fault  # g and its watch hold the store too
         keep = None
         retired = group_teardown.retire_ddp_modules(

@@ -28,10 +28,8 @@ import os
 import re
 import socket
 import time
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
 
 from robustdist.health import watchdog as _watchdog
 from robustdist.init import elastic_store as _elastic_store
@@ -41,6 +39,7 @@ from robustdist.init import rendezvous as _rendezvous
 from robustdist.recovery import handover
 from robustdist.recovery.faults import SCOPE, declare_found
 from robustdist.runtime import _torch_compat
+from robustdist.runtime import job_store
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import InitError, RecoveryError
 from robustdist.runtime.log import get_logger
@@ -126,7 +125,7 @@ def withdraw(timeout: float = 5.0) -> None:
         return
     end = time.monotonic() + timeout
     bounded(lambda: _connect(*endpoint, end, "the agent's store", 0).delete_key(STATE_KEY), end,
-                        "replacement-withdraw", ends_by=end + 15)
+            "replacement-withdraw", ends_by=end + 15)
 
 
 def _state(raw: bytes, world: int, rank: int) -> dict[str, Any]:
@@ -250,12 +249,12 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float,
         # replaced from this generation's state (every other replacement of this death read it before deciding)
         end = time.monotonic() + 5.0
         bounded(lambda: _connect(*endpoint, end, "the agent's store", 0).delete_key(STATE_KEY), end,
-                            "replacement-withdraw", ends_by=end + 15)
+                "replacement-withdraw", ends_by=end + 15)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 serves the store on the job's port: as the
         # survivors do, wait until the generation's server there is a new one (its rendezvous would lose the old one)
         host, port = state["host"], state["port"]
         handover.await_new_server(
-            lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=handover.PROBE_S)),
+            lambda: job_store.connect(host, port, timeout=handover.PROBE_S),
             (host, port), state["scope"], state["generation"], rank)
     for name, (module, attr) in COUNTERS.items():
         setattr(module, attr, state["counters"][name])

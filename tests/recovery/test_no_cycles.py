@@ -165,7 +165,7 @@ def test_a_hardened_object_let_go_of_goes_with_its_last_reference(tmp_path, no_c
     h = harden(model, None, {"checkpoint": {"dir": str(tmp_path / "ckpt")}, "health": {"nan_policy": "rollback"},
                              "recovery": {"in_process": True}}, optimizer=optimizer)
     h.close(keep_local=True)
-    h._let_go()  # as the recovery loop does with each generation's object (run_in_process makes one each time)
+    h.generations().let_go()  # as the recovery loop does with each generation's object (run_in_process makes one each time)
     ref = weakref.ref(h)
     del h
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
