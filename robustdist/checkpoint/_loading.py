@@ -237,14 +237,6 @@ def _problem_of(e: BaseException) -> str:
     return text[:2000]
 
 
-def _agree(ctx: Context, mine: tuple[Any, ...], what: str) -> list[tuple[Any, ...]]:
-    return ctx.collectives.all_gather(mine, what)
-
-
-def _bad(everyone: list[tuple[Any, ...]]) -> dict[int, str]:
-    return {r: row[0] for r, row in enumerate(everyone) if row[0]}
-
-
 def _finish(ctx: Context, checked: _Checked) -> LoadedCheckpoint:
     if checked.mine is not None:  # checked on scratch generators in step 2: restoring it cannot fail
         _payload.restore_rng(checked.mine["rng"])
@@ -290,17 +282,17 @@ def _try(ctx: Context, step: int | None, step_dir: str, state: dict[str, Any], p
          map_location: MAP_LOCATION, *, listed: bool) -> _Outcome:
     """Steps 2 and 3 for one candidate. A restore that fails on any rank puts every copied object back."""
     checked, mine = _check_here(ctx, step, step_dir, state, per_rank, map_location, listed)
-    everyone = _agree(ctx, mine, "load check")
-    bad = _bad(everyone)
+    everyone = ctx.collectives.all_gather(mine, "load check")
+    bad = {r: row[0] for r, row in enumerate(everyone) if row[0]}
     if bad or checked is None:
         return _Outcome(bad=bad, gone=any(row[1] for row in everyone), corrupt=any(row[2] for row in everyone),
                         another_torch=any(row[4] for row in everyone))
     copies: list[Any] = []
     if any(row[3] for row in everyone):  # some rank restores an object step 2 could not check: copy first
         copies, problem = _restore.restore_unchecked(checked.plan, step_dir, checked.dcp_metadata, ctx.group)
-        bad = _bad(_agree(ctx, (problem,), "load restore"))
+        bad = ctx.collectives.problems(problem, "load restore")
     if not bad:
-        bad = _bad(_agree(ctx, (_restore.restore_checked(checked.plan),), "load apply"))
+        bad = ctx.collectives.problems(_restore.restore_checked(checked.plan), "load apply")
     if bad:
         failed = _restore.put_back(copies)
         if failed:

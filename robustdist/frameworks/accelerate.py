@@ -191,12 +191,7 @@ def save_state(accelerator: Any, directory: str | os.PathLike[str], step: int, *
 def _agree(coll: Collectives, stage: str, fn: Callable[[], Any], *, cleanup: str | None = None) -> None:
     """Run ``fn`` on this rank, then agree: if any rank failed, every rank raises the same CheckpointError (and
     rank 0 removes ``cleanup``)."""
-    failure = None
-    try:
-        fn()
-    except Exception as e:  # gathered and re-raised on every rank below, named
-        failure = f"{type(e).__name__}: {str(e)[:400]}"
-    failures = {r: f for r, f in enumerate(coll.all_gather(failure, f"save_state {stage}")) if f is not None}
+    failures = coll.attempt(f"save_state {stage}", fn)
     if not failures:
         return
     if cleanup is not None and coll.rank == 0:
@@ -359,14 +354,10 @@ def load_state(accelerator: Any, directory: str | os.PathLike[str], *, timeout: 
             problem = str(e)
         except (OSError, ValueError, RecursionError, MemoryError) as e:  # a hostile folder: named, then the next
             problem = f"{folder}: unreadable ({type(e).__name__}: {str(e)[:200]})"
-        problems = [p for p in coll.all_gather(problem, "load_state verify") if p is not None]
-        if not problems:
-            failure = None
-            try:
-                accelerator.load_state(folder, **load_kwargs)
-            except Exception as e:  # agreed below: every rank falls back together
-                failure = f"{type(e).__name__}: {str(e)[:300]}"
-            failures = [f for f in coll.all_gather(failure, "load_state load") if f is not None]
+        problems = list(coll.problems(problem, "load_state verify").values())
+        if not problems:  # agreed: every rank falls back together
+            failures = list(coll.attempt("load_state load", lambda: accelerator.load_state(folder, **load_kwargs),
+                                         limit=300).values())
             if not failures:
                 if refused:
                     log.warning("loaded %s, an older checkpoint: %s", folder, "; ".join(refused))

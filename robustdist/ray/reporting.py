@@ -99,8 +99,7 @@ class RayReporting:
         """Before Ray's report barrier: every rank's staging outcome; raises the same error on every rank when one
         failed (so none waits in Ray's barrier for a rank that will not come)."""
         assert self.checkpointer is not None
-        everyone = self.checkpointer.collectives.all_gather(problem, "report staging")
-        failed = {r: p for r, p in enumerate(everyone) if p}
+        failed = self.checkpointer.collectives.problems(problem, "report staging")
         if failed:
             detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
             raise CheckpointError(f"reporting checkpoint step {step} to Ray Train failed: {ranks_phrase(failed)} "

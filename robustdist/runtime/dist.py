@@ -284,6 +284,22 @@ class Collectives:
         self.run(what, lambda: dist.broadcast_object_list(box, src=0, group=self.group))
         return box[0]
 
+    def problems(self, problem: str | None, what: str) -> dict[int, str]:
+        """The agreement every stage ends with: this rank's ``problem`` (None or empty where its part went well)
+        shared with every rank; returns every rank's by rank, empty when none had one. Every rank gets the same
+        answer, so each raises the same named error (or none does)."""
+        return {r: p for r, p in enumerate(self.all_gather(problem, what)) if p}
+
+    def attempt(self, what: str, fn: Callable[[], object], *, limit: int = 400) -> dict[int, str]:
+        """Run ``fn`` on this rank, then :meth:`problems` with what it raised (``Type: message``, cut at
+        ``limit``), so that every rank learns every rank's outcome."""
+        problem = None
+        try:
+            fn()
+        except Exception as e:  # shared below, and raised, named, on every rank by the caller
+            problem = f"{type(e).__name__}: {str(e)[:limit]}"
+        return self.problems(problem, what)
+
     def all_gather(self, obj: T, what: str) -> list[T]:
         """Every rank's ``obj``, in rank order."""
         if self.world_size == 1:

@@ -22,7 +22,8 @@ PACKAGE = "robustdist.checkpoint"
 ALLOWED_OUTSIDE = ("robustdist.runtime.dist", "robustdist.runtime.errors", "robustdist.runtime.log",
                    "robustdist._version", "robustdist.parallel.state_dict", "robustdist.runtime.node",
                    "robustdist.runtime._torch_compat",  # the private-torch fence (DCP internals, state-dict metadata)
-                   "robustdist.runtime.exit_drain")  # at exit, let the gloo workers of the groups it makes finish
+                   "robustdist.runtime.exit_drain",  # at exit, let the gloo workers of the groups it makes finish
+                   "robustdist.runtime.store_barrier", "robustdist.runtime.deadline")  # the coordination primitives
 # TrainState (what a run checkpoints) stands on top of the checkpointer: it also holds the loader's position.
 TRAIN_STATE = f"{PACKAGE}.train_state"
 ALLOWED_TO_TRAIN_STATE = ("robustdist.data.dataloader",)

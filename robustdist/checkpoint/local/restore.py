@@ -388,7 +388,7 @@ def _restore_all(tier: LocalTier, step: int, checked: tuple[Any, ...], state: di
         _restore.put_back(copies)
         return "corrupt"
     if not bad:
-        bad = [p for p in c.all_gather(_restore.restore_checked(plan), "local apply") if p]
+        bad = list(c.problems(_restore.restore_checked(plan), "local apply").values())
         if bad and any(f.touched for f, _ in mapped):
             tier.overwritten = tier.overwritten or bad[0]
     if bad:

@@ -251,7 +251,7 @@ class LocalTier:
         held = [r for r, p in enumerate(self.peers) if p is not None and self.nodes[p] == node]
         in_flight = 2 * sum(sizes[r] for r in mine) + sum(sizes[r] for r in held)  # snapshot + serialised; incoming
         problem = memory.fits(self.directory, node, need, in_flight, self.others) if self.leader else None
-        bad = [(r, p) for r, p in enumerate(self.collectives.all_gather(problem, "local memory check")) if p]
+        bad = list(self.collectives.problems(problem, "local memory check").items())
         if bad:
             shown = "; ".join(f"rank {r}: {p}" for r, p in bad[:4])
             raise CheckpointError(
@@ -315,9 +315,8 @@ class LocalTier:
         if not leaving.enter():  # no collective on the old group once a recovery has moved on
             raise CheckpointError(f"in-memory checkpoint step {step} was left behind by an in-process recovery",
                                   rank=self.err_rank)
-        everyone = self.collectives.all_gather(problem, "local commit")
+        failed = self.collectives.problems(problem, "local commit")
         stayed = leaving.leave_collective()  # past the collectives: wait() now waits for the rotation
-        failed = {r: p for r, p in enumerate(everyone) if p}
         if failed:
             detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
             raise CheckpointError(f"in-memory checkpoint step {step} is not complete: {ranks_phrase(failed)} failed "
