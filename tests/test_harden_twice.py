@@ -1,5 +1,5 @@
 """harden() refuses a model it already hardened, and one another wrapper already wrapped (Ray's prepare_model,
-the script's DDP), before it starts anything (issue #32). A model Accelerate prepared composes instead, while its
+the script's DDP), before it starts anything. A model Accelerate prepared composes instead, while its
 Accelerator exists (tests/frameworks/test_accelerate.py), and so does one Lightning Fabric set up
 (tests/frameworks/test_fabric.py)."""
 

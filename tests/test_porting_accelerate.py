@@ -1,8 +1,7 @@
 """Accelerate's ``nlp_example.py`` shape, ported (tests/clients/accelerate_nlp.py), under real torchrun on 2 CPU
 ranks: harden composes with what ``accelerator.prepare`` returned, and ``robustdist.frameworks.accelerate``'s
 ``save_state``/``load_state`` resume the job bitwise after rank 1 is SIGKILLed mid-run, and after rank 0 is
-SIGKILLed inside a save (the half-written checkpoint is never loaded). Harden before prepare is refused
-(issue #32)."""
+SIGKILLed inside a save (the half-written checkpoint is never loaded). Harden before prepare is refused."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Lightning Fabric's image-classifier example shape, ported (tests/clients/fabric_image_classifier.py), under real
 torchrun on 2 CPU ranks: harden composes with what ``fabric.setup`` returned, shards the plain train loader
 itself, and ``h.resume`` continues mid-epoch after rank 1 is SIGKILLed, ending bitwise where the straight run
-ends (issue #32)."""
+ends."""
 
 from __future__ import annotations
 

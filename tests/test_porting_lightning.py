@@ -2,7 +2,7 @@
 (tests/clients/lightning_trainer.py), under real torchrun on 2 CPU ranks: straight through, and with rank 1
 SIGKILLed mid-epoch and the job restarted by torchrun, which resumes from ``last.ckpt`` (written and verified by
 the plugin) and ends bitwise where the straight run ends. Lightning restarts an epoch's data from its start, so
-the client checkpoints at epoch ends (issue #32)."""
+the client checkpoints at epoch ends."""
 
 from __future__ import annotations
 

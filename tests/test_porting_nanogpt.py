@@ -1,7 +1,7 @@
 """nanoGPT's ``train.py`` shape, ported (tests/clients/nanogpt_train.py), under real torchrun on 2 CPU ranks in
 fp16 with a GradScaler: gradient accumulation, a prefetched batch across the save point, evaluation and the
 best-loss checkpoint made collective. Run straight through, and with rank 1 SIGKILLed mid-run and the job
-restarted by torchrun: the resumed run ends bitwise where the straight one does (issue #32)."""
+restarted by torchrun: the resumed run ends bitwise where the straight one does."""
 
 from __future__ import annotations
 

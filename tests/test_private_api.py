@@ -1,4 +1,4 @@
-"""Nothing in robustdist touches a private torch or Ray name but the fenced modules (issue #31):
+"""Nothing in robustdist touches a private torch or Ray name but the fenced modules:
 ``robustdist/runtime/_torch_compat.py``, ``_elastic_compat.py`` (torchelastic's agent), ``_ray_compat.py``. Like
 the layering test, this reads the source (ast), so a new private access fails here before a torch or Ray release breaks it silently.
 

@@ -1,5 +1,5 @@
-"""A checkpoint written under one lane's torch resumes bitwise under every other lane's, both ways (issue #31:
-a base image upgraded, or rolled back, between a save and a resume). ``make test-matrix`` passes every other
+"""A checkpoint written under one lane's torch resumes bitwise under every other lane's, both ways
+(a base image upgraded, or rolled back, between a save and a resume). ``make test-matrix`` passes every other
 lane's interpreter in ``ROBUSTDIST_OTHER_LANES`` (``name=python;...``); a plain ``make test`` has one torch only,
 so these skip there."""
 

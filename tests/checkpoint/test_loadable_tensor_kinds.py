@@ -1,4 +1,4 @@
-"""Save what load loads, on whichever torch is installed (issue #31): a tensor kind this torch's
+"""Save what load loads, on whichever torch is installed: a tensor kind this torch's
 ``torch.load(weights_only=True)`` refuses (torch 2.15 dropped nested tensors from its allow-list) is refused at
 save with a named error and nothing committed, never saved and then silently skipped at resume."""
 

@@ -1,5 +1,5 @@
-"""Plain extras given to ``h.save(step, name=value)`` come back to each rank as that rank saved them (issue #32:
-rank 1 saved ``X=[1, 1]`` and used to resume with rank 0's ``[0, 0]``), from the durable tier and the in-memory
+"""Plain extras given to ``h.save(step, name=value)`` come back to each rank as that rank saved them
+(rank 1 saved ``X=[1, 1]`` resumes with ``[1, 1]``, not rank 0's ``[0, 0]``), from the durable tier and the in-memory
 one; a rank that saved nothing (more ranks on resume) gets rank 0's value with a warning."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A client in the shape of Accelerate's ``examples/nlp_example.py`` (and its ``complete_nlp_example.py``
-checkpointing), ported to robustdist (issue #32). Our own code: a small classifier on synthetic token data
+checkpointing), ported to robustdist. Our own code: a small classifier on synthetic token data
 stands in for BERT on GLUE MRPC.
 
 The upstream shape, kept: ``Accelerator(cpu=..., mixed_precision=...)``, ``set_seed``, train and eval

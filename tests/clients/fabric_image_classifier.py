@@ -1,5 +1,5 @@
 """A client in the shape of Lightning's Fabric image-classifier example (``examples/fabric/image_classifier``),
-ported to robustdist (issue #32). Our own code: a small CNN on synthetic 12x12 "digits" stands in for MNIST.
+ported to robustdist. Our own code: a small CNN on synthetic 12x12 "digits" stands in for MNIST.
 
 The upstream shape, kept: ``Fabric(accelerator=..., devices=..., strategy=...)``, ``fabric.launch()``,
 ``fabric.seed_everything``, a CNN with dropout, ``Adadelta`` with a per-epoch ``StepLR``, ``fabric.setup(model,

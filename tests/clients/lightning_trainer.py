@@ -1,5 +1,5 @@
 """A client in the shape of a Lightning ``Trainer`` + ``LightningModule`` script, with robustdist's plugin and
-callback (issue #32). Our own code: a small MLP regressor on synthetic data.
+callback. Our own code: a small MLP regressor on synthetic data.
 
 The usual shape, kept: a ``LightningModule`` with ``training_step`` and ``configure_optimizers``, a
 ``ModelCheckpoint`` (``save_last=True``), ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` and

@@ -1,4 +1,4 @@
-"""A client in the shape of nanoGPT's ``train.py``, ported to ``harden()`` (issue #32). Our own code, not nanoGPT's.
+"""A client in the shape of nanoGPT's ``train.py``, ported to ``harden()``. Our own code, not nanoGPT's.
 
 What the upstream script does, and what the port changes (docs/porting.md, "nanoGPT's train.py"):
 

@@ -1,4 +1,4 @@
-"""robustdist inside Accelerate (issue #32): harden composes with what ``accelerator.prepare`` returned (its DDP and
+"""robustdist inside Accelerate: harden composes with what ``accelerator.prepare`` returned (its DDP and
 its sampler kept, the watchdog and step guard added), refuses the two double-wrap orders with a named error, and
 ``robustdist.frameworks.accelerate.save_state``/``load_state`` make Accelerate's checkpoints atomic and verified.
 

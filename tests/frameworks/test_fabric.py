@@ -1,4 +1,4 @@
-"""robustdist inside Lightning Fabric (issue #32): harden composes with the model ``fabric.setup`` returned (Fabric's
+"""robustdist inside Lightning Fabric: harden composes with the model ``fabric.setup`` returned (Fabric's
 DDP kept; harden shards the plain loader, adds the watchdog, the step guard and checkpoints, and resumes bitwise),
 and refuses what would shard twice or double-wrap, with a named error.
 

@@ -1,4 +1,4 @@
-"""robustdist beside transformers' ``Trainer`` (issue #32): harden does not compose with it (Trainer runs its own
+"""robustdist beside transformers' ``Trainer``: harden does not compose with it (Trainer runs its own
 loop, wraps the model it holds in a DDP of its own and shards its own loader), so both orders are refused on every
 rank with a ``ConfigError`` that names the Trainer and says what to do instead, before any gradient is applied.
 

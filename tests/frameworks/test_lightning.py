@@ -1,4 +1,4 @@
-"""robustdist inside a Lightning ``Trainer`` (issue #32): the ``CheckpointIO`` plugin writes ``.ckpt`` files
+"""robustdist inside a Lightning ``Trainer``: the ``CheckpointIO`` plugin writes ``.ckpt`` files
 atomically with a size/CRC-32 record and, on load, refuses a damaged one and falls back to the newest intact
 checkpoint beside it; the ``Callback`` raises or skips on non-finite gradients and runs the watchdog.
 

@@ -1,5 +1,5 @@
 """``robustdist run`` across two lab nodes (network namespaces, one agent each, a private in-memory directory per
-node), with the DDP-tutorial-shaped client (``tests/clients/ddp_tutorial_inprocess.py``), issue #35:
+node), with the DDP-tutorial-shaped client (``tests/clients/ddp_tutorial_inprocess.py``):
 
 * two ranks on two nodes SIGKILLed at once (2 nodes x 2 ranks), rank 0 one of them: each node's agent starts its dead
   worker again alone (node 0's agent serves the attempt's store, which outlives rank 0's process), both replacements

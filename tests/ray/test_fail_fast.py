@@ -1,4 +1,4 @@
-"""A configuration error in a Ray Train worker is not retried with ``robustdist.ray.fail_fast()`` (issue #32): a
+"""A configuration error in a Ray Train worker is not retried with ``robustdist.ray.fail_fast()``: a
 script that kept Ray's ``prepare_model`` before ``harden`` fails at the first attempt, naming the rank, the
 wrapper and the fix, instead of ``FailureConfig.max_failures`` attempts later. Real Ray Train V2 runs on the
 session's local cluster; without the callback the same run is retried (the premise)."""

@@ -1,4 +1,4 @@
-"""In-process recovery inside Ray Train V2 workers (issue #34), for real on the session's local Ray cluster (2 CPUs):
+"""In-process recovery inside Ray Train V2 workers, for real on the session's local Ray cluster (2 CPUs):
 with ``recovery.in_process: true`` the first ``harden`` gives up Ray's process group for robustdist's own
 (``robustdist.ray.group``), so a worker's exception is recovered in the same worker processes: Ray's controller
 never sees it (``FailureConfig(max_failures=0)``: any exception reaching it fails the run), and the result is

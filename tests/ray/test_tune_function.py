@@ -1,5 +1,5 @@
-"""harden() inside a plain Ray Tune function trainable (no TorchTrainer), two trials sharing one checkpoint.dir
-(issue #32): each trial gets its own namespace from its trial identity and resumes only its own checkpoints
+"""harden() inside a plain Ray Tune function trainable (no TorchTrainer), two trials sharing one checkpoint.dir:
+each trial gets its own namespace from its trial identity and resumes only its own checkpoints
 after Tune restarts it; with one checkpoint.run_name for every trial, the second trial is refused, never
 resumed from the first's."""
 

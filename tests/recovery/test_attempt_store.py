@@ -1,4 +1,4 @@
-"""Each attempt's store served by ``robustdist run``'s agent on node 0 (issue #35: a killed rank 0 replaced alone):
+"""Each attempt's store served by ``robustdist run``'s agent on node 0 (a killed rank 0 replaced alone):
 the agents' side (:class:`robustdist.recovery.attempt_store.AttemptStore`, against real TCPStores standing for the
 round's rendezvous store) and the workers' (:func:`robustdist.init.elastic_store.served_by_agent` and the client it
 makes), with the hostile environments a worker may be given."""

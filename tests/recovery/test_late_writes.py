@@ -1,4 +1,4 @@
-"""A thread of a closed generation never writes into the store that replaces it (issue #34: generations never
+"""A thread of a closed generation never writes into the store that replaces it (generations never
 mix). A store client retries its connect for its whole timeout, and an in-process recovery starts the next
 generation's server on the same port: a connect begun while the old server was already gone completes against
 the new one. Real TCPStore servers on one port, one after the other; the connect really retrying.

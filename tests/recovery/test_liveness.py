@@ -1,4 +1,4 @@
-"""A rank whose heartbeats stop is a fault of that rank (robustdist.recovery.liveness, issue #34): a real TCPStore,
+"""A rank whose heartbeats stop is a fault of that rank (robustdist.recovery.liveness): a real TCPStore,
 real heartbeat threads (robustdist.health.watchdog_store.Heartbeat), one of them in another process that is
 stopped with SIGSTOP. The loop's use of it (a stopped rank named, a short stop recovered in place) is tested in
 test_run.py."""

@@ -1,4 +1,4 @@
-"""A closed part of a generation goes with its last reference, not at the next garbage collection (issue #34).
+"""A closed part of a generation goes with its last reference, not at the next garbage collection.
 
 In-process recovery lets go of the closed generation's parts and runs a full garbage collection (0.15 to 0.2 s
 with torch imported: a third of a recovery) only where a reference cycle still holds one of them

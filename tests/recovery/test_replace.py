@@ -1,4 +1,4 @@
-"""``robustdist run`` (issue #35): a rank killed by a signal is started again alone and joins the survivors' in-process
+"""``robustdist run``: a rank killed by a signal is started again alone and joins the survivors' in-process
 recovery; everything else is torchrun's own path. Real torchrun agents, 2 gloo ranks, the DDP tutorial's shape
 (tests/clients/ddp_tutorial_inprocess.py) and the demo (examples/resilient_training.py)."""
 

@@ -1,4 +1,4 @@
-"""A replacement's join (robustdist.recovery.replacement, issue #35) against a real TCPStore in this process: the
+"""A replacement's join (robustdist.recovery.replacement) against a real TCPStore in this process: the
 published state round-trips, the survivors' verdict decides, and the store's content and the environment are input
 (hostile values are named RecoveryErrors, never raw errors, never a hang). The whole launcher runs in
 test_replace.py."""

@@ -1,4 +1,4 @@
-"""One canary per private torch or Ray API robustdist uses (issue #31): each resolves on the installed version,
+"""One canary per private torch or Ray API robustdist uses: each resolves on the installed version,
 or fails with a message naming the API, the installed version and what robustdist needs it for. The version
 matrix (``make test-matrix``) runs these in every lane."""
 

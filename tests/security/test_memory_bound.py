@@ -1,4 +1,4 @@
-"""Memory in proportion to a pickle's size (issue #33): one-byte opcodes that each make the unpickler allocate an
+"""Memory in proportion to a pickle's size: one-byte opcodes that each make the unpickler allocate an
 object (an empty dict, a list, a mark, a memo slot) are refused by the opcode scan partway through, at a peak of
 a few bytes per byte of the file; the plain data robustdist writes, and DCP's metadata for thousands of tensors,
 stay inside the budget. A payload file far larger than the live state it is restored into is refused unread.

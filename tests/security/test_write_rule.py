@@ -6,7 +6,7 @@ links, renames or deletes a path is counted per module, and the counts must equa
 * LEGIT: paths that are not a checkpoint directory (a config file, ``/proc``, the test harness, a stack-dump
   file the user names, a Ray temp directory).
 
-Every checkpoint-directory writer is on the helper (the last ones moved in issue #33): a new raw call anywhere
+Every checkpoint-directory writer is on the helper: a new raw call anywhere
 fails this test. DCP's own ``FileSystemWriter`` writes the sharded files by path, inside a directory
 ``checkpoint._sharded`` made confined; it is torch's code, not counted here.
 """
