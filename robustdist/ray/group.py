@@ -32,8 +32,6 @@ import os
 import time
 from typing import Any
 
-import torch.distributed as dist
-
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
@@ -78,6 +76,18 @@ def prepare(config: Any, topo: Topology, *, framework: str | None = None) -> Top
             return topo
         _take_over(config, topo)
     return dataclasses.replace(topo, master_addr=_taken["host"], master_port=_taken["port"])
+
+
+def _endpoint(raw: bytes) -> tuple[str, int] | None:
+    """The ``[host, port]`` rank 0 published, or None for anything else."""
+    try:
+        got = json.loads(raw) if len(raw) <= 1024 else None
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(got, list) and len(got) == 2 and isinstance(got[0], str) and 0 < len(got[0]) <= 255 \
+            and type(got[1]) is int and 0 < got[1] < 65536:
+        return got[0], got[1]
+    return None
 
 
 def _why_not(config: Any, topo: Topology, framework: str | None) -> str | None:
@@ -135,11 +145,20 @@ def _take_over(config: Any, topo: Topology) -> None:
         def read() -> Any:
             if not wait_for(store, [key], deadline):
                 return None
-            got = json.loads(store.get(key))
+            raw = bytes(store.get(key))
+            got = _endpoint(raw)
+            if got is None:  # the store is input: anything but rank 0's [host, port] is named, never unpacked
+                raise InitError(
+                    f"giving up Ray Train's process group for in-process recovery: read {raw[:120]!r} under the key "
+                    f"{key!r} of Ray's store; expected the JSON [host, port] rank 0 publishes. Fix: another process "
+                    "writes into this job's store (a second job on the same address?); give each job its own.",
+                    rank=rank)
             store.set(f"{_KEY}/read/{rank}", "1")
             return got
 
         got, error, _ = bounded(read, deadline + 5, "ray-takeover")
+        if isinstance(error, InitError):
+            raise error
         if got is None:
             raise InitError(
                 f"giving up Ray Train's process group for in-process recovery: rank 0 did not publish robustdist's "

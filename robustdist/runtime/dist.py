@@ -211,7 +211,8 @@ class Collectives:
                        op, [])
         if self.rank == 0 and self._seq > 1:  # every rank is past the previous call now: drop its keys
             previous = f"robustdist/{self.scope}/{self.token}/{self._seq - 1}"
-            for key in [f"{previous}/{op_before}/{r}" for r in range(self.world_size)]:
+            keys = [f"{previous}/{op_before}/{r}" for r in range(self.world_size)]
+            for key in [*keys, f"{previous}/{op_before}/count"]:
                 try:
                     self._store.delete_key(key)
                 except Exception:  # a store without delete_key only keeps a few bytes more

@@ -1,8 +1,8 @@
 """Waits over a job's key-value store: the one barrier every part uses, and the poll under it.
 
 :func:`wait_for` polls until keys exist, by a deadline. :func:`barrier` is the arrival rule the rendezvous,
-the bounded collectives and every other "wait for every rank" share: each rank sets ``<prefix>/<rank>`` and
-waits for every rank's key. A rank that is still waiting at its deadline writes the ranks it did not find, as a
+the bounded collectives and every other "wait for every rank" share: each rank sets ``<prefix>/<rank>``, counts
+itself in ``<prefix>/count`` and polls the count (one small request per poll, whatever the world size). A rank that is still waiting at its deadline writes the ranks it did not find, as a
 JSON list, under the barrier's abandon key; every rank that sees that mark (before, while or just after it
 arrives) stops too, so all of them fail together and name the same absent ranks. What a rank reads under the
 mark is input (another process may write into the store): anything but a JSON list of distinct ranks of this
@@ -22,10 +22,10 @@ __all__ = ["Absent", "absent_ranks", "barrier", "wait_for"]
 
 
 def wait_for(store: Any, keys: list[str], deadline: float, *, stop: Callable[[], object] | None = None,
-             first: float = 0.02, most: float = 0.05) -> bool:
+             first: float = 0.02, most: float = 0.02) -> bool:
     """Poll ``store`` until every key of ``keys`` exists (True), or ``deadline`` (a ``time.monotonic()``) passes
-    or ``stop`` returns a true value (False). Polls back off from ``first`` to ``most`` seconds; ``stop`` may also
-    raise, which ends the wait with its error."""
+    or ``stop`` returns a true value (False). Polls every ``first`` seconds, backing off to ``most``; ``stop`` may
+    also raise, which ends the wait with its error."""
     delay = first
     while not store.check(keys):
         if (stop is not None and stop()) or time.monotonic() >= deadline:
@@ -56,17 +56,19 @@ def barrier(store: Any, prefix: str, rank: int, world: int, deadline: float, *, 
     store its process serves read the mark before it goes."""
     mark = abandon_key or f"{prefix}/abandoned"
     keys = [f"{prefix}/{r}" for r in range(world)]
+    count = f"{prefix}/count"
     if store.check([mark]):
         raise _read_mark(store, mark, world, "before", keys)
     store.set(keys[rank], value)
+    arrived = int(store.add(count, 1))  # polled by a counter: one small request whatever the world size
     delay = first
-    while not store.check(keys):
+    while arrived < world:
         if interrupt is not None:
             interrupt()
         if store.check([mark]):
-            raise _read_mark(store, mark, world, "waiting", keys)
+            raise _read_mark(store, mark, world, "after" if int(store.add(count, 0)) >= world else "waiting", keys)
         if time.monotonic() >= deadline:
-            if store.check(keys):  # the last rank arrived just now
+            if int(store.add(count, 0)) >= world:  # the last rank arrived just now
                 break
             absent = tuple(r for r, key in enumerate(keys) if not store.check([key]))
             store.set(mark, json.dumps(list(absent)))
@@ -75,6 +77,7 @@ def barrier(store: Any, prefix: str, rank: int, world: int, deadline: float, *, 
             raise Absent(absent, "waiting")
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(2 * delay, most)
+        arrived = int(store.add(count, 0))
     if store.check([mark]):
         raise _read_mark(store, mark, world, "after", keys)
 

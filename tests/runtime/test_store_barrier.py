@@ -47,6 +47,7 @@ def _ranks(server, world, prefix, deadline_s, skip=(), **kw):
 def test_every_rank_arrives_and_every_rank_passes(store):
     assert _ranks(store, 4, "b/1", 10) == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
     assert store.get("b/1/2") == b"1" and not store.check(["b/1/abandoned"])
+    assert store.add("b/1/count", 0) == 4  # polled through the count: one small request per look
 
 
 def test_an_absent_rank_is_named_on_every_rank_that_came_and_the_mark_says_who(store):
@@ -81,7 +82,11 @@ def test_a_mark_set_just_before_the_last_arrival_fails_every_rank_alike(store):
             self.client.set(key, value)
             if key == "b/5/1":
                 self.client.set("b/5/0", "1")
+                self.client.add("b/5/count", 1)
                 self.client.set("b/5/abandoned", "[1]")
+
+        def add(self, key, value):
+            return self.client.add(key, value)
 
         def check(self, keys):
             return self.client.check(keys)

@@ -71,8 +71,8 @@ def _wait(works: list[tuple[Any, str]], timeout: float, rank: int, what: str) ->
                 return peer
         return None
 
-    late, error, finished = bounded(run, time.monotonic() + timeout * len(works) + 5.0, f"local-wait-{rank}",
-                                    stop=_dist.interrupted)
+    end = time.monotonic() + timeout * len(works) + 5.0  # gloo ends each wait by its timeout first
+    late, error, finished = bounded(run, end, f"local-wait-{rank}", stop=_dist.interrupted, ends_by=end + 5.0)
     if not finished and (reason := _dist.interrupted()) is not None:
         raise CheckpointError(f"the in-memory checkpoint {what} with {where.get('peer', 'its peer')} was given up: "
                               f"{reason}. Expected when the job recovers in place (its wait is left to end on "
