@@ -27,7 +27,7 @@ from robustdist.ray.reporting import RayReporting
 from robustdist.recovery import loop as _recovery
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_teardown
-from robustdist.runtime.errors import CheckpointError, ConfigError, RestartLoopError
+from robustdist.runtime.errors import CheckpointError, ConfigError
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger, logging_configured
 from robustdist.runtime.topology import Topology
@@ -326,7 +326,9 @@ class Hardened(RayReporting, ProgressMarks):
         if self.checkpointer is None:
             return None
         self._remember(optimizer, scheduler, extra)
-        self._guard_restarts()
+        self.checkpointer.check_ready("load")
+        if _recovery.generation() == 0:  # an in-process recovery counts its own faults (robustdist.recovery.loop)
+            self._guard_restarts(self.attempt, self.config.health.max_restarts_without_progress, self._err_rank())
         level = logging.INFO if logging_configured() or self.init_report.rank != 0 else logging.WARNING
         ray_checkpoint, why, ray_step, ray_first = self._ray_candidate(level)
         step = self._load(missing_ok=True, ray_checkpoint=ray_checkpoint, ray_step=ray_step, ray_first=ray_first)
@@ -344,26 +346,6 @@ class Hardened(RayReporting, ProgressMarks):
         log.log(level, "resumed from checkpoint step %d (%s%s) in %s%s", step, source, f"; {why}" if why else "",
                 where, versions)
         return step
-
-    def _guard_restarts(self) -> None:
-        """The restart-loop guard (:mod:`robustdist.health.restart_guard`), before anything is loaded: rank 0 counts
-        this attempt and decides, every rank raises."""
-        assert self.checkpointer is not None
-        self.checkpointer.check_ready("load")
-        if _recovery.generation() > 0:  # an in-process recovery counts its own faults (robustdist.recovery.loop)
-            return
-        verdict: tuple[str, str] | None = None
-        if self.checkpointer.rank == 0:
-            try:
-                message = _restart_guard.begin(self.checkpointer.directory, attempt=self.attempt,
-                                               limit=self.config.health.max_restarts_without_progress)
-                verdict = ("loop", message) if message else None
-            except CheckpointError as e:  # every rank learns why, not a collective that names nothing
-                verdict = ("record", e.message)
-        verdict = self.checkpointer.collectives.broadcast(verdict, "restart guard")
-        if verdict is not None:
-            kind, message = verdict
-            raise (RestartLoopError if kind == "loop" else CheckpointError)(message, rank=self._err_rank())
 
     def _load(self, *, missing_ok: bool = False, ray_checkpoint: Any = None, ray_step: int | None = None,
               ray_first: bool = False) -> int | None:

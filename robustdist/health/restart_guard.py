@@ -32,7 +32,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from robustdist.checkpoint._confined import Confined
-from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
+from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, RestartLoopError
 from robustdist.runtime.log import get_logger
 
 if TYPE_CHECKING:
@@ -200,8 +200,8 @@ def _last_errors(directory: str, attempts: list[int]) -> str:
 
 
 class ProgressMarks:
-    """The guard's bookkeeping in ``Hardened`` (a mixin): the step resumed from, and the first commit newer than
-    it marking progress. ``Hardened`` holds ``checkpointer``, ``_resumed_from``, ``_progress_marked`` and
+    """The guard in ``Hardened`` (a mixin): the attempt counted at ``resume()``, the step resumed from, and the
+    first commit newer than it marking progress. ``Hardened`` holds ``checkpointer``, ``_resumed_from``, ``_progress_marked`` and
     ``_pending`` (durable async saves not known to have committed yet)."""
 
     checkpointer: AtomicCheckpointer | None
@@ -224,6 +224,22 @@ class ProgressMarks:
             self._progress_marked = True
             if self.checkpointer.rank == 0:
                 mark_progress(self.checkpointer.directory, step)
+
+    def _guard_restarts(self, attempt: int, limit: int, err_rank: int | None) -> None:
+        """The guard, at ``resume()`` before anything is loaded: rank 0 counts this attempt and decides, every rank
+        raises the same error (a crash loop, or a record that cannot be kept)."""
+        assert self.checkpointer is not None
+        verdict: tuple[str, str] | None = None
+        if self.checkpointer.rank == 0:
+            try:
+                message = begin(self.checkpointer.directory, attempt=attempt, limit=limit)
+                verdict = ("loop", message) if message else None
+            except CheckpointError as e:  # every rank learns why, not a collective that names nothing
+                verdict = ("record", e.message)
+        verdict = self.checkpointer.collectives.broadcast(verdict, "restart guard")
+        if verdict is not None:
+            kind, message = verdict
+            raise (RestartLoopError if kind == "loop" else CheckpointError)(message, rank=err_rank)
 
     def _mark_progress(self) -> None:
         """Durable async saves commit in the background: look at them at the next save."""
