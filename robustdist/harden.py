@@ -80,7 +80,7 @@ from robustdist.ray import group as _ray_group
 from robustdist.ray import train as _ray_train
 from robustdist.ray import tune as _tune
 from robustdist.ray.runs import run_directory
-from robustdist.recovery import building as _building
+from robustdist.recovery import generations as _generations
 from robustdist.recovery import loop as _recovery
 from robustdist.recovery import joining as _joining
 from robustdist.runtime import _torch_compat
@@ -157,7 +157,7 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
         raise
     finally:
         _ray_group.release()  # the group's store holds the server taken for its port now (or the init failed)
-    _building.group_made(config.distributed.timeout)  # a recovery's next generation watches from here on
+    _generations.group_made(config.distributed.timeout)  # a recovery's next generation watches from here on
     checkpointer: AtomicCheckpointer | None = None
     identity: RunIdentity | None = None
     local: LocalTier | None = None
@@ -212,7 +212,7 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
         hardened = Hardened(**parts) if into is None else into._renew(**parts)
     except BaseException as e:
         recording.close()
-        _building.failed(e, sockets)  # a recovery's next generation: the other ranks learn of it, named
+        _generations.failed(e, sockets)  # a recovery's next generation: the other ranks learn of it, named
         if watchdog is not None:
             watchdog.close()
         if local is not None:

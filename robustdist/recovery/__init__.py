@@ -2,7 +2,7 @@
 every rank gets out of the collective it is in, without a process restart.
 
 What exists: :mod:`.loop` (:func:`run_in_process`: the re-entrant loop, experimental), :mod:`.faults` (the
-generation protocol: :func:`declare_fault`, :class:`FaultWatch`), :mod:`.building` (a generation's watch from the
+generation protocol: :func:`declare_fault`, :class:`FaultWatch`), :mod:`.generations` (a generation's watch from the
 moment its group exists; a failed build declared), :mod:`.handover` (the store from one generation to the next),
 :mod:`.timings` (each recovery's phases on this rank: :func:`history`) and, in the runtime,
 :mod:`robustdist.runtime.group_sockets` (a gloo collective in progress unblocked by shutting its group's

@@ -1,7 +1,7 @@
 """``harden``'s side of a replacement (``robustdist run``): a worker started in place of a dead one joins
 the others' in-process recovery (:func:`robustdist.recovery.replacement.join`) before it makes its group, then
 builds as their next generation, so a failure of its build is told to them as theirs is
-(:mod:`robustdist.recovery.building`)."""
+(:mod:`robustdist.recovery.generations`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from robustdist.recovery import building, loop, replacement
+from robustdist.recovery import generations, loop, replacement
 
 __all__ = ["joining"]
 
@@ -25,9 +25,9 @@ def joining(config: Any, topo: Any, first: bool) -> Iterator[None]:
         yield
         return
     loop.continue_as(*joined)
-    generation = building.Generation(loop.scope_of(joined[0]), joined[1])
+    generation = generations.Generation(loop.scope_of(joined[0]), joined[1])
     try:
-        with building.building(generation):
+        with generations.building(generation):
             yield
     finally:
         generation.close()  # its watch: the recovery loop watches the generation from here on

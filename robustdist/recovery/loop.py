@@ -47,11 +47,11 @@ recovers; a later generation that finds nothing to resume from raises :class:`~r
 fault like any other: a restore that raised may succeed in the next generation).
 
 A failure while the next generation is hardened is declared by its rank once the group exists
-(:mod:`.building`); the others end at once, naming it. The closing tier hands the snapshot of its last committed
+(:mod:`.generations`); the others end at once, naming it. The closing tier hands the snapshot of its last committed
 copy to the next generation's (:mod:`robustdist.checkpoint.local.held`): this rank's own state is restored from
 memory, no file read. Each recovery's phases: :mod:`.timings`. In a Ray Train worker the first harden gives up
 Ray's group for robustdist's own (:mod:`robustdist.ray.group`), so the same loop runs there. The error that ends
-an escalating rank, and its record for the restart-loop guard: :mod:`.ending`.
+an escalating rank, and its record for the restart-loop guard: :mod:`.escalation`.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from robustdist.health.watchdog_store import connector
-from robustdist.recovery import declaring, ending, handover, liveness, replacement
-from robustdist.recovery.building import Generation, building
+from robustdist.recovery import declarations, escalation, handover, liveness, replacement
+from robustdist.recovery.generations import Generation, building
 from robustdist.recovery.faults import SCOPE, agree, clear_generation, declare_fault
 from robustdist.recovery.timings import Clock, Recovery, detection
 from robustdist.runtime import _torch_compat
@@ -238,7 +238,7 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             if gen == 0:
                 g.close()
                 raise
-            ending.built_badly(g, e, record_to)
+            escalation.built_badly(g, e, record_to)
         store = _dist.default_store()
         if store is None or _dist.world_size() == 1:
             try:
@@ -277,8 +277,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
         fired, on_fault = g.fired, g.on_fault
         watch = g.watch_on(store, h.config.distributed.timeout)  # started while it was built, after a fault
         if h.watchdog is not None:  # the hang verdict is a fault too, and so are a rank's heartbeats stopping
-            h.watchdog.on_hang(declaring.hang_declarer(store, scope, gen, rank, world, h.config.distributed.timeout,
-                                                       fired))
+            h.watchdog.on_hang(declarations.hang_declarer(store, scope, gen, rank, world,
+                                                          h.config.distributed.timeout, fired))
         live = liveness.start_for(h.watchdog, store, scope=scope, generation=gen, rank=rank, world_size=world,
                                   fired=fired)
         if rank == 0:  # under robustdist run: where this generation stands, for a replacement of a dead worker
@@ -304,8 +304,8 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
             try:  # the watch and the liveness thread close even if what comes first raised
                 # a lost connection where another rank has declared a fault that the watch has not yet woken up
                 # to: a consequence of that fault, not one of this rank's own
-                earlier = None if seen or not declaring.cut_collective(e) else \
-                    declaring.declared_fault(store, gen, rank, world, scope)
+                earlier = None if seen or not declarations.cut_collective(e) else \
+                    declarations.declared_fault(store, gen, rank, world, scope)
                 own = not seen and earlier is None
                 what = f"{type(e).__name__}: {str(e).strip()[:1500]}"
                 if clock is not None:  # the last recovery's restore failed: its record ends here
@@ -361,17 +361,17 @@ def _loop(build: Callable[[], tuple[Any, GroupSockets | None]], train_fn: Callab
                 log.error("rank %d: %s: not recovering in process (%s); the process exits for a restart", rank,
                           what[:300], why)
                 if own or _fatal(e) or isinstance(e, RecoveryError) or not isinstance(e, Exception):
-                    ending.record_error(h, rank, e)
+                    escalation.record_error(h, rank, e)
                     raise
                 # what this rank saw was the teardown's doing (a collective cut short): name the fault itself
-                cause = ending.cause(watch, keep if store_ok else None, scope, gen, world)
+                cause = escalation.cause(watch, keep if store_ok else None, scope, gen, world)
                 named = RecoveryError(
                     f"in-process recovery generation {gen} ended: {cause}; not recovering in process ({why}). "
                     "Expected every rank to recover; the process exits for a restart (the launcher's, whose "
                     f"restart-loop guard counts it). This rank's own error was a consequence ({what[:300]}). Fix: "
                     "see the error and log of the rank the fault names (for a hang verdict, the rank the watchdog "
                     "names as stuck; for stopped heartbeats, that rank's node and process).", rank=rank)
-                ending.record_error(h, rank, named)
+                escalation.record_error(h, rank, named)
                 raise named from e
             drop_locals(e)  # what the failed attempt's finished frames held goes with the generation, uncollected
             handover.leave(keep, scope, gen, rank, world)

@@ -267,7 +267,7 @@ def test_a_rank_in_a_wait_nothing_can_cut_escalates_for_itself_when_a_fault_come
     """The fault watch's callback writes this rank's decision ("escalate", saying why) where the other ranks'
     ``agree`` reads it, so they do not wait out their bound for a rank that cannot join; outside such a wait it
     decides nothing."""
-    from robustdist.recovery.building import Generation
+    from robustdist.recovery.generations import Generation
     from robustdist.recovery.faults import agree
 
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
@@ -305,20 +305,20 @@ class _SilentStore:
 
 def test_a_cut_collective_reads_another_ranks_declared_fault_and_says_so_when_the_store_is_silent(
         caplog, monkeypatch):
-    from robustdist.recovery import declaring
+    from robustdist.recovery import declarations
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    assert declaring.declared_fault(store, 3, 0, 2, "robustdist/recovery") is None  # nothing declared yet
+    assert declarations.declared_fault(store, 3, 0, 2, "robustdist/recovery") is None  # nothing declared yet
     declare_fault(store, generation=3, rank=1, world_size=2, what="RuntimeError: boom", scope="robustdist/recovery")
-    fault = declaring.declared_fault(store, 3, 0, 2, "robustdist/recovery")
+    fault = declarations.declared_fault(store, 3, 0, 2, "robustdist/recovery")
     assert fault is not None and fault.others(0) and "RuntimeError: boom" in fault.describe()
-    assert declaring.declared_fault(store, 3, 1, 2, "robustdist/recovery") is None  # rank 1's own: not another's
+    assert declarations.declared_fault(store, 3, 1, 2, "robustdist/recovery") is None  # rank 1's own: not another's
 
-    monkeypatch.setattr(declaring, "READ_FAULT_S", 0.3)
+    monkeypatch.setattr(declarations, "READ_FAULT_S", 0.3)
     t = time.monotonic()
-    with caplog.at_level("WARNING", logger="robustdist.recovery.declaring"):
+    with caplog.at_level("WARNING", logger="robustdist.recovery.declarations"):
         silent = _SilentStore()
-        assert declaring.declared_fault(silent, 3, 0, 2, "robustdist/recovery") is None
+        assert declarations.declared_fault(silent, 3, 0, 2, "robustdist/recovery") is None
     assert silent.asked.is_set() and 0.3 <= time.monotonic() - t < 5
     assert ("rank 0: its collective was cut, and the store did not say within 0.3 s whether another rank declared "
             "generation 3's fault") in caplog.text and "taking the cut for this rank's own fault" in caplog.text

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from robustdist.health import watchdog_store as ws
-from robustdist.recovery import declaring
+from robustdist.recovery import declarations
 from robustdist.recovery.faults import FaultWatch
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,7 +127,7 @@ def test_a_hang_report_abandoned_while_connecting_writes_nothing():
 def test_a_hang_declared_after_the_generation_s_fault_was_handled_is_not_written():
     old = _server()
     fired = threading.Event()
-    on_hang = declaring.hang_declarer(old, "robustdist/recovery", 4, 1, 2, CONNECT_S, fired)
+    on_hang = declarations.hang_declarer(old, "robustdist/recovery", 4, 1, 2, CONNECT_S, fired)
     port = old.port
     del old
     report = SimpleNamespace(idle_seconds=7.0, step=3, summary="")
@@ -141,7 +141,7 @@ def test_a_hang_declared_after_the_generation_s_fault_was_handled_is_not_written
 def test_a_hang_declared_in_its_generation_is_written():
     """The check does not stop the ordinary case: the hang becomes generation 4's fault."""
     store = _server()
-    on_hang = declaring.hang_declarer(store, "robustdist/recovery", 4, 1, 2, CONNECT_S, threading.Event())
+    on_hang = declarations.hang_declarer(store, "robustdist/recovery", 4, 1, 2, CONNECT_S, threading.Event())
     on_hang(SimpleNamespace(idle_seconds=7.0, step=3, summary=""))
     assert store.add("robustdist/recovery/4/fault", 0) == 1
     assert b"HangError: rank 1" in store.get("robustdist/recovery/4/why/1")

@@ -125,22 +125,22 @@ class _DeadStore:
 def test_a_failing_rank_that_cannot_reach_the_store_says_so_and_still_gets_out(monkeypatch, caplog):
     import logging
 
-    from robustdist.recovery import building
+    from robustdist.recovery import generations
 
-    monkeypatch.setattr(building._dist, "default_store", lambda: _DeadStore())
-    monkeypatch.setattr(building._dist, "world_size", lambda group=None: 2)
-    monkeypatch.setattr(building._dist, "rank", lambda group=None: 1)
+    monkeypatch.setattr(generations._dist, "default_store", lambda: _DeadStore())
+    monkeypatch.setattr(generations._dist, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(generations._dist, "rank", lambda group=None: 1)
     caplog.set_level(logging.WARNING, logger="robustdist")
-    g = building.Generation("robustdist/recovery/test", 1)
+    g = generations.Generation("robustdist/recovery/test", 1)
     start = time.monotonic()
-    building.tell(g, OSError("disk gone"), None, bound=2.0)
+    generations.tell(g, OSError("disk gone"), None, bound=2.0)
     assert time.monotonic() - start < 2.0 + 1.0  # bounded
     assert g.told and g.fired.is_set() and not g.own and g.cause is None
     text = " ".join(r.getMessage() for r in caplog.records)
     assert ("rank 1: could not tell the other ranks that building in-process recovery generation 1 failed "
             "(RuntimeError: store gone); expected the job's store to answer within 2 s." in text), text
     assert "Fix: check the store's host (rank 0's node) and this node's link to it." in text
-    building.tell(g, OSError("again"), None)  # once per generation
+    generations.tell(g, OSError("again"), None)  # once per generation
     assert len([r for r in caplog.records if "could not tell" in r.getMessage()]) == 1
 
 
@@ -148,7 +148,7 @@ def test_a_failing_rank_that_cannot_reach_the_store_says_so_and_still_gets_out(m
     (RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"), True),
     (OSError("injected: claim failed on rank 1"), False)])
 def test_a_lost_connection_is_told_apart_from_a_cause(error, transport):
-    from robustdist.recovery.building import looks_like_transport
+    from robustdist.recovery.generations import looks_like_transport
 
     assert looks_like_transport(error) is transport
 
@@ -156,23 +156,23 @@ def test_a_lost_connection_is_told_apart_from_a_cause(error, transport):
 def test_a_watch_that_cannot_start_says_what_it_costs_and_the_fix(monkeypatch, caplog):
     import logging
 
-    from robustdist.recovery import building
+    from robustdist.recovery import generations
 
     def no_watch(*args, **kwargs):
         raise RuntimeError("connect refused")
 
-    monkeypatch.setattr(building._dist, "default_store", lambda: _DeadStore())
-    monkeypatch.setattr(building._dist, "world_size", lambda group=None: 2)
-    monkeypatch.setattr(building._dist, "rank", lambda group=None: 1)
-    monkeypatch.setattr(building, "FaultWatch", no_watch)
+    monkeypatch.setattr(generations._dist, "default_store", lambda: _DeadStore())
+    monkeypatch.setattr(generations._dist, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(generations._dist, "rank", lambda group=None: 1)
+    monkeypatch.setattr(generations, "FaultWatch", no_watch)
     caplog.set_level(logging.WARNING, logger="robustdist")
-    g = building.Generation("robustdist/recovery/test", 2)
-    with building.building(g):
-        building.group_made(5.0)
+    g = generations.Generation("robustdist/recovery/test", 2)
+    with generations.building(g):
+        generations.group_made(5.0)
     assert g.rank == 1 and g.watch is None
     text = " ".join(r.getMessage() for r in caplog.records)
     assert ("rank 1: could not start the fault watch of in-process recovery generation 2 (RuntimeError: connect "
             "refused); expected one for every generation." in text), text
     assert "Fix: check that the job's c10d store is reachable from this node." in text
-    building.group_made(5.0)  # outside a build: nothing
+    generations.group_made(5.0)  # outside a build: nothing
     assert len([r for r in caplog.records if "could not start" in r.getMessage()]) == 1

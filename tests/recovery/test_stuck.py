@@ -205,7 +205,7 @@ _SCRIPT = r'''
 import os, signal, sys, threading, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from robustdist.recovery.building import Generation
+from robustdist.recovery.generations import Generation
 from robustdist.recovery.faults import declare_fault
 from robustdist.runtime.group_sockets import GroupSockets
 

@@ -7,7 +7,7 @@ import os
 from typing import Any, NoReturn
 
 from robustdist.health import restart_guard as _restart_guard
-from robustdist.recovery.building import Generation, tell
+from robustdist.recovery.generations import Generation, tell
 from robustdist.recovery.faults import FaultWatch, read_fault
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import RecoveryError
@@ -26,7 +26,7 @@ def record_error(h: Any, rank: int, error: BaseException) -> None:
 
 def built_badly(g: Generation, error: BaseException, record_to: tuple[str, int] | None) -> NoReturn:
     """Generation ``g``'s build raised on this rank: its own failure (declared to the others by
-    :func:`.building.tell`, or before any group existed) is re-raised; a failure caused by another rank's becomes a
+    :func:`.generations.tell`, or before any group existed) is re-raised; a failure caused by another rank's becomes a
     :class:`~robustdist.RecoveryError` naming that one. Either is recorded for the restart-loop guard."""
     if not g.told and _dist.is_up():  # raised after harden returned (run_in_process's make): tell the others now
         tell(g, error, None)
