@@ -90,7 +90,7 @@ class AttemptStore:
     def _read(self, rounds: Any) -> str:
         """Node 0's published value, polled (a ``wait`` would hold the agent's store client, which torch's rendezvous
         heartbeats share, for as long as it waits)."""
-        if not wait_for(rounds, [ATTEMPT_STORE_KEY], time.monotonic() + self.wait_s, first=0.1, most=0.1):
+        if not wait_for(rounds, [ATTEMPT_STORE_KEY], time.monotonic() + self.wait_s, poll=0.1):
             raise TimeoutError(f"node 0's agent published no address within {self.wait_s:g} s")
         return str(rounds.get(ATTEMPT_STORE_KEY).decode("utf-8", "replace"))
 

@@ -157,7 +157,7 @@ def await_decisions(connect: Any, base: str, world: int, end: float, stop: threa
     0, about to exit, usually serves the store, and its exit would take the store from the ranks still deciding."""
 
     def decided() -> None:
-        wait_for(connect(), [f"{base}/{r}" for r in range(world)], end, first=0.05,
+        wait_for(connect(), [f"{base}/{r}" for r in range(world)], end, poll=0.05,
                  stop=None if stop is None else stop.is_set)
 
     bounded(decided, end, "recovery-decided", ends_by=end + 15)

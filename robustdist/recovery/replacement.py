@@ -209,7 +209,7 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float,
 
     def take_part() -> tuple[dict[str, Any], str]:
         agent = _connect(*endpoint, deadline, "the agent's store", rank)
-        if not wait_for(agent, [STATE_KEY], deadline, first=0.05):
+        if not wait_for(agent, [STATE_KEY], deadline, poll=0.05):
             raise RecoveryError(f"no in-process state in robustdist run's store within {init_timeout:g} s; "
                                 "expected rank 0 to publish it while the run trains. Fix: see rank 0's log.",
                                 rank=rank)
@@ -229,7 +229,7 @@ def join(*, in_process: bool, rank: int, world: int, init_timeout: float,
         store.compare_set(f"{scope}/{gen}/decision/{rank}", "", "recover")
         store.set(f"{scope}/{gen}/left/{rank}", "1")
         verdict = f"{scope}/{gen}/verdict"
-        wait_for(store, [verdict], deadline, first=0.05)
+        wait_for(store, [verdict], deadline, poll=0.05)
         return state, store.get(verdict).decode("ascii", "replace") if store.check([verdict]) else "none"
 
     value, problem, finished = bounded(take_part, deadline + 5, "replacement-join", ends_by=deadline + 20)

@@ -22,16 +22,14 @@ __all__ = ["Absent", "absent_ranks", "barrier", "wait_for"]
 
 
 def wait_for(store: Any, keys: list[str], deadline: float, *, stop: Callable[[], object] | None = None,
-             first: float = 0.02, most: float = 0.02) -> bool:
-    """Poll ``store`` until every key of ``keys`` exists (True), or ``deadline`` (a ``time.monotonic()``) passes
-    or ``stop`` returns a true value (False). Polls every ``first`` seconds, backing off to ``most``; ``stop`` may
-    also raise, which ends the wait with its error."""
-    delay = first
+             poll: float = 0.02) -> bool:
+    """Poll ``store`` every ``poll`` seconds until every key of ``keys`` exists (True), or ``deadline`` (a
+    ``time.monotonic()``) passes or ``stop`` returns a true value (False); ``stop`` may also raise, which ends the
+    wait with its error."""
     while not store.check(keys):
         if (stop is not None and stop()) or time.monotonic() >= deadline:
             return False
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(2 * delay, most)
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
     return True
 
 
