@@ -17,7 +17,9 @@ Autouse, per test:
   ``TMPDIR``); a ``torchelastic_*`` directory that appears in the run's own directory instead (a torchrun a
   module fixture started without a directory of its own) is named in a warning, and the run fails at its end;
 * under ``make test-fast`` (``ROBUSTDIST_TEST_NO_PROCESSES``), a test that starts a process fails, naming the
-  ``processes`` marker it lacks (``tests/_process_guard.py``).
+  ``processes`` marker it lacks (``tests/_process_guard.py``);
+* under pytest-xdist, a test that runs past a ``method="thread"`` timeout is reported with every thread's stack
+  (``tests/_timeouts.py``), not only as a crashed worker.
 
 ``fsdp_cpu``: skips a test that trains FSDP2 on the CPU where this torch's gloo cannot average (torch 2.8).
 
@@ -42,7 +44,7 @@ import warnings
 import pytest
 from hypothesis import settings
 
-from tests import _global_state, _procs, _process_guard
+from tests import _global_state, _procs, _process_guard, _timeouts
 
 import robustdist  # noqa: E402
 
@@ -98,6 +100,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif "node_lab" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("multinode"))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    return _timeouts.set_timer(item, settings, os.environ.get(RUN_TMP_ENV))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    _timeouts.describe_crash(os.environ.get(RUN_TMP_ENV), crashitem, report)
 
 
 @pytest.hookimpl(wrapper=True)

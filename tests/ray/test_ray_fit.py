@@ -145,6 +145,7 @@ def _assert_all_released(ray, cleaners_before: set[str]) -> None:
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(600, method="thread")  # its own bounded waits add up to over 300 s on a loaded machine
 def test_a_running_fit_is_cancelled_and_the_next_fit_gets_the_cluster(ray_by_value, start_fit, tmp_path, caplog):
     ray = ray_by_value
     _wait_for(lambda: _free_cpus(ray) == CLUSTER_CPUS, 60, "the cluster's CPUs were busy before the test")
