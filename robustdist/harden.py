@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,14 +67,8 @@ from robustdist.frameworks import accelerate as _accelerate
 from robustdist.frameworks import fabric as _fabric
 from robustdist.frameworks import wrapped as _wrapped
 from robustdist.health.step_guard import Watchdog
-from robustdist.init.process_group import (
-    InitReport,
-    adopt_group,
-    destroy_process_group_if_owned,
-    safe_init_process_group,
-)
-from robustdist.parallel import fsdp
-from robustdist.parallel.ddp import wrap_ddp
+from robustdist.init.process_group import adopt_group, destroy_process_group_if_owned, safe_init_process_group
+from robustdist.parallel import strategy
 from robustdist.ray import group as _ray_group
 from robustdist.ray import train as _ray_train
 from robustdist.ray import tune as _tune
@@ -83,12 +76,10 @@ from robustdist.ray.runs import run_directory
 from robustdist.recovery import generations as _generations
 from robustdist.recovery import loop as _recovery
 from robustdist.recovery import joining as _joining
-from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
-from robustdist.runtime.errors import ConfigError
 from robustdist.runtime.group_sockets import GroupSockets
 from robustdist.runtime.log import get_logger
-from robustdist.runtime.topology import Topology, detect_topology
+from robustdist.runtime.topology import detect_topology
 
 __all__ = ["Hardened", "harden"]
 
@@ -140,7 +131,7 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
     """:func:`_build`'s work, once any join is done."""
     given_scaler = scaler
     topo = detect_topology()
-    framework = _refuse_wrapped(model, topo)
+    framework = _wrapped.refuse_rewrap(model, topo)
     if framework == "accelerate":
         _wrapped.refuse_fsdp_under_accelerate(config, topo)
     elif framework == "fabric":
@@ -151,7 +142,7 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
     recording = contextlib.ExitStack()
     sockets = recording.enter_context(GroupSockets().recording()) if config.recovery.in_process else None
     try:
-        report = _init(config, topo)
+        report = (adopt_group if _dist.is_up() else safe_init_process_group)(config, topology=topo)
     except BaseException:
         recording.close()
         raise
@@ -169,7 +160,8 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
                 scaler = (_accelerate.prepared_scaler(optimizer) if framework == "accelerate"
                           else _fabric.scaler_of(model))
         else:
-            wrapped = _wrap(model, config, topo, report, optimizer, shard_policy, init_weights)
+            wrapped = strategy.wrap(model, config, topo, distributed=report.distributed, rank=report.rank,
+                                    optimizer=optimizer, shard_policy=shard_policy, init_weights=init_weights)
         if loader is None or _wrapped.framework_loader(framework, loader):
             safe = loader
             if loader is not None and config.checkpoint.dir is not None:
@@ -225,70 +217,11 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
         rebuild = functools.partial(_build, model, loader, config, shard_policy=shard_policy,
                                     init_weights=init_weights, scaler=given_scaler)
         hardened.generations().record(sockets, rebuild)
-    for module in (model, wrapped):
-        _HARDENED[module] = weakref.ref(hardened)
+    _wrapped.hardened_holds(hardened, model, wrapped)
     if tune is not None:
         _tune.opened(hardened)
     log.info("hardened: %s", _describe(hardened))
     return hardened
-
-
-_HARDENED: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[Hardened]] = weakref.WeakKeyDictionary()
-"""Every model harden() was given or returned, to the Hardened that holds it (while both live)."""
-
-
-def _refuse_wrapped(model: Any, topo: Topology) -> str | None:
-    """A model robustdist hardened (and has not closed), or one another wrapper already wrapped, is refused before
-    anything starts: a second DDP, a second checkpointer and a second watchdog on one model train wrongly, not
-    loudly. Returns the framework harden composes with (:func:`robustdist.frameworks.wrapped.composes_with`)."""
-    rank = topo.rank if topo.is_distributed else None
-    inner = _torch_compat.compiled_inner(model)  # torch.compile(m) of a model harden holds is that model too
-    for candidate in (model, inner):
-        earlier = _HARDENED.get(candidate) if isinstance(candidate, nn.Module) else None
-        holder = earlier() if earlier is not None else None
-        if holder is None:
-            continue
-        if not holder.closed:
-            raise ConfigError(
-                f"harden() was given {type(model).__name__}, which an earlier harden() call hardened (the model it "
-                "was given or the one it returned) and is still open; expected the bare model, hardened once. Fix: "
-                "keep the first result (h.model, h.loader) and remove the second harden() call, or h.close() the "
-                "first before hardening the model again.", rank=rank)
-        if candidate is holder.model and _wrapped.foreign_wrapper(candidate) is not None \
-                and not _fabric.is_fabric_module(candidate):  # Fabric's wrapper is the model harden was given
-            raise ConfigError(
-                f"harden() was given the {type(candidate).__name__} a closed harden() call returned (its wrapper); "
-                "expected the bare model. Fix: pass robustdist.unwrap_model(h.model), or the model you first "
-                "gave harden().", rank=rank)
-    return _wrapped.composes_with(model, rank)
-
-
-def _init(config: HardenConfig, topo: Topology) -> InitReport:
-    if _dist.is_up():
-        return adopt_group(config, topology=topo)
-    return safe_init_process_group(config, topology=topo)
-
-
-def _wrap(model: nn.Module, config: HardenConfig, topo: Topology, report: InitReport,
-          optimizer: torch.optim.Optimizer | None, shard_policy: Any, init_weights: Any) -> nn.Module:
-    if config.distributed.strategy == "ddp":
-        if shard_policy is not None or init_weights is not None:  # refused the same way with or without a launcher
-            raise ConfigError("harden(shard_policy=..., init_weights=...) apply to FSDP, but distributed.strategy is "
-                              "'ddp'; expected strategy 'fsdp' with them. Fix: set distributed.strategy: fsdp, or "
-                              "drop those arguments.", rank=_dist.error_rank())
-        if not report.distributed and not _dist.is_up():
-            return model  # one process, no launcher: the model as it is
-        return wrap_ddp(model, config.distributed, device=topo.device)
-    if optimizer is not None and (report.distributed or any(p.is_meta for p in model.parameters())):
-        raise ConfigError(
-            "harden(..., optimizer=...) with distributed.strategy='fsdp': fully_shard replaces the model's parameters, "
-            "so an optimizer built before harden() would update tensors the model no longer uses; expected no "
-            "optimizer yet. Fix: h = harden(model, loader, cfg); "
-            "h.optimizer = torch.optim.AdamW(h.model.parameters()).",
-            rank=report.rank)
-    calibration = fsdp.fsdp_calibrate(topology=topo, strategy=config.fsdp.sharding) if _dist.is_up() else None
-    return fsdp.wrap_fsdp(model, config.fsdp, shard_policy=shard_policy, init_weights=init_weights, device=topo.device,
-                     sync_batchnorm=config.distributed.sync_batchnorm, calibration=calibration)
 
 
 def _describe(h: Hardened) -> str:

@@ -6,6 +6,7 @@ checkpoints do not hold."""
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 from torch import nn
@@ -19,8 +20,8 @@ from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import ConfigError
 from robustdist.runtime.topology import Topology
 
-__all__ = ["FRAMEWORK_LOADER_WARNING", "composes_with", "foreign_wrapper", "framework_loader",
-           "refuse_fsdp_under_accelerate"]
+__all__ = ["FRAMEWORK_LOADER_WARNING", "composes_with", "foreign_wrapper", "framework_loader", "hardened_holds",
+           "refuse_fsdp_under_accelerate", "refuse_rewrap"]
 
 
 FRAMEWORK_LOADER_WARNING = {
@@ -32,6 +33,42 @@ FRAMEWORK_LOADER_WARNING = {
               "resume. Give harden the plain DataLoader instead: harden shards it and h.resume continues it "
               "mid-epoch (docs/porting.md, Fabric)",
 }
+
+
+_HELD: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[Any]] = weakref.WeakKeyDictionary()
+"""Every model harden() was given or returned, to the ``Hardened`` that holds it (while both live)."""
+
+
+def hardened_holds(hardened: Any, *models: nn.Module) -> None:
+    """Record that ``hardened`` holds ``models`` (the one harden() was given, and the one it returned)."""
+    for module in models:
+        _HELD[module] = weakref.ref(hardened)
+
+
+def refuse_rewrap(model: Any, topo: Topology) -> str | None:
+    """A model robustdist hardened (and has not closed), or one another wrapper already wrapped, is refused before
+    anything starts: a second DDP, a second checkpointer and a second watchdog on one model train wrongly, not
+    loudly. Returns the framework harden composes with (:func:`composes_with`)."""
+    rank = topo.rank if topo.is_distributed else None
+    inner = _torch_compat.compiled_inner(model)  # torch.compile(m) of a model harden holds is that model too
+    for candidate in (model, inner):
+        earlier = _HELD.get(candidate) if isinstance(candidate, nn.Module) else None
+        holder = earlier() if earlier is not None else None
+        if holder is None:
+            continue
+        if not holder.closed:
+            raise ConfigError(
+                f"harden() was given {type(model).__name__}, which an earlier harden() call hardened (the model it "
+                "was given or the one it returned) and is still open; expected the bare model, hardened once. Fix: "
+                "keep the first result (h.model, h.loader) and remove the second harden() call, or h.close() the "
+                "first before hardening the model again.", rank=rank)
+        if candidate is holder.model and foreign_wrapper(candidate) is not None \
+                and not _fabric.is_fabric_module(candidate):  # Fabric's wrapper is the model harden was given
+            raise ConfigError(
+                f"harden() was given the {type(candidate).__name__} a closed harden() call returned (its wrapper); "
+                "expected the bare model. Fix: pass robustdist.unwrap_model(h.model), or the model you first "
+                "gave harden().", rank=rank)
+    return composes_with(model, rank)
 
 
 def framework_loader(framework: str | None, loader: Any) -> bool:

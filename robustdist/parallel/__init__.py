@@ -1,6 +1,7 @@
 """Wrapping a model for data parallelism: DDP, FSDP2, SyncBatchNorm, their state dicts, and consistency.
 
 :mod:`.ddp` (:func:`wrap_ddp`), :mod:`.fsdp` with :mod:`.fsdp_wrap` (:func:`fsdp_calibrate`, :func:`wrap_fsdp`),
+:mod:`.strategy` (the wrapper ``distributed.strategy`` names, as ``harden`` applies it),
 :mod:`.syncbn`, :mod:`.state_dict` (one state dict whatever the wrapper) and :mod:`.consistency` (are the ranks'
 parameters the same). Imports :mod:`robustdist.runtime` and :mod:`robustdist.config` only.
 """

@@ -315,7 +315,10 @@ def test_a_dead_rank_is_lost_by_node_and_a_stuck_live_rank_is_behind_on_every_su
     t0 = float(_read(out, "stopped2") or "nan")
     lost = f"lost rank 2 on {_node(1)}: no heartbeat for"
     for rank in (0, 1):
-        at, message = next((t, m) for t, m in _errors(out, rank) if lost in m)
+        errors = _errors(out, rank)
+        found = next(((t, m) for t, m in errors if lost in m), None)
+        assert found is not None, f"rank {rank} never named the dead rank ({lost!r}); its errors: {errors}"
+        at, message = found
         print(f"rank {rank} named the dead rank {at - t0:.1f} s after it died (hang_timeout {T:g} s)")
         assert at - t0 <= BOUND, f"rank {rank} named the dead rank {at - t0:.1f} s after it died"
         assert f"alive but behind: rank 1 last beat at step {STOP_STEP} (earlier in that step: beat #5 vs #6)" \
