@@ -37,8 +37,10 @@ FLOORS = {
     "robustdist.runtime.log": {"robustdist.runtime.errors", "robustdist.runtime.dist"},
     "robustdist.runtime.dist": {"robustdist.runtime.errors", "robustdist.runtime._torch_compat",
                                 "robustdist.runtime.store_barrier"},
-    # The coordination primitives: the store barrier and the deadline helper, on the standard library only.
-    "robustdist.runtime.store_barrier": set(),
+    # The coordination primitives: the store barrier, the deadline helper and the reader of stored values, on the
+    # standard library only.
+    "robustdist.runtime.store_barrier": {"robustdist.runtime.stored"},
+    "robustdist.runtime.stored": set(),
     "robustdist.runtime.deadline": set(),
     # The private-API fences: the record type, and the torch fence below the group state that uses it.
     "robustdist.runtime.private_api": set(),
@@ -289,8 +291,8 @@ def _calls(predicate: Any) -> list[str]:
 
 def test_the_coordination_primitives_each_exist_once():
     """One place makes a TCPStore (``runtime/job_store``), one polls a store for keys and one runs the arrival
-    rule (``runtime/store_barrier``), one runs a blocking call with a deadline on a thread (``runtime/deadline``):
-    every other part uses them."""
+    rule (``runtime/store_barrier``), one runs a blocking call with a deadline on a thread (``runtime/deadline``),
+    one parses JSON read back (``runtime/stored``): every other part uses them."""
     def named(node: ast.AST, name: str) -> bool:
         return isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == name
                                                 or getattr(node.func, "id", None) == name)
@@ -303,6 +305,17 @@ def test_the_coordination_primitives_each_exist_once():
 
     polls = [s for s in _calls(polls_a_store) if not s.startswith("robustdist/runtime/store_barrier.py")]
     assert not polls, f"store polls outside robustdist.runtime.store_barrier (use wait_for or barrier): {polls}"
+
+    # JSON read back (a store's values, the environment, checkpoint manifests and records) is input: parsed only
+    # by runtime.stored.json_value. Left: JSON robustdist made itself in the same process or its own child.
+    own = ("robustdist/runtime/stored.py",
+           "robustdist/runtime/versions.py",  # the package's own data file
+           "robustdist/checkpoint/_payload.py",  # the round trip that proves metadata is plain JSON
+           "robustdist/doctor.py",  # the line its own probe subprocess prints
+           "robustdist/recovery/spare.py")  # the orders of the agent that started it, on its own pipe
+    parses = [s for s in _calls(lambda n: isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "loads"
+                                and getattr(n.func.value, "id", None) == "json") if not s.startswith(own)]
+    assert not parses, f"json.loads outside robustdist.runtime.stored (use json_value, bounded): {parses}"
 
 
 def test_only_the_facade_touches_a_hardened_object_s_private_state():

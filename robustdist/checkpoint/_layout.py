@@ -16,7 +16,6 @@ checked first) and every manifest is validated by :mod:`._schema` before use.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import zlib
@@ -36,6 +35,7 @@ from robustdist.checkpoint._schema import (
     rank_file,
 )
 from robustdist.runtime.errors import CheckpointCorruptError
+from robustdist.runtime.stored import Unreadable, json_value
 
 __all__ = ["DCP_METADATA", "FORMAT_VERSION", "MANIFEST", "REPLICATED", "SHARDED_DIR", "committed_steps",
            "files_for_rank", "identity", "rank_file", "read_manifest", "staging_dir", "step_dirname", "step_dirs",
@@ -106,11 +106,10 @@ def identity(step_dir: str) -> tuple[Any, ...] | None:
 def read_manifest(step_dir: str, step: int | None = None) -> dict[str, Any]:
     """Read and validate ``<step_dir>/manifest.json`` (bounded, confined); CheckpointCorruptError otherwise."""
     path = os.path.join(step_dir, MANIFEST)
-    data = read_in(step_dir, MANIFEST, max_size=MAX_MANIFEST_BYTES)
     try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CheckpointCorruptError(f"{path}: unreadable ({str(e)[:200]})") from None
+        manifest = json_value(read_in(step_dir, MANIFEST, max_size=MAX_MANIFEST_BYTES), MAX_MANIFEST_BYTES)
+    except Unreadable as e:
+        raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
     return check_manifest(path, manifest, step=step)
 
 

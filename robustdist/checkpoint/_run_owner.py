@@ -25,6 +25,7 @@ from robustdist.checkpoint._layout import committed_steps
 from robustdist.runtime.dist import Collectives
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.stored import Unreadable, json_value
 
 __all__ = ["RUN_RECORD", "RunIdentity", "claim"]
 
@@ -117,8 +118,8 @@ def _read(directory: str) -> dict[str, Any] | None:
             raw = folder.read(RUN_RECORD, max_size=_MAX_BYTES)
         if raw is None:
             return None
-        record = json.loads(raw.decode("utf-8"))
-    except (CheckpointCorruptError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        record = json_value(raw, _MAX_BYTES)
+    except (CheckpointCorruptError, Unreadable) as e:
         raise CheckpointError(_malformed(path, f"{type(e).__name__}: {str(e)[:200]}")) from None
     if not isinstance(record, dict) or record.get("format") != 1:
         raise CheckpointError(_malformed(path, "not a format-1 run record"))

@@ -47,6 +47,7 @@ from robustdist.runtime import dist as _dist
 from robustdist.runtime.dist import Collectives
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.stored import Unreadable, json_value
 
 __all__ = ["MANIFEST", "committed_states", "in_charge", "is_prepared_loader", "load_state", "prepared_scaler",
            "save_state"]
@@ -381,9 +382,9 @@ def _verify(folder: str, step: int, rank: int, world: int) -> None:
     """Raise CheckpointCorruptError when ``folder`` is not the complete checkpoint its manifest describes; this
     rank checks the contents of every ``world``-th file."""
     try:
-        manifest = json.loads(read_in(folder, MANIFEST, max_size=_MAX_MANIFEST))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"{folder}/{MANIFEST}: not JSON ({str(e)[:120]})") from None
+        manifest = json_value(read_in(folder, MANIFEST, max_size=_MAX_MANIFEST), _MAX_MANIFEST)
+    except Unreadable as e:
+        raise CheckpointCorruptError(f"{folder}/{MANIFEST}: {e}") from None
     entries = manifest.get("files") if isinstance(manifest, dict) else None
     if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("step") != step
             or not isinstance(entries, dict) or len(entries) > _MAX_FILES):

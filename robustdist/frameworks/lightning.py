@@ -52,6 +52,7 @@ from robustdist.checkpoint._schema import weights_only_reason
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, ConfigError, NonFiniteLossError
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.stored import Unreadable, json_value
 
 __all__ = ["RECORD_SUFFIX", "callback", "checkpoint_io"]
 
@@ -374,10 +375,10 @@ def _record(folder: str, name: str) -> dict[str, Any] | None:
     if not os.path.lexists(os.path.join(folder, record_name)):
         return None
     try:
-        record = json.loads(read_in(folder, record_name, max_size=_MAX_RECORD))
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested deeper than json can parse
+        record = json_value(read_in(folder, record_name, max_size=_MAX_RECORD), _MAX_RECORD)
+    except Unreadable as e:
         raise CheckpointCorruptError(f"{os.path.join(folder, record_name)}: not a JSON record robustdist wrote "
-                                     "(malformed, or nested beyond any record's depth)") from None
+                                     f"({e})") from None
     if (not isinstance(record, dict) or record.get("format") != "robustdist-lightning/1"
             or not isinstance(record.get("size"), int) or isinstance(record.get("size"), bool)
             or not isinstance(record.get("crc32"), str) or not re.fullmatch(r"[0-9a-f]{8}", record["crc32"])):

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from robustdist.checkpoint._confined import Confined
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError, RestartLoopError
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.stored import Unreadable, json_value
 
 if TYPE_CHECKING:
     from robustdist.checkpoint import AtomicCheckpointer, CheckpointInfo
@@ -69,8 +70,8 @@ def _read(directory: str) -> dict[str, Any] | None:
             raw = folder.read(RECORD, max_size=MAX_RECORD_BYTES)
         if raw is None:
             return None
-        record = json.loads(raw.decode("utf-8"))
-    except (CheckpointCorruptError, ValueError, RecursionError) as e:
+        record = json_value(raw, MAX_RECORD_BYTES)
+    except (CheckpointCorruptError, Unreadable) as e:
         log.warning("the restart record %s is unreadable (%s); starting a new one", os.path.join(directory, RECORD),
                     str(e)[:200])
         return None

@@ -42,11 +42,13 @@ from robustdist.runtime import job_store
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import ranks_phrase
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.stored import Unreadable, json_value
 
 log = get_logger("robustdist.health")
 
 STALE_INTERVALS = 3  # a record older than this many heartbeat intervals is lost
 _POLL = 0.2  # seconds between reads while waiting for live ranks' hang records
+MAX_RECORD_BYTES = 1 << 16  # a heartbeat record is a few hundred bytes
 
 
 def heartbeat_interval(hang_timeout: float) -> float:
@@ -158,8 +160,8 @@ def parse_record(raw: Any) -> dict[str, Any] | None:
     """A heartbeat record from the store, or None when it is not one (the store is the job's own, but a
     record is checked field by field before any of it is used)."""
     try:
-        rec = json.loads(raw)
-    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
+        rec = json_value(raw, MAX_RECORD_BYTES)
+    except Unreadable:
         return None
     if not isinstance(rec, dict):
         return None

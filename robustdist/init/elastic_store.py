@@ -57,7 +57,14 @@ from robustdist.runtime import _torch_compat
 from robustdist.runtime import job_store
 from robustdist.runtime.errors import InitError
 from robustdist.runtime.log import get_logger
-from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, ATTEMPT_TOKEN_KEY, RUN_ENV, attempt_store_info, job_of
+from robustdist.runtime.replacing import (
+    ATTEMPT_STORE_ENV,
+    ATTEMPT_TOKEN_KEY,
+    RUN_ENV,
+    attempt_store_info,
+    job_of,
+    published_store,
+)
 
 log = get_logger(__name__)
 _KEY = "robustdist/attempt_store"
@@ -168,24 +175,35 @@ def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: f
     while time.monotonic() < deadline:
         try:
             agent.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
-            info = json.loads(agent.get(key))
-            host, fresh_port = str(info["addr"]), int(info["port"])
-            # a previous attempt's dead server refuses at once: then read the published address again
-            store, _, detail = _rendezvous.try_connect(host, fresh_port, world_size,
-                                                       min(deadline, time.monotonic() + _CONNECT_S), retry_refused=False)
-            if store is None:
-                last_error = f"{host}:{fresh_port}: {detail}"
-            elif store.check([_TOKEN]) and store.get(_TOKEN).decode() == info["token"]:
-                store.set_timeout(timedelta(seconds=timeout_s))
-                return store
+            info = published_store(agent.get(key))  # input: a garbled one is read again, and named at the deadline
+            if info is None:
+                last_error = (f"the address published under {key!r} is not the JSON rank 0 writes there (another "
+                              "job on this port, or a garbled value)")
             else:
-                last_error = f"{host}:{fresh_port} is a different store (a reused port)"
-        except (RuntimeError, OSError, ValueError, KeyError, TypeError) as e:  # DistError is a RuntimeError
+                store, last_error = _published_attempt_store(info, world_size, deadline, timeout_s)
+                if store is not None:
+                    return store
+        except (RuntimeError, OSError, ValueError) as e:  # DistError is a RuntimeError; ValueError: a token not UTF-8
             last_error = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         time.sleep(0.2)
     raise InitError(f"could not reach rank 0's store for this torchrun attempt within {timeout_s:g} s (last: "
                     f"{last_error}); expected rank 0 to publish it in the agent store at {addr}:{port}. Fix: check "
                     "rank 0's log for an earlier failure, or raise distributed.init_timeout.", rank=rank)
+
+
+def _published_attempt_store(info: dict[str, Any], world_size: int, deadline: float,
+                              timeout_s: float) -> tuple[Any, str]:
+    """(the attempt's store at the address rank 0 published, "") or (None, why not: the address is read again)."""
+    host, port = info["addr"], info["port"]
+    # a previous attempt's dead server refuses at once
+    store, _, detail = _rendezvous.try_connect(host, port, world_size, min(deadline, time.monotonic() + _CONNECT_S),
+                                               retry_refused=False)
+    if store is None:
+        return None, f"{host}:{port}: {detail}"
+    if store.check([_TOKEN]) and store.get(_TOKEN).decode() == info["token"]:
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store, ""
+    return None, f"{host}:{port} is a different store (a reused port)"
 
 
 def served_by_agent(rank: int) -> dict[str, Any] | None:

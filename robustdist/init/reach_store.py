@@ -7,11 +7,11 @@ key, what was expected, and the fix.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
 from robustdist.runtime.errors import InitError
+from robustdist.runtime.stored import Unreadable, json_value
 
 __all__ = ["count", "descriptions", "failures_of", "items", "member_ranks", "rep_ranks", "stored"]
 
@@ -68,13 +68,13 @@ class _Unlike(ValueError):
 def stored(key: str, raw: bytes, check: Callable[[Any], Any]) -> Any:
     """``check(the JSON in raw)``, or the InitError naming ``key``."""
     try:
-        if len(raw) > _MAX_VALUE:
-            raise _Unlike(f"at most {_MAX_VALUE} bytes of JSON")
-        return check(json.loads(raw))
+        value = json_value(raw, _MAX_VALUE)
+    except Unreadable as e:
+        raise _hostile(key, raw, f"JSON of at most {_MAX_VALUE} bytes ({e})") from None
+    try:
+        return check(value)
     except _Unlike as e:
         raise _hostile(key, raw, str(e)) from None
-    except (ValueError, TypeError, RecursionError) as e:  # not JSON (UnicodeDecodeError is a ValueError)
-        raise _hostile(key, raw, f"JSON ({type(e).__name__})") from None
 
 
 def _need(ok: bool, what: str) -> None:

@@ -40,6 +40,7 @@ from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import InitError, ranks_phrase
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.store_barrier import wait_for
+from robustdist.runtime.stored import Unreadable, json_value
 from robustdist.runtime.topology import Topology
 
 __all__ = ["prepare", "release", "taken"]
@@ -81,8 +82,8 @@ def prepare(config: Any, topo: Topology, *, framework: str | None = None) -> Top
 def _endpoint(raw: bytes) -> tuple[str, int] | None:
     """The ``[host, port]`` rank 0 published, or None for anything else."""
     try:
-        got = json.loads(raw) if len(raw) <= 1024 else None
-    except (ValueError, RecursionError):
+        got = json_value(raw, 1024)
+    except Unreadable:
         return None
     if isinstance(got, list) and len(got) == 2 and isinstance(got[0], str) and 0 < len(got[0]) <= 255 \
             and type(got[1]) is int and 0 < got[1] < 65536:

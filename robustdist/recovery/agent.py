@@ -50,6 +50,7 @@ from robustdist.recovery.deaths import DeathWatch
 from robustdist.recovery.forked import Channel, ForkedWorker, NoAnswer, readable
 from robustdist.runtime import _elastic_compat
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info, job_of
+from robustdist.runtime.stored import json_value
 
 __all__ = ["SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
 
@@ -276,16 +277,19 @@ class Replacer:
             self._client = None
             return False
 
-    def _published_generation(self, group: Any) -> int | None:
-        """The in-process generation rank 0's published state names (None: none, or unreadable)."""
+    def _published_state(self, group: Any) -> dict[str, Any]:
+        """The state rank 0 published for replacements (empty: none, or unreadable)."""
         try:
-            raw = self._store(group).get(STATE_KEY)
-            state = json.loads(raw) if len(raw) <= 8192 else None
+            state = json_value(self._store(group).get(STATE_KEY), 8192)
         except SignalException:
             raise
-        except Exception:  # no state, or not JSON
-            return None
-        generation = state.get("generation") if isinstance(state, dict) else None
+        except Exception:  # no state (the get times out or fails), or not JSON
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def _published_generation(self, group: Any) -> int | None:
+        """The in-process generation rank 0's published state names (None: none, or unreadable)."""
+        generation = self._published_state(group).get("generation")
         return generation if type(generation) is int and generation >= 0 else None
 
     def _still_joining(self, group: Any) -> set[int]:
@@ -301,15 +305,9 @@ class Replacer:
     def _outlives_rank0(self, group: Any) -> bool:
         """Whether rank 0's published state says its generations live in the store this agent serves (not in one
         its own process served, as with ``init_method`` ``tcp://``)."""
-        try:
-            raw = self._store(group).get(STATE_KEY)
-            state = json.loads(raw[:8192]) if len(raw) <= 8192 else None
-        except SignalException:
-            raise
-        except Exception:  # no state, or not JSON: not replaced alone
-            return False
+        state = self._published_state(group)
         served = attempt_store_info(os.environ.get(ATTEMPT_STORE_ENV, ""))
-        return (isinstance(state, dict) and state.get("outlives_rank0") is True and served is not None
+        return (state.get("outlives_rank0") is True and served is not None
                 and (state.get("host"), state.get("port")) == (served["addr"], served["port"]))
 
     def _tend_spare(self, agent: Any, group: Any) -> None:

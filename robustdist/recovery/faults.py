@@ -47,6 +47,7 @@ from robustdist.runtime import _torch_compat
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 from robustdist.runtime.store_barrier import wait_for
+from robustdist.runtime.stored import Unreadable, json_value
 
 __all__ = ["Fault", "FaultWatch", "agree", "clear_generation", "decide", "declare_fault", "declare_found",
            "read_fault", "wake_all"]
@@ -130,12 +131,10 @@ def wake_all(store: Any, *, generation: int, world_size: int, scope: str = SCOPE
 
 
 def _reason(raw: bytes) -> dict[str, Any]:
-    if len(raw) > _READ_MAX:
-        return {"what": f"(unreadable reason: {len(raw)} bytes)"}
     try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        return {"what": f"(unreadable reason: {type(e).__name__})"}
+        value = json_value(raw, _READ_MAX)
+    except Unreadable as e:
+        return {"what": f"(unreadable reason: {e})"}
     if not isinstance(value, dict):
         return {"what": f"(unreadable reason: a JSON {type(value).__name__}, expected an object)"}
     return value

@@ -46,6 +46,7 @@ from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 from robustdist.runtime.replacing import REPLACES_ENV, RUN_ENV, STATE_KEY, job_of
 from robustdist.runtime.store_barrier import wait_for
+from robustdist.runtime.stored import Unreadable, json_value
 
 __all__ = ["COUNTERS", "counters", "join", "publish", "withdraw"]
 
@@ -135,12 +136,10 @@ def _state(raw: bytes, world: int, rank: int) -> dict[str, Any]:
                              "JSON rank 0 publishes. This replacement cannot join, so the launcher's restart takes over."
                              " Fix: nothing else may write that key (another job on the same rendezvous endpoint?).",
                              rank=rank)
-    if len(raw) > _MAX_STATE:
-        raise bad(f"{len(raw)} bytes")
     try:
-        state = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"not JSON ({type(e).__name__})") from None
+        state = json_value(raw, _MAX_STATE)
+    except Unreadable as e:
+        raise bad(str(e)) from None
     if not isinstance(state, dict):
         raise bad(f"a JSON {type(state).__name__}")
     scope, gen, counts = state.get("scope"), state.get("generation"), state.get("counters")
@@ -169,8 +168,8 @@ def _replaces(rank: int) -> dict[str, Any] | None:
     if raw is None or os.environ.get(RUN_ENV) != "1":
         return None
     try:
-        info = json.loads(raw) if len(raw) <= 65536 else None  # the run id (--rdzv-id) may be long
-    except (ValueError, RecursionError):
+        info = json_value(raw, 65536)  # the run id (--rdzv-id) may be long
+    except Unreadable:
         info = None
     if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in ("master", "run")):
         info = None

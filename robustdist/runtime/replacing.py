@@ -1,17 +1,18 @@
 """What ``robustdist run``'s agent and its workers say to each other: environment variables and one key
-in the agent's store. The standard library only: both sides import it (the launcher and :mod:`robustdist.recovery`
+in the agent's store. The standard library (and :mod:`.stored`) only: both sides import it (the launcher and :mod:`robustdist.recovery`
 are peers)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ATTEMPT_STORE_ENV", "ATTEMPT_STORE_KEY", "ATTEMPT_TOKEN_KEY", "attempt_store_info", "REPLACES_ENV", "RUN_ENV",
-           "STATE_KEY", "job_of"]
+from robustdist.runtime.stored import Unreadable, json_value
+
+__all__ = ["ATTEMPT_STORE_ENV", "ATTEMPT_STORE_KEY", "ATTEMPT_TOKEN_KEY", "REPLACES_ENV", "RUN_ENV", "STATE_KEY",
+           "attempt_store_info", "job_of", "published_store"]
 
 RUN_ENV = "ROBUSTDIST_RUN"
 """Set to ``"1"`` by ``robustdist run`` for its workers: rank 0 then publishes its in-process recovery state."""
@@ -46,20 +47,26 @@ _ADDR_RE = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,253}")  # a host name (underscore
 _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
 
-def attempt_store_info(raw: str) -> dict[str, Any] | None:
-    """``{"addr", "port", "token", "master", "run"}`` from :data:`ATTEMPT_STORE_ENV`'s value, or None when it is anything else (it is
-    input: both the agents, which pass it on, and the workers, which connect to it, check it)."""
-    if len(raw) > 1024:
-        return None
+def published_store(raw: str | bytes, *, job: bool = False) -> dict[str, Any] | None:
+    """``{"addr", "port", "token"}`` of a store's published address (with ``job``, also the ``master`` and ``run``
+    it was published for), or None when ``raw`` is anything else: it is input, read back from a store or the
+    environment."""
     try:
-        info = json.loads(raw)
-    except (ValueError, RecursionError):
+        info = json_value(raw, 1024)
+    except Unreadable:
         return None
+    keys = ("addr", "port", "token", "master", "run") if job else ("addr", "port", "token")
     ok = (isinstance(info, dict) and isinstance(info.get("addr"), str) and _ADDR_RE.fullmatch(info["addr"]) is not None
-          and isinstance(info.get("port"), int) and not isinstance(info["port"], bool) and 0 < info["port"] < 65536
+          and type(info.get("port")) is int and 0 < info["port"] < 65536
           and isinstance(info.get("token"), str) and _TOKEN_RE.fullmatch(info["token"]) is not None
-          and all(isinstance(info.get(k), str) and len(info[k]) <= 300 for k in ("master", "run")))
-    return {k: info[k] for k in ("addr", "port", "token", "master", "run")} if ok else None
+          and all(isinstance(info.get(k), str) and len(info[k]) <= 300 for k in keys[3:]))
+    return {k: info[k] for k in keys} if ok else None
+
+
+def attempt_store_info(raw: str) -> dict[str, Any] | None:
+    """``{"addr", "port", "token", "master", "run"}`` from :data:`ATTEMPT_STORE_ENV`'s value, or None when it is
+    anything else (both the agents, which pass it on, and the workers, which connect to it, check it)."""
+    return published_store(raw, job=True)
 
 
 def job_of(environ: Mapping[str, str] | None = None) -> tuple[str, str]:

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from robustdist.runtime.stored import Unreadable, json_value
+
 __all__ = ["Absent", "absent_ranks", "barrier", "wait_for"]
 
 
@@ -84,9 +86,9 @@ def absent_ranks(raw: bytes, world: int) -> tuple[int, ...] | None:
     """The ranks a barrier's mark lists: a JSON list of distinct ranks of ``world``, at most as long as such a
     list can be; None for anything else (the store is input)."""
     try:
-        found = json.loads(raw) if len(raw) <= 12 * world + 16 else None
-    except (ValueError, RecursionError):
-        found = None
+        found = json_value(raw, 12 * world + 16)
+    except Unreadable:
+        return None
     if not (isinstance(found, list) and all(type(r) is int and 0 <= r < world for r in found)
             and len(set(found)) == len(found)):
         return None

@@ -23,7 +23,8 @@ ALLOWED_OUTSIDE = ("robustdist.runtime.dist", "robustdist.runtime.errors", "robu
                    "robustdist._version", "robustdist.parallel.state_dict", "robustdist.runtime.node",
                    "robustdist.runtime._torch_compat",  # the private-torch fence (DCP internals, state-dict metadata)
                    "robustdist.runtime.exit_drain",  # at exit, let the gloo workers of the groups it makes finish
-                   "robustdist.runtime.store_barrier", "robustdist.runtime.deadline")  # the coordination primitives
+                   "robustdist.runtime.store_barrier", "robustdist.runtime.deadline",  # the coordination primitives
+                   "robustdist.runtime.stored")  # the one reader of JSON read back (manifests, records)
 # TrainState (what a run checkpoints) stands on top of the checkpointer: it also holds the loader's position.
 TRAIN_STATE = f"{PACKAGE}.train_state"
 ALLOWED_TO_TRAIN_STATE = ("robustdist.data.dataloader",)

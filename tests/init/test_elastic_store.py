@@ -57,6 +57,26 @@ def test_rank_zero_never_publishing_is_a_bounded_init_error():
         _elastic_store.attempt_store("127.0.0.1", port, 1, 2, 2)
 
 
+@pytest.mark.parametrize("published", [
+    b"[" * 100_000,  # nesting too deep to parse
+    b"\xff\xfe not UTF-8",
+    json.dumps({"addr": "127.0.0.1", "port": 10**30, "token": "0" * 32}).encode(),
+    json.dumps({"addr": "127.0.0.1; rm -rf /", "port": 1, "token": "0" * 32}).encode(),
+    json.dumps({"addr": "127.0.0.1", "port": True, "token": "0" * 32}).encode(),
+    json.dumps(["127.0.0.1", 1]).encode(),
+])
+def test_a_garbled_published_address_is_refused_and_named_at_the_deadline(published):
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=5),
+                          wait_for_workers=False)
+    agent.set(_elastic_store._KEY, published)
+    with pytest.raises(InitError) as caught:
+        _elastic_store.attempt_store("127.0.0.1", port, 1, 2, 4)  # 4 s: a loaded machine first reads it late
+    assert f"the address published under {_elastic_store._KEY!r} is not the JSON rank 0 writes there (another job " \
+           "on this port, or a garbled value)" in str(caught.value)
+    assert "could not reach rank 0's store for this torchrun attempt within 4 s" in str(caught.value)
+
+
 def test_a_second_group_in_one_process_waits_for_its_own_store_not_the_kept_one():
     """A process that makes a second group (a re-init) while a kept model still holds the first one's store
     open: rank 1 must not take the first round's record, whose store still answers with the right token."""

@@ -153,7 +153,8 @@ def test_the_spare_warms_at_idle_priority_and_the_worker_it_becomes_does_not(tmp
     if not spare.idle_possible():
         pytest.skip("this process cannot return from SCHED_IDLE (no CAP_SYS_NICE): the next tests cover it")
     said, seen, worker = _run(tmp_path, forking=forking)
-    assert said == spare.READY_IDLE
+    # READY_LATE: it began at idle priority and, the host busy past IDLE_PATIENCE_S, finished at the workers'
+    assert said in (spare.READY_IDLE, spare.READY_LATE), said
     assert SCHED_IDLE in seen, f"no thread of the spare was seen at SCHED_IDLE while it warmed: {seen}"
     if AUTOGROUP.exists():
         assert 119 in seen, f"the spare's autogroup was not seen at nice 19 while it warmed: {seen}"

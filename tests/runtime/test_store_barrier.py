@@ -121,10 +121,11 @@ def test_the_interrupt_ends_the_wait_with_its_own_error(store):
         if len(calls) == 3:
             raise Stop("recovering")
 
+    client = _client(store)
     start = time.monotonic()
     with pytest.raises(Stop):
-        barrier(_client(store), "b/7", 0, 2, time.monotonic() + 30, interrupt=interrupt)
-    assert time.monotonic() - start < 5
+        barrier(client, "b/7", 0, 2, time.monotonic() + 30, interrupt=interrupt)
+    assert len(calls) == 3 and time.monotonic() - start < 20  # long before the deadline, on a loaded machine too
 
 
 def test_the_rank_that_gives_up_lingers_so_the_others_read_why(store):

@@ -43,6 +43,7 @@ from robustdist.checkpoint._schema import KINDS, MAX_STEP, is_int
 from robustdist.checkpoint.local import memory, sums
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 from robustdist.runtime.log import get_logger
+from robustdist.runtime.stored import Unreadable, json_value
 
 __all__ = ["PAYLOAD", "REPLICATED", "Holding", "bind", "unbind", "check_root", "commit_copy", "make_root", "open_root",
            "check_dense", "check_room", "expected_sum", "read_verified", "remove_copy", "remove_root", "remove_stale", "rotate", "rotate_all", "scan", "siblings", "step_path",
@@ -355,8 +356,8 @@ def scan(root: str) -> tuple[list[Holding], list[str]]:
                     continue
                 try:
                     raw = read_in(root, f"{owner_name}/{role}/{name}/{META}", max_size=MAX_META_BYTES)
-                    meta = _check_meta(path, json.loads(raw.decode("utf-8")), owner, step)
-                except (CheckpointCorruptError, ValueError, RecursionError) as e:
+                    meta = _check_meta(path, json_value(raw, MAX_META_BYTES), owner, step)
+                except (CheckpointCorruptError, Unreadable) as e:
                     skipped.append(f"{path}: {str(e)[:300]}")
                     continue
                 found.append(Holding(owner=owner, role=role, step=step, path=path, world_size=meta["world_size"],
