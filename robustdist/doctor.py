@@ -359,6 +359,7 @@ def _run_distributed(findings: list[Finding], topo: Any, *, as_json: bool, timeo
     import torch.distributed as dist
 
     from robustdist.init.process_group import destroy_process_group_if_owned, safe_init_process_group
+    from robustdist.runtime import dist as _dist
     from robustdist.runtime.errors import RobustDistError
 
     try:
@@ -372,8 +373,7 @@ def _run_distributed(findings: list[Finding], topo: Any, *, as_json: bool, timeo
         timings = ", ".join(f"{k} {v:.3f}s" for k, v in report.timings.items())
         findings.append(Finding("init", "ok", f"backend {report.backend}, world {report.world_size}: {timings}"))
         findings += [Finding("agreement", "warn", w, "see the cross-rank table") for w in report.warnings]
-        everyone: list[Any] = [None] * report.world_size
-        dist.all_gather_object(everyone, [asdict(f) for f in findings], group=report.side_group)
+        everyone = _dist.gather_objects([asdict(f) for f in findings], report.side_group)
         flag = torch.tensor([float(any(f.level == "error" for f in findings))])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=report.side_group)
         code = int(flag.item())

@@ -292,7 +292,8 @@ def _calls(predicate: Any) -> list[str]:
 def test_the_coordination_primitives_each_exist_once():
     """One place makes a TCPStore (``runtime/job_store``), one polls a store for keys and one runs the arrival
     rule (``runtime/store_barrier``), one runs a blocking call with a deadline on a thread (``runtime/deadline``),
-    one parses JSON read back (``runtime/stored``): every other part uses them."""
+    one gathers every rank's object over a group (``runtime/dist.gather_objects``), one parses JSON read back
+    (``runtime/stored``): every other part uses them."""
     def named(node: ast.AST, name: str) -> bool:
         return isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == name
                                                 or getattr(node.func, "id", None) == name)
@@ -305,6 +306,10 @@ def test_the_coordination_primitives_each_exist_once():
 
     polls = [s for s in _calls(polls_a_store) if not s.startswith("robustdist/runtime/store_barrier.py")]
     assert not polls, f"store polls outside robustdist.runtime.store_barrier (use wait_for or barrier): {polls}"
+
+    gathers = [s for s in _calls(lambda n: named(n, "all_gather_object"))
+               if not s.startswith("robustdist/runtime/dist.py")]
+    assert not gathers, f"all_gather_object outside robustdist.runtime.dist (use gather_objects): {gathers}"
 
     # JSON read back (a store's values, the environment, checkpoint manifests and records) is input: parsed only
     # by runtime.stored.json_value. Left: JSON robustdist made itself in the same process or its own child.

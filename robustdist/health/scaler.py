@@ -98,8 +98,7 @@ def agree_scaled(guard: Guard, loss: Any, scaler: Any) -> Verdict:
         if grads_ok:  # no rank's loss was non-finite: it would have reached every gradient
             return not loss_finite, False, None, False, None
         # every rank sees the same non-finite gradients (DDP averaged them): all look at the losses together
-        rows: list[Any] = [None] * guard.world_size
-        dist.all_gather_object(rows, (loss_value(loss), scale_value(scaler) < MIN_SCALE), group=guard.group)
+        rows = _dist.gather_objects((loss_value(loss), scale_value(scaler) < MIN_SCALE), guard.group)
         values = [row[0] for row in rows]
         named = tuple(r for r, v in enumerate(values) if not finite_number(v))
         verdict: bool | str = False if named else ("exhausted" if any(row[1] for row in rows) else True)

@@ -269,10 +269,7 @@ class StepGuard:
         or none, since they decide an overflow differently (one gather, at the first call only)."""
         active = scaler is not None
         if self._scaler_agreed is None:
-            flags = [active]
-            if self.distributed:
-                flags = [None] * self.world_size
-                dist.all_gather_object(flags, active, group=self.group)
+            flags = _dist.gather_objects(active, self.group) if self.distributed else [active]
             if len(set(flags)) > 1:
                 mine = [r for r, f in enumerate(flags) if f]
                 raise ConfigError(f"the step guard was given an enabled GradScaler on {ranks_phrase(mine)} but not "
@@ -317,8 +314,7 @@ class StepGuard:
         """Every rank's loss value, gathered only on the rare bad path (every rank is on it: they agreed)."""
         if not self.distributed:
             return ((0,) if local_bad else ()), [loss_value(loss)]
-        values: list[Any] = [None] * self.world_size
-        dist.all_gather_object(values, loss_value(loss), group=self.group)
+        values = _dist.gather_objects(loss_value(loss), self.group)
         named = tuple(r for r, v in enumerate(values) if not finite_number(v))
         return (ranks if ranks is not None and not named else named), values
 

@@ -253,10 +253,9 @@ def smoke_test(backend: str) -> float:
 def agree(config_fingerprint: str, backend: str, device: torch.device, *,
           group: Any = None) -> tuple[list[dict[str, Any]], list[str]]:
     """Gather every rank's fingerprint and check them; raise the same InitError on every rank on a mismatch."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     mine = local_fingerprint(rank=rank, backend=backend, device=device, config_fingerprint=config_fingerprint)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = _dist.gather_objects(mine, group)
     errors, warnings = check_agreement(gathered)
     if errors:
         named = sorted(set().union(*(ranks for _, ranks in errors)))

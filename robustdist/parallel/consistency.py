@@ -95,9 +95,7 @@ def check_consistency(model: nn.Module, *, include: Iterable[str] = ASPECTS, gro
     if not _dist.is_multi(group):
         return ConsistencyReport(tensors=len(mine), world_size=1, seconds=time.perf_counter() - start)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    problems = _differences(everyone, "keys" in include)
+    problems = _differences(_dist.gather_objects(mine, group), "keys" in include)
     if problems:
         named = sorted({r for _, ranks in problems for r in ranks})
         shown = "\n  ".join(msg for msg, _ in problems[:SHOWN])

@@ -134,8 +134,8 @@ def fsdp_calibrate(*, topology: Topology | None = None, strategy: str = "auto", 
             "after the launcher sets it, and create the group with the launcher's ranks.", rank=rank)
     topo = topology or detect_topology()
     visible = _visible_gpus(visible_devices)
-    nodes = _gather_nodes((hostname or socket.gethostname(), topo.local_world_size, [str(v) for v in visible]),
-                          group, world)
+    nodes = _dist.gather_objects((hostname or socket.gethostname(), topo.local_world_size,
+                                  [str(v) for v in visible]), group)
     num_nodes, local_world = _check_nodes([(h, lws) for h, lws, _ in nodes], world, rank)
     _check_gpus_per_process(nodes, visible, local_world, rank)
     notes: list[str] = []
@@ -160,12 +160,6 @@ def _check_no_group(topo: Topology) -> None:
                 f"the group of {world} ranks to exist first, or FSDP is calibrated for a 1-rank world and fails "
                 "later (an IndexError in device_mesh). Fix: call robustdist.safe_init_process_group() (or harden(), "
                 "which creates it) before fsdp_calibrate() and wrap_fsdp().", rank=topo.rank)
-
-
-def _gather_nodes(mine: tuple[str, int, list[str]], group: Any, world: int) -> list[tuple[str, int, list[str]]]:
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    return everyone
 
 
 def _check_nodes(nodes: list[tuple[str, int]], world: int, rank: int) -> tuple[int, int]:

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from robustdist.runtime import _torch_compat
@@ -225,11 +224,7 @@ def _uninitialised(model: nn.Module, marks: dict[str, tuple[torch.Tensor, int | 
                 continue  # removed or re-created by the init
             if bool(torch.isnan(_local(t)).any()) if version is None else _torch_compat.tensor_version(t) == version:
                 mine.append(name)
-    if not _dist.is_multi():
-        return mine
-    everyone: list[Any] = [None] * _dist.world_size()
-    dist.all_gather_object(everyone, mine)
-    found = set().union(*everyone)
+    found = set().union(*_dist.gather_objects(mine))
     return [n for n in marks if n in found]
 
 

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from robustdist.runtime import store_barrier
 from robustdist.runtime.errors import RobustDistError, ranks_phrase
 
-__all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "error_rank", "interrupt_waits",
+__all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "error_rank", "gather_objects",
+           "interrupt_waits",
            "interrupted", "interrupted_at", "is_multi", "is_up", "rank", "resume_waits", "uncuttable", "world_size"]
 
 T = TypeVar("T")
@@ -62,6 +63,17 @@ def world_size(group: Any = None) -> int:
 def is_multi(group: Any = None) -> bool:
     """A group is up and has more than one rank."""
     return is_up() and dist.get_world_size(group) > 1
+
+
+def gather_objects(obj: T, group: Any = None) -> list[T]:
+    """Every rank's ``obj`` in ``group``, in rank order: one ``all_gather_object`` (``[obj]`` without a group of
+    several). Every rank then holds the same list, so a check of it reaches the same verdict everywhere. Bounded
+    only by the group's timeout: :meth:`Collectives.all_gather` adds the arrival check and names what failed."""
+    if not is_multi(group):
+        return [obj]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
 
 
 def error_rank() -> int | None:
@@ -305,6 +317,4 @@ class Collectives:
         """Every rank's ``obj``, in rank order."""
         if self.world_size == 1:
             return [obj]
-        everyone: list[Any] = [None] * self.world_size
-        self.run(what, lambda: dist.all_gather_object(everyone, obj, group=self.group))
-        return everyone
+        return self.run(what, lambda: gather_objects(obj, self.group))
