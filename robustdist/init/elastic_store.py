@@ -63,6 +63,7 @@ from robustdist.runtime.replacing import (
     RUN_ENV,
     attempt_store_info,
     job_of,
+    publishable_host,
     published_store,
 )
 
@@ -158,6 +159,11 @@ def attempt_store(addr: str, port: int, rank: int, world_size: int, timeout_s: f
     served = served_by_agent(rank)
     if served is not None:
         return _agent_served(served, addr, port, rank, world_size, timeout_s, key)
+    if rank == 0 and not publishable_host(addr):  # the other ranks would refuse to dial it: said here, at once
+        raise InitError(f"MASTER_ADDR={addr[:300]!r} is not an address robustdist can publish to the other ranks "
+                        "for this attempt's store; expected an IP address or an ASCII host name (letters, "
+                        "digits, '.', '-', '_', ':', '%', brackets; at most 253 characters). Fix: set MASTER_ADDR "
+                        "(torchrun's --master-addr or --rdzv-endpoint) to the node's IP address.", rank=rank)
     deadline = time.monotonic() + timeout_s
     endpoint = _rendezvous.Endpoint("env", f"MASTER_ADDR={addr!r}, MASTER_PORT={port}", host=addr, port=port,
                                     addresses=[addr])

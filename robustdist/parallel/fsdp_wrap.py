@@ -224,6 +224,8 @@ def _uninitialised(model: nn.Module, marks: dict[str, tuple[torch.Tensor, int | 
                 continue  # removed or re-created by the init
             if bool(torch.isnan(_local(t)).any()) if version is None else _torch_compat.tensor_version(t) == version:
                 mine.append(name)
+    if not _dist.is_multi():
+        return mine
     found = set().union(*_dist.gather_objects(mine))
     return [n for n in marks if n in found]
 

@@ -66,11 +66,10 @@ def is_multi(group: Any = None) -> bool:
 
 
 def gather_objects(obj: T, group: Any = None) -> list[T]:
-    """Every rank's ``obj`` in ``group``, in rank order: one ``all_gather_object`` (``[obj]`` without a group of
-    several). Every rank then holds the same list, so a check of it reaches the same verdict everywhere. Bounded
-    only by the group's timeout: :meth:`Collectives.all_gather` adds the arrival check and names what failed."""
-    if not is_multi(group):
-        return [obj]
+    """Every rank's ``obj`` in ``group``, in rank order: one ``all_gather_object``, called by every rank of the
+    group. Every rank then holds the same list, so a check of it reaches the same verdict everywhere. Bounded only
+    by the group's timeout: :meth:`Collectives.all_gather` adds the arrival check and names what failed. Raises
+    what torch raises where the group is gone: the caller decides whether there is one (:func:`is_multi`)."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, obj, group=group)
     return everyone

@@ -12,7 +12,7 @@ from typing import Any
 from robustdist.runtime.stored import Unreadable, json_value
 
 __all__ = ["ATTEMPT_STORE_ENV", "ATTEMPT_STORE_KEY", "ATTEMPT_TOKEN_KEY", "REPLACES_ENV", "RUN_ENV", "STATE_KEY",
-           "attempt_store_info", "job_of", "published_store"]
+           "attempt_store_info", "job_of", "publishable_host", "published_store"]
 
 RUN_ENV = "ROBUSTDIST_RUN"
 """Set to ``"1"`` by ``robustdist run`` for its workers: rank 0 then publishes its in-process recovery state."""
@@ -47,6 +47,11 @@ _ADDR_RE = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,253}")  # a host name (underscore
 _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
 
+def publishable_host(addr: str) -> bool:
+    """Whether :func:`published_store` accepts ``addr`` as a host: an IP address or an ASCII host name."""
+    return _ADDR_RE.fullmatch(addr) is not None
+
+
 def published_store(raw: str | bytes, *, job: bool = False) -> dict[str, Any] | None:
     """``{"addr", "port", "token"}`` of a store's published address (with ``job``, also the ``master`` and ``run``
     it was published for), or None when ``raw`` is anything else: it is input, read back from a store or the
@@ -56,7 +61,7 @@ def published_store(raw: str | bytes, *, job: bool = False) -> dict[str, Any] | 
     except Unreadable:
         return None
     keys = ("addr", "port", "token", "master", "run") if job else ("addr", "port", "token")
-    ok = (isinstance(info, dict) and isinstance(info.get("addr"), str) and _ADDR_RE.fullmatch(info["addr"]) is not None
+    ok = (isinstance(info, dict) and isinstance(info.get("addr"), str) and publishable_host(info["addr"])
           and type(info.get("port")) is int and 0 < info["port"] < 65536
           and isinstance(info.get("token"), str) and _TOKEN_RE.fullmatch(info["token"]) is not None
           and all(isinstance(info.get(k), str) and len(info[k]) <= 300 for k in keys[3:]))

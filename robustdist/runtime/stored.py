@@ -17,10 +17,10 @@ class Unreadable(ValueError):
 
 def json_value(raw: bytes | str, max_bytes: int) -> Any:
     """The JSON value in ``raw``; :class:`Unreadable` when it is longer than ``max_bytes`` or is not JSON (bytes
-    that are not UTF-8, or nesting too deep to parse, included)."""
+    that are not UTF-8, a byte-order mark, or nesting too deep to parse, included)."""
     if len(raw) > max_bytes:
         raise Unreadable(f"{len(raw)} bytes, more than the {max_bytes} it can be")
-    try:
-        return json.loads(raw)
+    try:  # UTF-8 only, as robustdist writes it: json.loads would guess UTF-16/32 and pass a BOM or lone surrogates
+        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
     except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise Unreadable(f"not JSON ({type(e).__name__})") from None
+        raise Unreadable(f"not JSON ({type(e).__name__}: {str(e)[:200]})") from None

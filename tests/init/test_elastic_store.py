@@ -77,6 +77,12 @@ def test_a_garbled_published_address_is_refused_and_named_at_the_deadline(publis
     assert "could not reach rank 0's store for this torchrun attempt within 4 s" in str(caught.value)
 
 
+def test_rank_zero_refuses_at_once_an_address_the_others_would_refuse_to_dial():
+    with pytest.raises(InitError, match=r"\[rank 0\] MASTER_ADDR='m\xfcnchen-01' is not an address robustdist can "
+                                        r"publish .* Fix: set MASTER_ADDR"):
+        _elastic_store.attempt_store("m\xfcnchen-01", free_port(), 0, 2, 30)
+
+
 def test_a_second_group_in_one_process_waits_for_its_own_store_not_the_kept_one():
     """A process that makes a second group (a re-init) while a kept model still holds the first one's store
     open: rank 1 must not take the first round's record, whose store still answers with the right token."""
