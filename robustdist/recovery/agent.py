@@ -8,13 +8,10 @@ or a preemption, SIGSEGV in a native library), it starts that worker again alone
 survivors' in-process recovery (:mod:`robustdist.recovery.replacement`) and resumes with them from the in-memory
 tier. Each replacement uses one of ``--max-restarts``, as a restart of the group would.
 
-**A warm spare** (``--spares 1``, the default): from each attempt's start (and while a restart is left) the agent keeps
-one process per node that has done a worker's slow start (:mod:`.spare`), whether or not the script recovers in
-process. Where it can, the spare forks the replacement (its
-environment, command and output become the worker's) and stays warm for the next one (:mod:`.forked`: the agent
-watches the forked worker through the spare); otherwise it becomes the replacement itself, and another is started
-:data:`SPARE_PAUSE_S` later. Without one (``--spares 0``, a spare that died, a worker command a spare cannot run, NUMA
-binding) the replacement starts cold, as torchrun starts a worker.
+**A warm spare** (``--spares 1``, the default; :mod:`.warm_spare`): from each attempt's start (and while a restart is
+left) the agent keeps one process per node that has done a worker's slow start, whether or not the script recovers
+in process, and the next worker killed on the node is forked from it (or is it); without one the replacement starts
+cold, as torchrun starts a worker.
 
 Everything else is torchrun's own path (every worker stopped and started again, or the job failed when no restart
 is left), and the agent logs why:
@@ -34,46 +31,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from robustdist.recovery import spare as _spare
 from robustdist.recovery.attempt_store import AttemptStore
 from robustdist.recovery.deaths import DeathWatch
-from robustdist.recovery.forked import Channel, ForkedWorker, NoAnswer, readable
+from robustdist.recovery.warm_spare import WarmSpare, describe_exit
 from robustdist.runtime import _elastic_compat
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info, job_of
 from robustdist.runtime.stored import json_value
 
-__all__ = ["SPARE_LOOK_S", "SPARE_PAUSE_S", "Replacer", "describe_exit"]
+__all__ = ["Replacer", "describe_exit"]
 
 log = logging.getLogger(__name__)  # the launcher is no rank: no rank prefix
-SPARE_LOOK_S = 2.0  # without a spare: how often the agent asks whether the run can take a replacement
-# after a spare became a worker: no new one before this (its imports would slow the new worker; even at idle priority
-# they share the caches and the memory bandwidth with it)
-SPARE_PAUSE_S = 10.0
-SPARE_TRIES = 3  # spares in a row that end before they are warm: then no more (replacements start cold)
-FORK_REPLY_S = 5.0  # a forking spare's answer to an order (its pid) within this, or the replacement starts cold
-# a death while the spare warms: the agent waits this long for it to say it is warm before starting the worker cold
-# (a spare half warm beats a cold start, which would also compete with it for the CPU)
-SPARE_WAIT_S = 2.0
-
-
-def describe_exit(code: int) -> str:
-    """``signal 9 (SIGKILL)`` for a negative ``Popen.returncode``, ``exit code 1`` otherwise."""
-    if code < 0:
-        try:
-            return f"signal {-code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 class Replacer:
@@ -81,20 +54,10 @@ class Replacer:
 
     def __init__(self, spares: int = 1, store_timeout: float = 2.0) -> None:
         self.replaced: list[dict[str, Any]] = []  # one record per replacement: rank, old and new pid, how it died
-        self.spares = spares
+        self.spare = WarmSpare(spares)
         self._client: tuple[tuple[str, int], Any] | None = None  # (address, connection) of the workers' store
         self._timeout = store_timeout
-        self._spare: subprocess.Popen[bytes] | None = None
-        self._spare_after = 0.0  # time.monotonic() before which no spare is started (a look, or a pause)
-        self._ready: int | None = None  # the read end of the spare's "warm" pipe, until it has said so
-        self._warm = False  # the spare has said it is warm
-        self._channel: Channel | None = None  # what a spare that forks its workers says (its pipe, once warm)
-        self._orders = 0  # orders sent to forking spares (their ids)
-        self._started = 0.0
-        self._workers_started = 0.0  # time.monotonic() when this attempt's workers were started
         self._looks = 0  # the agent's looks at its workers, counted
-        self._waited_look = -1  # the look in which a death last waited for a warming spare
-        self._failures = 0  # spares in a row that ended before they were warm
         self._ids: set[Any] = set()  # the workers' ids last seen (all new: torchrun restarted them)
         # local rank -> the generation rank 0 had published when it was started again: joining until a later one is
         self._joining: dict[int, int] = {}
@@ -111,12 +74,8 @@ class Replacer:
         except Exception as e:  # the workers then make it as under torchrun (rank 0 serves)
             log.warning("robustdist run: no agent-served store for this attempt (%s: %s)", type(e).__name__,
                         str(e)[:200])
-        self._workers_started = time.monotonic()
         try:
-            if self.spares and (self._spare is None or self._spare.poll() is not None):
-                self._drop_spare()  # one that ended: counted first (SPARE_TRIES)
-                if self._failures < SPARE_TRIES and _elastic_compat.restarts_left(agent) > 0:
-                    self._start_spare(with_workers=True)
+            self.spare.start_with_workers(agent)
         except SignalException:
             raise
         except Exception as e:  # no spare now: the monitor's looks start one once the run can take a replacement
@@ -142,28 +101,7 @@ class Replacer:
         """End the spare, if one is waiting (the launcher's end; the spare also ends when its input closes)."""
         self.attempt.close()
         self._death_watch.close()
-        spare, self._spare = self._spare, None
-        if self._ready is not None:
-            os.close(self._ready)
-            self._ready = None
-        if spare is not None and spare.poll() is None:
-            try:  # its session only: the workers it forked lead sessions of their own (torchrun stopped them)
-                os.killpg(spare.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            try:
-                spare.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # stuck in the kernel: the launcher ends anyway
-                log.warning("robustdist run: the warm spare (pid %d) did not end within 10 s of SIGKILL", spare.pid)
-        self._drop_channel()
-
-    def _drop_channel(self) -> None:
-        """The spare is gone: read what it said last (its forked workers' ends), for the workers that still ask."""
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.pump()
-            if not channel.closed and (self._spare is None or self._spare.poll() is not None):
-                channel.pump(1.0)
+        self.spare.close()
 
     def __call__(self, agent: Any, group: Any, monitor: Callable[[Any], Any]) -> Any:
         self._looks += 1
@@ -178,7 +116,7 @@ class Replacer:
             return monitor(group)
         if all(c in (None, 0) for c in codes.values()):  # deaths first: a spare started now would slow them
             try:
-                self._tend_spare(agent, group)
+                self.spare.tend(agent, lambda: self._in_process(group))
             except SignalException:
                 raise
             except Exception as e:  # no spare this look (descriptors, memory): the next look tries again
@@ -214,7 +152,7 @@ class Replacer:
             try:
                 master, run = job_of(_elastic_compat.worker_launch(agent, worker)["env"])
                 extra = {REPLACES_ENV: json.dumps({**record, "master": master, "run": run})}
-                spare = self._from_spare(agent, worker, extra)
+                spare = self.spare.take(agent, worker, extra, self._looks)
                 new = spare if spare is not None else _elastic_compat.start_worker_again(agent, worker, extra)
             except SignalException:
                 raise
@@ -230,8 +168,7 @@ class Replacer:
             self._joining[lr] = -1 if generation is None else generation
             self._ids.discard(old)
             self._ids.add(new)
-            how = "" if spare is None else ", from the warm spare" if self._channel is None else \
-                f", forked by the warm spare (pid {self._spare.pid if self._spare is not None else '?'})"
+            how = "" if spare is None else self.spare.taken_from()
             log.warning("robustdist run: rank %d (local rank %d, pid %s) died (%s); started it again alone as pid %d "
                         "(replacement %d%s); the other workers keep running and take it in at their next in-process "
                         "recovery generation", worker.global_rank, lr, old, record["died"], new, record["n"], how)
@@ -309,182 +246,6 @@ class Replacer:
         served = attempt_store_info(os.environ.get(ATTEMPT_STORE_ENV, ""))
         return (state.get("outlives_rank0") is True and served is not None
                 and (state.get("host"), state.get("port")) == (served["addr"], served["port"]))
-
-    def _tend_spare(self, agent: Any, group: Any) -> None:
-        """Keep one warm spare while the run can take a replacement (looking at most every :data:`SPARE_LOOK_S`)."""
-        spare = self._spare
-        self._look_ready()
-        if not self.spares or (spare is not None and spare.poll() is None) or time.monotonic() < self._spare_after:
-            return
-        if spare is not None:
-            self._drop_spare()
-        self._spare_after = time.monotonic() + SPARE_LOOK_S
-        if self._failures >= SPARE_TRIES or _elastic_compat.restarts_left(agent) <= 0 or not self._in_process(group):
-            return
-        self._start_spare(with_workers=False)
-
-    def _drop_spare(self) -> None:
-        """Forget a spare that ended (counted as a failure if it ended before it was warm)."""
-        spare = self._spare
-        if spare is None:
-            return
-        self._failures += 0 if self._warm else 1
-        log.warning("robustdist run: the warm spare (pid %d) ended with %s%s", spare.pid,
-                    describe_exit(spare.returncode), "; starting another" if self._failures < SPARE_TRIES else
-                    f"; {SPARE_TRIES} in a row ended before they were warm (see the launcher's stderr above), so "
-                    "no more: replacements start cold. Fix: run `python -m robustdist.recovery.spare` by hand")
-        self._spare, self._warm = None, False
-        if self._ready is not None:
-            os.close(self._ready)
-            self._ready = None
-        self._drop_channel()
-
-    def _start_spare(self, *, with_workers: bool) -> None:
-        """Start a spare (``with_workers``: as the workers start, :data:`.spare.WITH_WORKERS`)."""
-        ready_r, ready_w = os.pipe()
-        try:
-            self._spare = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.recovery.spare",
-                                            *([_spare.WITH_WORKERS] if with_workers else [])], cwd="/",
-                                           stdin=subprocess.PIPE, start_new_session=True, pass_fds=(ready_w,),
-                                           env={**os.environ, _spare.READY_FD_ENV: str(ready_w)})
-        except (OSError, subprocess.SubprocessError) as e:  # no process now (memory, limits): the next look tries again
-            os.close(ready_r)
-            self._failures += 1
-            log.warning("robustdist run: could not start a warm spare (%s: %s); expected a new Python process. "
-                        "Replacements start cold meanwhile.", type(e).__name__, str(e)[:200])
-            return
-        finally:
-            os.close(ready_w)
-        self._ready, self._started = ready_r, time.monotonic()
-        log.info("robustdist run: started a warm spare (pid %d): it starts the next worker killed on this node",
-                 self._spare.pid)
-
-    def _look_ready(self) -> None:
-        """Say when the spare is warm (a byte on its pipe; nothing to wait for: an order waits in its input)."""
-        if self._ready is None or not readable(self._ready):
-            return
-        said = os.read(self._ready, 2)  # the readiness byte, then FORKS from a spare that forks its workers
-        forks = said[1:] == _spare.FORKS and self._spare is not None
-        if forks:
-            assert self._spare is not None
-            self._channel = Channel(self._ready, self._spare.pid)  # the pipe goes on: the forked workers' news
-        else:
-            os.close(self._ready)
-        self._ready, said = None, said[:1]
-        how = {_spare.READY_WITH_WORKERS: f"started with the workers: warmed at idle priority for up to "
-                                          f"{_spare.WITH_WORKERS_PATIENCE_S:g} s, then at theirs",
-               _spare.READY_IDLE: "warmed at idle priority",
-               _spare.READY_LATE: f"warmed at idle priority, then at the workers' priority after "
-                                  f"{_spare.IDLE_PATIENCE_S:g} s: the host had little idle CPU time",
-               _spare.READY: "warmed at the workers' priority: it could not return from SCHED_IDLE (without "
-                             "CAP_SYS_NICE, RLIMIT_NICE must be at least 20 - nice)"}
-        self._warm = said in how
-        if self._warm and self._spare is not None:
-            self._failures = 0
-            now = time.monotonic()
-            log.info("robustdist run: the warm spare (pid %d) is ready after %.1f s, %.1f s after this attempt's "
-                     "workers started (%s%s)", self._spare.pid, now - self._started, now - self._workers_started,
-                     how[said],
-                     "; it forks each replacement and stays warm" if forks else
-                     "; it becomes the next replacement itself: it cannot fork here (Linux's pidfd_open missing, or "
-                     "a CUDA driver loaded in it)")
-        elif said and self._spare is not None:
-            log.warning("robustdist run: the warm spare (pid %d) said %r on its pipe; expected one of %s. It is not "
-                        "used: replacements start cold until it ends. Fix: run the launcher with the same Python and "
-                        "robustdist as the workers (a bug if they are the same: report it)", self._spare.pid, said,
-                        ", ".join(repr(k) for k in sorted(how)))
-
-    def _from_spare(self, agent: Any, worker: Any, extra: dict[str, str]) -> int | None:
-        """Turn the warm spare into ``worker`` (None where there is none, or it cannot run the worker's command)."""
-        spare = self._spare
-        if spare is None or spare.poll() is not None or spare.stdin is None:
-            return None
-        launch = _elastic_compat.worker_launch(agent, worker)
-        if launch["entrypoint"] != sys.executable or launch["numa"] is not None or not _spare.usable(
-                list(launch["args"])):
-            return None
-        if not self._warm and self._ready is not None and self._waited_look != self._looks:
-            # still warming: once per look (not per dead rank), a moment more is cheaper than a cold start, which
-            # would compete with it for the CPU
-            self._waited_look = self._looks
-            readable(self._ready, SPARE_WAIT_S)
-            self._look_ready()
-        if not self._warm or spare.poll() is not None:
-            return None  # still warming after the wait: a cold start now
-        order = {"env": {**os.environ, **launch["env"], **extra}, "args": list(launch["args"]), "cwd": os.getcwd(),
-                 "stdout": launch["stdout"], "stderr": launch["stderr"]}
-        if self._channel is not None:
-            return self._fork(agent, worker, spare, order)
-        try:
-            spare.stdin.write(json.dumps(order).encode() + b"\n")
-            spare.stdin.close()
-        except OSError as e:  # it died meanwhile
-            log.info("robustdist run: the warm spare could not take the order (%s); starting the worker cold", e)
-            return None
-        self._spare, self._warm, self._spare_after = None, False, time.monotonic() + SPARE_PAUSE_S
-        if self._ready is not None:
-            os.close(self._ready)
-            self._ready = None
-        return _elastic_compat.adopt_worker(agent, worker, spare)
-
-    def _fork(self, agent: Any, worker: Any, spare: subprocess.Popen[bytes], order: dict[str, Any]) -> int | None:
-        """The forking spare's child becomes ``worker``; the spare stays warm (None: start the worker cold). The child
-        runs only once the agent has its pid and lets it go; a spare that does not answer in time is ended (with any
-        child it forked late: a child not let go ends when its spare does)."""
-        assert self._channel is not None
-        self._orders += 1
-        oid = str(self._orders)
-        got: int | str = NoAnswer("its input did not take the order")
-        if self._send(spare, {**order, "id": oid}):
-            got = self._channel.forked(oid, FORK_REPLY_S)
-        if isinstance(got, int) and not self._send(spare, {"go": oid}):
-            got = NoAnswer("its input did not take the word to go")
-        if isinstance(got, str):
-            silent = isinstance(got, NoAnswer)  # ended, so that a child it forks late never runs
-            log.warning("robustdist run: the warm spare (pid %d) did not fork rank %d (%s); expected the forked "
-                        "worker's pid within %g s. Rank %d starts cold%s. Fix: none needed; if this repeats, see the "
-                        "launcher's stderr for the spare's own error, or run with --spares 0", spare.pid,
-                        worker.global_rank, got[:300], FORK_REPLY_S, worker.global_rank,
-                        "; the spare is ended (another follows)" if silent else "")
-            if silent:
-                self._end_spare(spare)
-            return None
-        forked = ForkedWorker(got, self._channel)
-        try:
-            return _elastic_compat.adopt_worker(agent, worker, forked)
-        except BaseException:
-            forked.kill()  # never a rank running unwatched beside the one torchrun then starts
-            raise
-
-    def _send(self, spare: subprocess.Popen[bytes], message: dict[str, Any]) -> bool:
-        """One line to the spare within :data:`FORK_REPLY_S` (its input never blocks the agent's monitor)."""
-        if spare.stdin is None:
-            return False
-        data, fd = json.dumps(message).encode() + b"\n", spare.stdin.fileno()
-        deadline = time.monotonic() + FORK_REPLY_S
-        try:
-            os.set_blocking(fd, False)
-            while data:
-                poller = select.poll()
-                poller.register(fd, select.POLLOUT)
-                left = deadline - time.monotonic()
-                if left <= 0 or not poller.poll(int(left * 1000)):
-                    return False
-                try:
-                    data = data[os.write(fd, data):]
-                except BlockingIOError:
-                    continue
-        except OSError:  # it died meanwhile
-            return False
-        return True
-
-    def _end_spare(self, spare: subprocess.Popen[bytes]) -> None:
-        """Stop using (and end) a spare that did not answer: the agent starts another later."""
-        try:
-            os.killpg(spare.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        self._spare_after = time.monotonic() + SPARE_PAUSE_S
 
     @staticmethod
     def _deaths(group: Any, dead: dict[int, int]) -> str:

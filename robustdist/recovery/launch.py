@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         for name in ("robustdist.recovery.agent", "robustdist.recovery.attempt_store", "robustdist.recovery.forked",
-                     __name__):
+                     "robustdist.recovery.warm_spare", __name__):
             agent_log = logging.getLogger(name)
             agent_log.addHandler(handler)
             agent_log.setLevel(logging.INFO)

@@ -234,7 +234,7 @@ def test_an_error_tending_the_spare_is_named_and_the_look_goes_on(monkeypatch, c
     def no_descriptors(*_: object) -> None:
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr(replacer, "_tend_spare", no_descriptors)
+    monkeypatch.setattr(replacer.spare, "tend", no_descriptors)
     try:
         with caplog.at_level(logging.WARNING, "robustdist.recovery.agent"):
             assert replacer(agent, SimpleNamespace(workers=[SimpleNamespace(id=proc.pid)]), lambda g: "healthy") \

@@ -279,19 +279,19 @@ def test_the_channel_reads_split_lines_by_id_and_names_what_it_cannot(caplog):
 def test_a_spare_that_does_not_answer_is_ended_and_the_rank_starts_cold(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    from robustdist.recovery import agent
+    from robustdist.recovery import warm_spare
 
-    replacer = agent.Replacer()
+    kept = warm_spare.WarmSpare()
     order_r, order_w = os.pipe()
     said_r, said_w = os.pipe()
     ended: list[int] = []
-    monkeypatch.setattr(agent, "FORK_REPLY_S", 0.2)
-    monkeypatch.setattr(replacer, "_end_spare", lambda s: ended.append(s.pid))
-    replacer._channel = Channel(said_r, 4242)
+    monkeypatch.setattr(warm_spare, "FORK_REPLY_S", 0.2)
+    monkeypatch.setattr(kept, "_end", lambda s: ended.append(s.pid))
+    kept.channel = Channel(said_r, 4242)
     stalled = SimpleNamespace(pid=4242, stdin=os.fdopen(order_w, "wb"))
     try:
-        with caplog.at_level(logging.WARNING, "robustdist.recovery.agent"):
-            got = replacer._fork(None, SimpleNamespace(global_rank=1), stalled, {"env": {}, "args": ["x.py"]})
+        with caplog.at_level(logging.WARNING, "robustdist.recovery.warm_spare"):
+            got = kept._fork(None, SimpleNamespace(global_rank=1), stalled, {"env": {}, "args": ["x.py"]})
         assert got is None and ended == [4242]
         assert json.loads(os.read(order_r, 4096).splitlines()[0])["id"] == "1"  # the order went, with its id
         assert "the warm spare (pid 4242) did not fork rank 1 (the spare said nothing within 0.2 s); expected the " \
@@ -299,7 +299,7 @@ def test_a_spare_that_does_not_answer_is_ended_and_the_rank_starts_cold(monkeypa
                in caplog.text
     finally:
         stalled.stdin.close()
-        replacer._channel.close()
+        kept.channel.close()
         for fd in (order_r, said_w):
             os.close(fd)
 

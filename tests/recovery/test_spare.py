@@ -320,23 +320,23 @@ def test_the_agent_reads_what_the_spare_says_and_names_what_it_cannot(said, used
     import logging
     from types import SimpleNamespace
 
-    from robustdist.recovery.agent import Replacer
+    from robustdist.recovery.warm_spare import WarmSpare
 
-    replacer = Replacer()
+    kept = WarmSpare()
     read, write = os.pipe()
     os.write(write, said)
     os.close(write)
-    replacer._ready, replacer._spare, replacer._started = read, SimpleNamespace(pid=4242), time.monotonic()
-    replacer._workers_started = replacer._started - 1.5
-    with caplog.at_level(logging.INFO, "robustdist.recovery.agent"):
-        replacer._look_ready()
-    assert replacer._warm is used
+    kept._ready, kept.proc, kept._started = read, SimpleNamespace(pid=4242), time.monotonic()
+    kept.workers_started = kept._started - 1.5
+    with caplog.at_level(logging.INFO, "robustdist.recovery.warm_spare"):
+        kept.look_ready()
+    assert kept.warm is used
     assert text in caplog.text
     assert not used or re.search(r"is ready after [\d.]+ s, 1\.[5-9] s after this attempt's workers started",
                                  caplog.text)
-    assert (replacer._channel is not None) is said.endswith(spare.FORKS)  # the pipe then stays: the workers' news
-    if replacer._channel is not None:
-        replacer._channel.close()
+    assert (kept.channel is not None) is said.endswith(spare.FORKS)  # the pipe then stays: the workers' news
+    if kept.channel is not None:
+        kept.channel.close()
 
 
 def test_a_death_while_the_spare_warms_waits_briefly_for_it(monkeypatch):
@@ -347,8 +347,8 @@ def test_a_death_while_the_spare_warms_waits_briefly_for_it(monkeypatch):
     import threading
     from types import SimpleNamespace
 
-    from robustdist.recovery import agent as agent_mod
-    from robustdist.recovery.agent import Replacer
+    from robustdist.recovery import warm_spare
+    from robustdist.recovery.warm_spare import WarmSpare
     from robustdist.runtime import _elastic_compat
 
     launch = {"entrypoint": sys.executable, "args": ("-u", "train.py"), "env": {}, "stdout": "", "stderr": "",
@@ -356,40 +356,40 @@ def test_a_death_while_the_spare_warms_waits_briefly_for_it(monkeypatch):
     monkeypatch.setattr(_elastic_compat, "worker_launch", lambda agent, worker: dict(launch))
     monkeypatch.setattr(_elastic_compat, "adopt_worker", lambda agent, worker, proc: 777)
 
-    def replacer_with_a_warming_spare() -> tuple[Replacer, int, list[bytes]]:
-        replacer = Replacer()
+    def a_warming_spare() -> tuple[WarmSpare, int, list[bytes]]:
+        kept = WarmSpare()
         read, write = os.pipe()
         orders: list[bytes] = []
         stdin = SimpleNamespace(write=orders.append, close=lambda: None)
-        replacer._ready, replacer._started = read, time.monotonic()
-        replacer._spare = SimpleNamespace(pid=4242, stdin=stdin, poll=lambda: None)
-        replacer._looks = 1
-        return replacer, write, orders
+        kept._ready, kept._started = read, time.monotonic()
+        kept.proc = SimpleNamespace(pid=4242, stdin=stdin, poll=lambda: None)
+        return kept, write, orders
 
     def timed(call) -> tuple[object, float]:
         start = time.monotonic()
         return call(), time.monotonic() - start
 
+    look = 1  # the agent's look at its workers
     # it says it is warm 0.3 s into the wait: it becomes the worker, before the wait's end
-    monkeypatch.setattr(agent_mod, "SPARE_WAIT_S", 10.0)
-    replacer, write, orders = replacer_with_a_warming_spare()
+    monkeypatch.setattr(warm_spare, "SPARE_WAIT_S", 10.0)
+    kept, write, orders = a_warming_spare()
     timer = threading.Timer(0.3, os.write, (write, spare.READY_IDLE))
     timer.start()
-    got, waited = timed(lambda: replacer._from_spare(None, SimpleNamespace(local_rank=1), {}))
+    got, waited = timed(lambda: kept.take(None, SimpleNamespace(local_rank=1), {}, look))
     timer.join()
     os.close(write)
     assert got == 777 and len(orders) == 1 and waited < 9.0, (got, orders, waited)
     # it stays silent: one wait of SPARE_WAIT_S, then cold; a second death in the same look does not wait again
-    monkeypatch.setattr(agent_mod, "SPARE_WAIT_S", 1.5)
-    replacer, write, orders = replacer_with_a_warming_spare()
-    got, waited = timed(lambda: replacer._from_spare(None, SimpleNamespace(local_rank=0), {}))
-    assert got is None and not replacer._warm and 1.5 <= waited < 10.0, (got, waited)
-    got, waited = timed(lambda: replacer._from_spare(None, SimpleNamespace(local_rank=1), {}))
+    monkeypatch.setattr(warm_spare, "SPARE_WAIT_S", 1.5)
+    kept, write, orders = a_warming_spare()
+    got, waited = timed(lambda: kept.take(None, SimpleNamespace(local_rank=0), {}, look))
+    assert got is None and not kept.warm and 1.5 <= waited < 10.0, (got, waited)
+    got, waited = timed(lambda: kept.take(None, SimpleNamespace(local_rank=1), {}, look))
     assert got is None and waited < 1.0, waited
     # a command no spare runs (not the launcher's Python): no wait at all
     launch["entrypoint"] = "/bin/bash"
-    replacer._looks += 1
-    got, waited = timed(lambda: replacer._from_spare(None, SimpleNamespace(local_rank=1), {}))
+    look += 1
+    got, waited = timed(lambda: kept.take(None, SimpleNamespace(local_rank=1), {}, look))
     assert got is None and waited < 1.0, waited
     os.close(write)
-    os.close(replacer._ready)
+    os.close(kept._ready)
