@@ -1,5 +1,6 @@
 """Nothing in robustdist touches a private torch or Ray name but the fenced modules:
-``robustdist/runtime/_torch_compat.py``, ``_elastic_compat.py`` (torchelastic's agent), ``_ray_compat.py``. Like
+``robustdist/runtime/_torch_compat.py``, ``_elastic_compat.py`` (torchelastic's agent), ``_data_compat.py`` (the
+DataLoader's), ``_ray_compat.py``. Like
 the layering test, this reads the source (ast), so a new private access fails here before a torch or Ray release breaks it silently.
 
 Found as private: an import of a torch/ray module path with a ``_`` segment or of a ``_`` name from one; an
@@ -14,7 +15,8 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "robustdist"
-FENCES = {PACKAGE / "runtime" / name for name in ("_torch_compat.py", "_elastic_compat.py", "_ray_compat.py")}
+FENCES = {PACKAGE / "runtime" / name for name in ("_torch_compat.py", "_elastic_compat.py", "_data_compat.py",
+                                                  "_ray_compat.py")}
 DEPENDENCIES = ("torch", "ray")
 # Private members of torch/Ray objects, matched by name: robustdist's own code never uses these names.
 MEMBER_NAMES = frozenset({
@@ -95,7 +97,8 @@ def test_no_private_torch_or_ray_name_outside_the_fences():
     found = {str(p.relative_to(PACKAGE.parent)): v for p in sorted(PACKAGE.rglob("*.py"))
              if p not in FENCES and (v := _violations(p))}
     assert not found, (
-        "private torch/Ray names outside robustdist/runtime/_torch_compat.py, _elastic_compat.py and _ray_compat.py "
+        "private torch/Ray names outside robustdist/runtime/_torch_compat.py, _elastic_compat.py, _data_compat.py and "
+        "_ray_compat.py "
         "(move each access into the fence, with a PrivateAPI entry and the versions it was verified on):\n"
         + "\n".join(f"  {path}:{line}" for path, lines in found.items() for line in lines))
 

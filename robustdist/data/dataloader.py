@@ -62,7 +62,7 @@ from robustdist.data import state as loader_state
 from robustdist.data.checks import warn_user
 from robustdist.runtime import dist as _dist
 from robustdist.runtime import group_sockets
-from robustdist.runtime._torch_compat import BaseDataLoaderIter, LoaderHooks
+from robustdist.runtime._data_compat import BaseDataLoaderIter, LoaderHooks
 from robustdist.runtime.errors import ConfigError
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.topology import Topology, detect_topology

@@ -37,8 +37,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from robustdist.data.checks import warn_user
-from robustdist.runtime import _torch_compat
-from robustdist.runtime._torch_compat import BaseDataLoaderIter
+from robustdist.runtime import _data_compat
+from robustdist.runtime._data_compat import BaseDataLoaderIter
 from robustdist.runtime.log import get_logger
 
 log = get_logger(__name__)
@@ -147,7 +147,7 @@ def watch_set_epoch(sampler: EpochSampler | None) -> int | None:
 
 class _Tracked:
     """Counts the batches an iterator yields and notes when it runs out, into its :class:`Progress` (the batch
-    hook of :mod:`robustdist.runtime._torch_compat`'s iterators)."""
+    hook of :mod:`robustdist.runtime._data_compat`'s iterators)."""
 
     _rd_progress: Progress | None = None
 
@@ -162,11 +162,11 @@ class _Tracked:
 
 
 # torch's iterators with progress tracking, under torch's class names (the profiler's record names use them)
-class _SingleProcessDataLoaderIter(_Tracked, _torch_compat.SingleProcessDataLoaderIter):
+class _SingleProcessDataLoaderIter(_Tracked, _data_compat.SingleProcessDataLoaderIter):
     """torch's single-process iterator, with progress tracking."""
 
 
-class _MultiProcessingDataLoaderIter(_Tracked, _torch_compat.MultiProcessingDataLoaderIter):
+class _MultiProcessingDataLoaderIter(_Tracked, _data_compat.MultiProcessingDataLoaderIter):
     """torch's worker-process iterator, with progress tracking."""
 
 

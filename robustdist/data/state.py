@@ -49,7 +49,7 @@ from robustdist.data.epochs import (
     epoch_length,
     watch_set_epoch,
 )
-from robustdist.runtime import _torch_compat
+from robustdist.runtime import _data_compat
 from robustdist.runtime.errors import CheckpointError
 
 STATE_VERSION = 1
@@ -69,7 +69,7 @@ def in_use(loader: PositionedLoader, pos: Position) -> bool:
     it = pos.iterator() if pos.iterator is not None else None
     if it is None:
         return False
-    if _torch_compat.live_iterator(loader) is not it or not hasattr(sys, "getrefcount"):
+    if _data_compat.live_iterator(loader) is not it or not hasattr(sys, "getrefcount"):
         return True  # (without refcounts, as on PyPy: taken as in use, the iterator's own position)
     return sys.getrefcount(it) > _LOADER_REFS
 

@@ -1,5 +1,6 @@
 """Every private torch name robustdist uses, fenced here (and nowhere else: ``tests/test_private_api.py``), but
-torchelastic's agent's, which ``robustdist run`` alone uses (``_elastic_compat``).
+torchelastic's agent's, which ``robustdist run`` alone uses (``_elastic_compat``), and the DataLoader's
+(``_data_compat``).
 
 Each access is one small function or class below, listed in :data:`PRIVATE_APIS` with the torch versions the
 version matrix ran it on (``docs/status.md``) and, where torch has one in the supported range, the public
@@ -7,8 +8,7 @@ replacement. ``tests/runtime/test_private_api_canaries.py`` resolves every entry
 fails naming the API and the version when a release moves it.
 
 Where a private name is absent, the function says so and the caller degrades (a less specific message, a
-slower path, a check skipped with a log line); none of them raises a raw error. The DataLoader hooks are the
-exception: robustdist's mid-epoch position rides on them, and the canary is what guards them.
+slower path, a check skipped with a log line); none of them raises a raw error.
 """
 
 from __future__ import annotations
@@ -19,17 +19,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
-from torch.utils.data import dataloader as _loader
 
 from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.private_api import PrivateAPI
 
 __all__ = ["PRIVATE_APIS", "DCP_PICKLED_PRIVATE", "STATE_DICT_METADATA", "COMPILED_KEY_SEGMENT", "SCHEDULERS_KEY",
-           "inner_schedulers", "scaler_unscaled", "BaseDataLoaderIter", "LoaderHooks",
-           "MultiProcessingDataLoaderIter", "SingleProcessDataLoaderIter", "batch_norm_base", "compiled_inner",
+           "inner_schedulers", "scaler_unscaled", "batch_norm_base", "compiled_inner",
            "dcp_storage_info_type", "default_store", "has_python_state", "has_storage", "innermost_store",
-           "live_iterator", "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
+           "non_finite_check_and_unscale_", "norm_base", "reader_checking_slices",
            "sparse_values", "tensor_version", "torch_save_code", "module_buffers"]
 
 _VERIFIED = "torch 2.8.0, 2.13.0, 2.14.1, 2.15.0"
@@ -215,64 +212,6 @@ def batch_norm_base() -> type:
 # A module's state dict carries its per-module versions in this attribute (read by load_state_dict).
 STATE_DICT_METADATA = "_metadata"
 
-# ---------------------------------------------------------------------------------------------- DataLoader
-
-BaseDataLoaderIter: type = _loader._BaseDataLoaderIter
-
-
-class _Counting:
-    """torch's ``_next_data`` with a hook after each batch: ``rd_batch(finished)`` (False after a batch, True when
-    the iterator runs out)."""
-
-    def rd_batch(self, finished: bool) -> None:  # overridden by robustdist.data.epochs
-        pass
-
-    def _next_data(self) -> Any:
-        try:
-            data = super()._next_data()  # type: ignore[misc]
-        except StopIteration:
-            self.rd_batch(True)
-            raise
-        self.rd_batch(False)
-        return data
-
-
-# Under torch's class names: the profiler's record names use them.
-class SingleProcessDataLoaderIter(_Counting, _loader._SingleProcessDataLoaderIter):
-    """torch's single-process iterator, with the batch hook."""
-
-
-class MultiProcessingDataLoaderIter(_Counting, _loader._MultiProcessingDataLoaderIter):
-    """torch's worker-process iterator, with the batch hook."""
-
-
-SingleProcessDataLoaderIter.__name__ = SingleProcessDataLoaderIter.__qualname__ = "_SingleProcessDataLoaderIter"
-MultiProcessingDataLoaderIter.__name__ = MultiProcessingDataLoaderIter.__qualname__ = "_MultiProcessingDataLoaderIter"
-
-
-class LoaderHooks:
-    """Mixed in before ``DataLoader``: routes torch's private ``_index_sampler`` and ``_get_iterator`` to
-    ``rd_index_sampler(inner)`` and ``rd_new_iterator()``."""
-
-    def rd_index_sampler(self, inner: Any) -> Any:
-        return inner
-
-    def rd_new_iterator(self) -> Any:
-        return DataLoader._get_iterator(self)  # type: ignore[arg-type]
-
-    @property
-    def _index_sampler(self) -> Any:
-        return self.rd_index_sampler(DataLoader._index_sampler.fget(self))  # type: ignore[attr-defined]
-
-    def _get_iterator(self) -> Any:
-        return self.rd_new_iterator()
-
-
-def live_iterator(loader: DataLoader[Any]) -> Any:
-    """The iterator a persistent-workers loader keeps for its next epoch (``DataLoader._iterator``), or None."""
-    return getattr(loader, "_iterator", None)
-
-
 # -------------------------------------------------------------------------------------------------- DCP
 
 # The private classes and functions DCP's metadata pickles (read off torch 2.13's FileSystemWriter output).
@@ -382,17 +321,6 @@ def _probe_compiled() -> Any:
     return "_orig_mod" in OptimizedModule.__init__.__code__.co_names or None
 
 
-def _probe_loader_hooks() -> Any:
-    return all(_attr(c, n) is not None for c, n in (
-        (DataLoader, "_get_iterator"), (DataLoader, "_index_sampler"), (_loader._BaseDataLoaderIter, "_next_data"),
-        (_loader, "_SingleProcessDataLoaderIter"), (_loader, "_MultiProcessingDataLoaderIter"))) or None
-
-
-def _probe_live_iterator() -> Any:
-    loader = DataLoader([0, 1], persistent_workers=False)
-    return hasattr(loader, "_iterator") or None
-
-
 PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch._tensor_classes", "torch",
                "the opcode scan refuses a payload calling a legacy tensor class (DoubleTensor(2**26): 512 MiB from a "
@@ -443,13 +371,6 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the step guard restores norm statistics after a skipped step", _VERIFIED, norm_base),
     PrivateAPI("torch.nn.modules.batchnorm._BatchNorm", "torch",
                "SyncBatchNorm conversion and FSDP's norm handling find every BatchNorm", _VERIFIED, batch_norm_base),
-    PrivateAPI("torch.utils.data.DataLoader._get_iterator/_index_sampler, _BaseDataLoaderIter._next_data, "
-               "_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter", "torch",
-               "safe_dataloader's mid-epoch position (batches counted, the sampler replayed)", _VERIFIED,
-               _probe_loader_hooks),
-    PrivateAPI("torch.utils.data.DataLoader._iterator", "torch",
-               "telling an abandoned persistent-workers iterator from one a loop is in", _VERIFIED,
-               _probe_live_iterator),
     PrivateAPI("torch.amp.GradScaler._per_optimizer_states[id(optimizer)]['stage']", "torch",
                "the step guard's skip/rollback records the bad step with the scaler only if the loop did not call "
                "unscale_ already; without it, unscale_'s own refusal (a RuntimeError) is taken as the answer",

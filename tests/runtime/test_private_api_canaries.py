@@ -16,7 +16,7 @@ def _registry(module: str) -> tuple[PrivateAPI, ...]:
     return importlib.import_module(f"robustdist.runtime.{module}").PRIVATE_APIS
 
 
-TORCH = _registry("_torch_compat") + _registry("_elastic_compat")
+TORCH = _registry("_torch_compat") + _registry("_elastic_compat") + _registry("_data_compat")
 RAY = _registry("_ray_compat") if importlib.util.find_spec("ray") else ()
 
 
