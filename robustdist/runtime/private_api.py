@@ -5,9 +5,9 @@ torchelastic's agent's in :mod:`robustdist.runtime._elastic_compat` and the Data
 :mod:`robustdist.runtime._data_compat`, and Ray's in :mod:`robustdist.runtime._ray_compat`; nothing else in the
 package touches one (``tests/test_private_api.py`` enforces it). Each fenced access is listed there as a
 :class:`PrivateAPI`: the dotted name, the versions it was verified on (the version matrix, ``docs/status.md``), the
-public replacement where one exists, and a ``probe`` that resolves it on the installed version. :func:`canary` runs the probe and says, naming the API and the
-installed version, when the next release has moved it. ``tests/runtime/test_private_api_canaries.py`` runs
-every canary in every matrix lane.
+public replacement where one exists, and a ``probe`` that resolves it on the installed version. :func:`canary`
+runs the probe and says, naming the API and the installed version, when the next release has moved it.
+``tests/runtime/test_private_api_canaries.py`` runs every canary in every matrix lane.
 """
 
 from __future__ import annotations
