@@ -83,6 +83,10 @@ def test_malformed_manifest_falls_back(tmp_path, path, value, reason):
     (b'{"format": 1, "step": 2, "world_size": 1, "files": {"replicated.pt": {"size": 1' + b"0" * 5000 + b"}}}",
      "unreadable"),
     (b"null", "is a JSON NoneType"),
+    # UTF-8 only, as robustdist writes it: a byte-order mark, UTF-16 or a lone surrogate is never decoded by guess
+    (b'\xef\xbb\xbf{"format": 1}', "unreadable (not JSON (JSONDecodeError: Unexpected UTF-8 BOM"),
+    ('{"format": 1}'.encode("utf-16"), "unreadable (not JSON (UnicodeDecodeError: 'utf-8' codec"),
+    (b'{"format": 1, "files": {"\xed\xa0\x80": {}}}', "unreadable (not JSON (UnicodeDecodeError: 'utf-8' codec"),
 ])
 def test_manifest_that_is_not_a_json_object_falls_back(tmp_path, text, reason):
     step2 = two_steps(tmp_path)

@@ -60,6 +60,8 @@ def test_a_named_run_fills_in_what_an_unnamed_one_left(tmp_path):
     b"", b"{", b"\xff\xfe", b"[]", b'{"format": 2, "run": "x"}', b'{"format": 1, "run": 5}',
     b'{"format": 1, "run": "' + b"a" * 5000 + b'"}', b"[" * 100000 + b"]" * 100000,
     b'{"format": 1, "run": "x"}' + b" " * (70 << 10),
+    b'\xef\xbb\xbf{"format": 1, "run": "x"}', '{"format": 1, "run": "x"}'.encode("utf-16"),
+    b'{"format": 1, "run": "\xed\xa0\x80"}',  # a lone surrogate
 ])
 def test_a_malformed_record_is_refused_not_adopted(tmp_path, content):
     (tmp_path / RUN_RECORD).write_bytes(content)
