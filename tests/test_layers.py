@@ -37,11 +37,12 @@ FLOORS = {
     "robustdist.runtime.log": {"robustdist.runtime.errors", "robustdist.runtime.dist"},
     "robustdist.runtime.dist": {"robustdist.runtime.errors", "robustdist.runtime._torch_compat",
                                 "robustdist.runtime.store_barrier"},
-    # The coordination primitives: the store barrier, the deadline helper and the reader of stored values, on the
-    # standard library only.
+    # The coordination primitives: the store barrier, the deadline helper, the reader of stored values and the
+    # liveness rule, on the standard library only.
     "robustdist.runtime.store_barrier": {"robustdist.runtime.stored"},
     "robustdist.runtime.stored": set(),
     "robustdist.runtime.deadline": set(),
+    "robustdist.runtime.liveness": set(),  # the liveness rule
     # The private-API fences: the record type, and the torch fence below the group state that uses it.
     "robustdist.runtime.private_api": set(),
     "robustdist.runtime._torch_compat": {"robustdist.runtime.errors", "robustdist.runtime.private_api"},
@@ -294,7 +295,7 @@ def test_the_coordination_primitives_each_exist_once():
     """One place makes a TCPStore (``runtime/job_store``), one polls a store for keys and one runs the arrival
     rule (``runtime/store_barrier``), one runs a blocking call with a deadline on a thread (``runtime/deadline``),
     one gathers every rank's object over a group (``runtime/dist.gather_objects``), one parses JSON read back
-    (``runtime/stored``): every other part uses them."""
+    (``runtime/stored``), one judges whether a rank is lost (``runtime/liveness``): every other part uses them."""
     def named(node: ast.AST, name: str) -> bool:
         return isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == name
                                                 or getattr(node.func, "id", None) == name)
@@ -322,6 +323,19 @@ def test_the_coordination_primitives_each_exist_once():
     parses = [s for s in _calls(lambda n: isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "loads"
                                 and getattr(n.func.value, "id", None) == "json") if not s.startswith(own)]
     assert not parses, f"json.loads outside robustdist.runtime.stored (use json_value, bounded): {parses}"
+
+    # A heartbeat record's "alive" (the writer's wall time) is only a token for the liveness rule, handed to
+    # runtime.liveness.Changes.see, never a time to compare with this node's clock.
+    def alive_reads(tree: ast.AST) -> set[ast.AST]:
+        return {n for n in ast.walk(tree) if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Load)
+                and isinstance(n.slice, ast.Constant) and n.slice.value == "alive"}
+
+    judged = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        handed = {n for call in ast.walk(tree) if named(call, "see") for n in alive_reads(call)}
+        judged += [f"{path.relative_to(PACKAGE.parent)}:{n.lineno}" for n in alive_reads(tree) - handed]
+    assert not judged, f'a heartbeat\'s "alive" read outside runtime.liveness.Changes.see: {judged}'
 
 
 def test_only_the_facade_touches_a_hardened_object_s_private_state():

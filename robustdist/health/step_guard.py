@@ -5,11 +5,14 @@ losses and gradients, and periodic cross-rank divergence checks).
 thread wakes about once a second and does no store I/O. With a store and more than one rank, a separate
 heartbeat thread writes this rank's liveness record (wall time, node label, pid, last step) to the c10d store
 every ``min(5, hang_timeout / 4)`` s, whether or not training beats, over a connection of its own: one small
-``set`` per interval per rank. When no beat arrived for ``hang_timeout`` seconds, the detecting thread:
+``set`` per interval per rank. From the last 3.5 intervals before a hang verdict on, it also reads every rank's
+record once an interval, to see on this rank's own clock which records stopped changing
+(:mod:`robustdist.runtime.liveness`). When no beat arrived for ``hang_timeout`` seconds, the detecting thread:
 
 1. dumps every thread's stack with ``faulthandler`` to stderr and to ``dump_dir/hang-rank<r>-<pid>.txt``;
 2. on every rank that sees the hang (not only rank 0), publishes where its main thread is and reads every
-   rank's record, and names, apart, the ranks it *lost* (no heartbeat for 3 intervals, or never), grouped by
+   rank's record, and names, apart, the ranks it *lost* (a record seen unchanged for 3 intervals, closed, or
+   never written), grouped by
    node: ``lost ranks 2, 3 on node 1 (host gpu-07, 10.0.0.2): no heartbeat for 12 s``, and the live ranks
    that are *behind*: ``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at step 121``. It waits at
    most ``grace`` s for live ranks' records and never for lost ones. Every store call runs on a thread the

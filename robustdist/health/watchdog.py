@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import os
 import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,16 +116,24 @@ class Watchdog:
         self._hooks: list[Any] = []
         self._allowance = 0.0  # extra seconds while a bounded long operation (a checkpoint save) runs
         self._connect = ws.connector(self.store, timeout=max(2.0, min(10.0, self._stale_after)))
+        watch_from = weakref.WeakMethod(self._watch_from)  # no watchdog <-> watch cycle (see close())
+        self._watch = ws.Watch(self._prefix, self.world_size, limit=self._stale_after, interval=self._interval,
+                               starts_at=lambda: method() if (method := watch_from()) is not None else math.inf)
         self._heartbeat: ws.Heartbeat | None = None
         if self.store is not None and self.world_size > 1:
             self._heartbeat = ws.Heartbeat(self._connect, self._key, self._interval, self._record, rank=self.rank,
-                                           stale_after=self._stale_after).start()
+                                           stale_after=self._stale_after, watch=self._watch).start()
         self._thread = threading.Thread(target=self._run, name=f"robustdist-watchdog-rank{self.rank}", daemon=True)
         self._thread.start()
 
     @property
     def _key(self) -> str:
         return f"{self._prefix}/{self.rank}"
+
+    def _watch_from(self) -> float:
+        """When the heartbeat thread starts reading every rank's record: the bound plus half an interval before this
+        rank's hang verdict would come, so that the verdict's report knows which records stopped changing."""
+        return self._last + self.hang_timeout + self._allowance - self._stale_after - self._interval / 2
 
     def _record(self, closed: bool = False) -> dict[str, Any]:
         """This rank's heartbeat record (see :mod:`robustdist.health.watchdog_store`)."""
@@ -334,8 +344,7 @@ class Watchdog:
         """Publish this rank's record and read every rank's, on a thread of its own, for at most ``grace`` plus
         half a second; name the lost ranks by node and the live ranks behind
         (:mod:`robustdist.health.watchdog_store`)."""
-        box = ws.gather(self._connect, self._key, self._record, self._prefix, self.world_size, self._stale_after,
-                        self.grace, rank=self.rank)
+        box = ws.gather(self._connect, self._key, self._record, self._watch, self.grace, rank=self.rank)
         return ws.findings(box, rank=self.rank, node=self._node, world_size=self.world_size,
                            interval=self._interval, stale_after=self._stale_after, grace=self.grace,
                            store=ws.store_name(self.store))

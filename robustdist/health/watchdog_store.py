@@ -11,18 +11,23 @@ Protocol (every rank runs the same code; every key is the same on every rank):
   set once this rank saw a hang) and ``closed`` (the watchdog was closed). ``<generation>`` counts the
   watchdogs this process created, the same sequence on every rank; nothing counted per node (such as
   ``TORCHELASTIC_RESTART_COUNT``, counted per torchrun agent) enters a key.
+* **Watch.** From ``stale_after`` plus half an interval before its hang verdict would come (no beat for
+  ``hang_timeout`` minus that), the heartbeat thread also reads every rank's record at each interval
+  (:class:`Watch`), so that by the verdict it has seen, on its own clock, which records stopped changing (the
+  liveness rule, :class:`robustdist.runtime.liveness.Changes`). A rank that beats reads nothing.
 * **Report.** Each rank that sees a hang (every rank, not only rank 0) opens a connection of its own,
   publishes its record with ``where``, and reads every rank's record; it polls for at most ``grace`` seconds
   while a rank that is still alive has not said where it is, and never waits for a lost rank. A rank is
-  *lost* when its record is older than ``stale_after`` (3 intervals), was closed, or was never written; lost
-  ranks are named by node, apart from the live ranks that are behind.
+  *lost* when its record was seen unchanged for more than ``stale_after`` (3 intervals), was closed, or was
+  never written; lost ranks are named by node, apart from the live ranks that are behind.
 * **Bounds.** A c10d store call has no reliable bound: a ``TCPStore`` ``get`` or connect to a host that
   stopped answering waits well past the store's timeout. So the report's store calls run on a thread of their
   own that the detecting thread abandons at its deadline: the stack dump, the report and
   ``hang_action="abort"`` never wait on the store. The heartbeat thread may block; that only delays this
   rank's heartbeats (and the others then call it lost, which from the store's side it is).
-* **Clocks.** Ages compare wall clocks of different nodes: they are assumed to agree to well under
-  ``stale_after`` (NTP does).
+* **Clocks.** Whether a rank is lost is judged on the reader's monotonic clock only. The progress phrases ("last
+  beat ... 2 s ago", which live rank waits on which) compare the wall times records carry, so they assume the
+  nodes' clocks agree to within a second or so (NTP does).
 """
 
 from __future__ import annotations
@@ -41,18 +46,20 @@ from robustdist.runtime import _torch_compat, group_sockets
 from robustdist.runtime import job_store
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import ranks_phrase
+from robustdist.runtime.liveness import Changes
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.stored import Unreadable, json_value
 
 log = get_logger("robustdist.health")
 
-STALE_INTERVALS = 3  # a record older than this many heartbeat intervals is lost
+STALE_INTERVALS = 3  # a record seen unchanged for longer than this many heartbeat intervals is lost
 _POLL = 0.2  # seconds between reads while waiting for live ranks' hang records
 MAX_RECORD_BYTES = 1 << 16  # a heartbeat record is a few hundred bytes
 
 
 def heartbeat_interval(hang_timeout: float) -> float:
-    """Seconds between heartbeats: ``min(5, hang_timeout / 4)``, so a lost rank is stale well before a hang."""
+    """Seconds between heartbeats: ``min(5, hang_timeout / 4)``, so a lost rank's record has stopped changing
+    well before a hang."""
     return min(5.0, hang_timeout / 4)
 
 
@@ -88,12 +95,14 @@ def store_name(store: Any) -> str:
 
 class Heartbeat:
     """The heartbeat thread: ``record(closed)`` published under ``key`` every ``interval`` s until :meth:`stop`,
-    then once more with ``closed=True``. Failures are retried on a new connection at the next interval."""
+    then once more with ``closed=True``. Failures are retried on a new connection at the next interval. With a
+    ``watch``, it also reads every rank's record at each interval from ``watch.starts_at()`` on."""
 
     def __init__(self, connect: Callable[[], Any], key: str, interval: float,
-                 record: Callable[[bool], dict[str, Any]], *, rank: int, stale_after: float):
+                 record: Callable[[bool], dict[str, Any]], *, rank: int, stale_after: float,
+                 watch: Watch | None = None):
         self.key, self.interval, self.rank, self.stale_after = key, interval, rank, stale_after
-        self._connect, self._record = connect, record
+        self._connect, self._record, self.watch = connect, record, watch
         self._stop = threading.Event()
         self._failing_since: float | None = None
         self._warned = False
@@ -116,9 +125,19 @@ class Heartbeat:
 
     def _run(self) -> None:
         client = None
+        due = time.monotonic()
         while True:
-            client = self._publish(client, closed=False)
-            if self._stop.wait(self.interval):
+            if time.monotonic() >= due:
+                client = self._publish(client, closed=False)
+                due = time.monotonic() + self.interval
+            wake = due
+            if self.watch is not None:
+                starts = self.watch.starts_at()
+                if time.monotonic() >= starts:
+                    client = self._look(client)
+                else:
+                    wake = min(wake, starts)
+            if self._stop.wait(max(0.0, wake - time.monotonic())):
                 break
         if client is not None:  # the closed record only on a connection made before the stop (see _publish)
             self._publish(client, closed=True)
@@ -139,6 +158,16 @@ class Heartbeat:
         if self._warned:
             log.warning("watchdog heartbeats reach the c10d store again", all_ranks=True)
         self._failing_since, self._warned = None, False
+        return client
+
+    def _look(self, client: Any) -> Any:
+        if client is None or self.watch is None:  # no connection: the next publish makes one
+            return client
+        try:
+            self.watch.look(client)
+        except Exception as e:  # read again on a new connection at the next interval
+            log.debug("watchdog heartbeat read failed: %s: %s", type(e).__name__, e)
+            return None
         return client
 
     def _failed(self, e: Exception) -> None:
@@ -197,18 +226,38 @@ def read_records(client: Any, prefix: str, world_size: int) -> dict[int, dict[st
     return records
 
 
+class Watch:
+    """Every rank's heartbeat record under ``prefix`` as last read, and when each last changed on this reader's
+    clock (:class:`~robustdist.runtime.liveness.Changes`, bound ``limit``). ``starts_at()`` is the monotonic time
+    from which the heartbeat thread reads them (the watchdog's: ``limit`` plus half an interval before its hang
+    verdict); the report thread reads them too."""
+
+    def __init__(self, prefix: str, world_size: int, *, limit: float, interval: float,
+                 starts_at: Callable[[], float] = lambda: 0.0):
+        self.prefix, self.world_size, self.starts_at = prefix, world_size, starts_at
+        self.changes = Changes(limit, gap=2 * interval)  # the heartbeat looks once an interval
+        self.records: dict[int, dict[str, Any]] = {}
+
+    def look(self, client: Any) -> dict[int, dict[str, Any]]:
+        records = read_records(client, self.prefix, self.world_size)
+        self.changes.see({r: rec["alive"] for r, rec in records.items()})
+        self.records = records
+        return records
+
+
 @dataclass
 class Collected:
     """What the report thread has read so far (it may be abandoned mid-call)."""
 
     records: dict[int, dict[str, Any]] | None = None
     read_at: float = 0.0  # time.time() of the read
+    quiet: dict[int, float] = field(default_factory=dict)  # rank -> seconds its record was seen unchanged
     error: str | None = None
     abandoned: bool = False
 
 
-def collect(connect: Callable[[], Any], own_key: str, own_record: Callable[[], dict[str, Any]], prefix: str,
-            world_size: int, stale_after: float, deadline: float, box: Collected) -> None:
+def collect(connect: Callable[[], Any], own_key: str, own_record: Callable[[], dict[str, Any]], watch: Watch,
+            deadline: float, box: Collected) -> None:
     """The report thread's body: publish this rank's record, then read every rank's until each live rank has
     said where it is, or ``deadline`` (a ``time.monotonic()``) passes. Results go to ``box``."""
     try:
@@ -217,9 +266,9 @@ def collect(connect: Callable[[], Any], own_key: str, own_record: Callable[[], d
             return
         client.set(own_key, json.dumps(own_record()))
         while not box.abandoned:
-            records = read_records(client, prefix, world_size)
-            box.records, box.read_at = records, time.time()
-            alive = classify(records, world_size, box.read_at, stale_after)[0]
+            records = watch.look(client)
+            box.records, box.read_at, box.quiet = records, time.time(), watch.changes.quiet()
+            alive = classify(records, watch.world_size, box.quiet, watch.changes.limit)[0]
             if all(rec.get("where") for rec in alive.values()) or time.monotonic() + _POLL >= deadline:
                 return
             time.sleep(_POLL)
@@ -227,14 +276,14 @@ def collect(connect: Callable[[], Any], own_key: str, own_record: Callable[[], d
         box.error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
-def gather(connect: Callable[[], Any], own_key: str, own_record: Callable[[], dict[str, Any]], prefix: str,
-           world_size: int, stale_after: float, grace: float, *, rank: int) -> Collected:
+def gather(connect: Callable[[], Any], own_key: str, own_record: Callable[[], dict[str, Any]], watch: Watch,
+           grace: float, *, rank: int) -> Collected:
     """Run :func:`collect` on a thread of its own and return what it read within ``grace`` s (plus half a
     second for the last read); the thread is abandoned, never waited for, past that."""
     box = Collected()
     deadline = time.monotonic() + grace
-    _, _, finished = bounded(lambda: collect(connect, own_key, own_record, prefix, world_size, stale_after,
-                                             deadline, box), deadline + 0.5, f"hang-report-rank{rank}")
+    _, _, finished = bounded(lambda: collect(connect, own_key, own_record, watch, deadline, box), deadline + 0.5,
+                             f"hang-report-rank{rank}")
     box.abandoned = True
     if not finished and box.records is None and box.error is None:
         box.error = "no reply"
@@ -242,12 +291,12 @@ def gather(connect: Callable[[], Any], own_key: str, own_record: Callable[[], di
 
 
 # ---------------------------------------------------------------------------------------------- naming
-def classify(records: dict[int, dict[str, Any]], world_size: int, now: float,
+def classify(records: dict[int, dict[str, Any]], world_size: int, quiet: dict[int, float],
              stale_after: float) -> tuple[dict[int, dict[str, Any]], list[int]]:
-    """``(alive records, lost ranks)``: a rank is lost when its record is missing, closed or older than
-    ``stale_after`` seconds."""
+    """``(alive records, lost ranks)``: a rank is lost when its record is missing, closed or was seen unchanged
+    for more than ``stale_after`` seconds (``quiet``: :meth:`~robustdist.runtime.liveness.Changes.quiet`)."""
     alive = {r: rec for r, rec in records.items()
-             if not rec.get("closed") and now - rec["alive"] <= stale_after and 0 <= r < world_size}
+             if not rec.get("closed") and quiet.get(r, 0.0) <= stale_after and 0 <= r < world_size}
     return alive, [r for r in range(world_size) if r not in alive]
 
 
@@ -260,7 +309,8 @@ def lost_by_node(records: dict[int, dict[str, Any]], lost: list[int]) -> dict[st
     return {node: tuple(sorted(ranks)) for node, ranks in nodes.items()}
 
 
-def describe_lost(records: dict[int, dict[str, Any]], lost: list[int], now: float, interval: float) -> list[str]:
+def describe_lost(records: dict[int, dict[str, Any]], lost: list[int], quiet: dict[int, float],
+                  interval: float) -> list[str]:
     """``lost ranks 2, 3 on node 1 (host h, 10.0.0.2): no heartbeat for 12 s (expected one every 5 s; the last
     said step 41)``, one phrase per node and kind (lost, closed, never seen)."""
     groups: dict[tuple[str, str], list[int]] = {}
@@ -275,12 +325,12 @@ def describe_lost(records: dict[int, dict[str, Any]], lost: list[int], now: floa
             phrases.append(f"lost {ranks_phrase(ranks)}, {node}: never sent a heartbeat (dead or frozen before its "
                            "watchdog started, or cut off from the store since)")
             continue
-        ages = sorted(round(now - records[r]["alive"]) for r in ranks)
+        ages = sorted(round(quiet.get(r, 0.0)) for r in ranks)
         age = f"{ages[0]}" if ages[0] == ages[-1] else f"{ages[0]}-{ages[-1]}"
         steps = sorted({records[r]["step"] for r in ranks if records[r]["step"] is not None})
         last = (f"the last said step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}" if steps else
                 "the last came before the first step")
-        what = (f"closed its watchdog {age} s ago (it left training: finished, or raised)" if kind == "closed" else
+        what = ("closed its watchdog (it left training: finished, or raised)" if kind == "closed" else
                 f"no heartbeat for {age} s (expected one every {interval:g} s; {last})")
         phrases.append(f"lost {ranks_phrase(ranks)} on {node}: {what}")
     return phrases
@@ -335,8 +385,8 @@ def findings(box: Collected, *, rank: int, node: str, world_size: int, interval:
             "health.hang_action='abort' this rank exits now and the launcher restarts it once the store is back.",
             store_reachable=False)
     records, now = box.records, box.read_at
-    alive, lost = classify(records, world_size, now, stale_after)
-    parts = describe_lost(records, lost, now, interval)
+    alive, lost = classify(records, world_size, box.quiet, stale_after)
+    parts = describe_lost(records, lost, box.quiet, interval)
     behind: list[int] = []
     if alive:
         phrases, behind, best = progress(alive, now)

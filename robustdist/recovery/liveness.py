@@ -10,9 +10,9 @@ that rank faulty (:func:`robustdist.recovery.faults.declare_found`): every live 
 its collective and decides. The stopped rank answers the decision only once it runs again: a partition that heals,
 or a stop that ends, within the decision bound recovers in place; a rank that stays gone makes every rank escalate.
 
-Only rank 0's clock is used: a record is judged by when rank 0 last saw it change, never by the wall time it
-carries, so the nodes' clocks need not agree. Rank 0 judges nobody across a pause of its own (its thread not run
-for an interval: a stop, a long call holding the GIL), and not itself. A rank that closed its watchdog, or gave its
+The rule is the watchdog's (:class:`robustdist.runtime.liveness.Changes`): a record is judged by when rank 0 last
+saw it change, never by the wall time it carries, so the nodes' clocks need not agree. Rank 0 judges nobody across
+a pause of its own (its thread not run for an interval: a stop, a long call holding the GIL), and not itself. A rank that closed its watchdog, or gave its
 decision, is leaving the generation, not lost. A rank that has written no record at all is not judged (a watchdog
 created on one rank only shifts the key every later one uses: a warning says so, once); the hang verdict and the
 fault watch still cover it. Not covered: rank 0 itself stopped (the others' hang verdicts are what remain).
@@ -27,6 +27,7 @@ from typing import Any
 
 from robustdist.health import watchdog_store as ws
 from robustdist.recovery.faults import declare_found
+from robustdist.runtime.liveness import Changes
 from robustdist.runtime.log import get_logger
 
 __all__ = ["LivenessWatch", "bound", "close", "start_for"]
@@ -77,8 +78,8 @@ class LivenessWatch:
 
     def _run(self) -> None:
         client: Any = None
-        seen: dict[int, tuple[Any, float]] = {}  # rank -> (its record's "alive", when rank 0 saw it change)
-        last_round = failing_since = time.monotonic()
+        changes = Changes(self.limit, gap=self.poll + self.interval)  # held for an interval: judge nobody
+        failing_since = time.monotonic()
         warned: set[str] = set()
         while not self._stop.wait(self.poll):
             if self._fired.is_set():  # a fault of this generation is being handled: nothing more to say
@@ -97,21 +98,16 @@ class LivenessWatch:
                                 "job's store", self.rank, self.generation, time.monotonic() - failing_since,
                                 type(e).__name__, str(e)[:200], self.poll)
                 continue
-            now = time.monotonic()
-            failing_since = now
-            if now - last_round > self.poll + self.interval:  # this thread was held for an interval: judge nobody
-                seen = {r: (alive, now) for r, (alive, _) in seen.items()}
-            last_round = now
-            for r, rec in records.items():
-                if seen.get(r, (None, 0.0))[0] != rec["alive"]:
-                    seen[r] = (rec["alive"], now)
-            lost = [r for r, (_, changed) in seen.items() if r != self.rank and now - changed > self.limit
-                    and r in records and records[r].get("closed") is not True]  # unreadable now: not judged
+            now = failing_since = time.monotonic()
+            changes.see({r: rec["alive"] for r, rec in records.items()}, now)
+            quiet = changes.quiet(now)
+            lost = [r for r in changes.stopped(now) if r != self.rank and r in records
+                    and records[r].get("closed") is not True]  # unreadable now: not judged
             self._unwritten(records, now, warned)
             if lost and not self._done():
                 lost = self._still_in(client, lost)
                 if lost and not self._done():
-                    self._declare(client, records, lost, now, seen)
+                    self._declare(client, records, lost, quiet)
                     return
 
     def _unwritten(self, records: dict[int, dict[str, Any]], now: float, warned: set[str]) -> None:
@@ -127,14 +123,14 @@ class LivenessWatch:
         """Those of ``lost`` that gave no decision in this generation (one that finished, or decided, is leaving)."""
         return [r for r in lost if not client.check([f"{self.scope}/{self.generation}/decision/{r}"])]
 
-    def _declare(self, client: Any, records: dict[int, dict[str, Any]], lost: list[int], now: float,
-                 seen: dict[int, tuple[Any, float]]) -> None:
+    def _declare(self, client: Any, records: dict[int, dict[str, Any]], lost: list[int],
+                 quiet: dict[int, float]) -> None:
         found = {}
         for r in lost:
             rec = records[r]
             step = f"; its last said step {rec['step']}" if rec.get("step") is not None else ""
             found[r] = (str(rec.get("node") or "node unknown")[:200],
-                        f"HeartbeatsStopped: no new heartbeat from rank {r} for {now - seen[r][1]:.1f} s (expected "
+                        f"HeartbeatsStopped: no new heartbeat from rank {r} for {quiet[r]:.1f} s (expected "
                         f"one every {self.interval:g} s; the bound {self.limit:g} s{step}): stopped, cut off, or "
                         f"dead without its connections ending; found by rank {self.rank}")
         try:

@@ -418,45 +418,69 @@ def test_a_store_that_stops_answering_delays_neither_the_dump_nor_the_abort(sing
 
 
 class _CountingStore:
-    """A store (duck-typed, used as given) that records every call."""
+    """A store (duck-typed, used as given) that records every call, with its time.monotonic()."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
-        self.calls: list[tuple[str, str]] = []
+        self.calls: list[tuple[str, str, float]] = []
 
     def set(self, key: str, value: str) -> None:
-        self.calls.append(("set", key))
+        self.calls.append(("set", key, time.monotonic()))
         self.data[key] = value.encode()
 
     def check(self, keys: list[str]) -> bool:
-        self.calls.append(("check", ",".join(keys)))
+        self.calls.append(("check", ",".join(keys), time.monotonic()))
         return all(k in self.data for k in keys)
 
     def get(self, key: str) -> bytes:
-        self.calls.append(("get", key))
+        self.calls.append(("get", key, time.monotonic()))
         return self.data[key]
 
 
-def test_the_heartbeat_is_one_small_set_per_interval_without_beats_and_keys_are_the_same_on_every_node(
+def test_a_beating_rank_s_heartbeat_is_one_small_set_per_interval_and_keys_are_the_same_on_every_node(
         single_process, monkeypatch):
     monkeypatch.setenv("GROUP_RANK", "3")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "5")  # counted per node: must not enter a key
     store = _CountingStore()
-    wd = Watchdog(4.0, store=store, rank=1, world_size=2)  # a heartbeat every 1 s
+    wd = Watchdog(8.0, store=store, rank=1, world_size=2)  # a heartbeat every 2 s; reads from 5 s without a beat
     try:
-        time.sleep(2.5)  # no beat at all: the heartbeat does not depend on training
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end:
+            wd.beat(7)
+            time.sleep(0.1)
     finally:
         wd.close()
     assert wd.reports == []
-    kinds = {kind for kind, _ in store.calls}
-    assert kinds == {"set"}, f"a healthy rank only writes: {store.calls}"
-    keys = {key for _, key in store.calls}
+    kinds = {kind for kind, _, _ in store.calls}
+    assert kinds == {"set"}, f"a rank that beats only writes: {store.calls}"
+    keys = {key for _, key, _ in store.calls}
     assert len(keys) == 1 and re.fullmatch(r"robustdist/watchdog/\d+/1", keys.pop())
-    assert 3 <= len(store.calls) <= 5  # 0, 1, 2 s, and the closed record
+    assert 2 <= len(store.calls) <= 4  # 0 and 2 s, and the closed record
     record = json.loads(next(iter(store.data.values())))
     assert record["node"].startswith(f"node 3 (host {os.uname().nodename}") and record["node_rank"] == 3
-    assert record["pid"] == os.getpid() and record["closed"] is True and record["seq"] == 0
+    assert record["pid"] == os.getpid() and record["closed"] is True and record["step"] == 7
     assert len(json.dumps(record)) < 400
+
+
+def test_without_beats_the_heartbeat_goes_on_and_reads_every_record_only_near_the_hang_verdict(single_process):
+    """The heartbeat does not depend on training; within 3.5 intervals of the verdict (hang_timeout 4 s: a heartbeat
+    every 1 s, lost after 3 s unchanged) it also reads every rank's record, so the verdict knows whose stopped."""
+    store = _CountingStore()
+    made = time.monotonic()
+    wd = Watchdog(4.0, store=store, rank=1, world_size=2)
+    try:
+        time.sleep(2.5)  # no beat at all
+    finally:
+        wd.close()
+    assert wd.reports == []
+    sets = [(key, at) for kind, key, at in store.calls if kind == "set"]
+    reads = [(kind, key, at) for kind, key, at in store.calls if kind != "set"]
+    assert 3 <= len(sets) <= 5 and len({key for key, _ in sets}) == 1  # 0, 1, 2 s, and the closed record
+    assert reads, f"no read within 2.5 s of a 4 s hang timeout: {store.calls}"
+    first = min(at for _, _, at in reads) - made
+    assert first >= 4.0 - 3.0 - 0.5, f"read every record {first:.2f} s after the last beat, before the watch"
+    assert any(kind == "check" and re.fullmatch(r"robustdist/watchdog/(\d+)/0,robustdist/watchdog/\1/1", key)
+               for kind, key, _ in reads), reads
 
 
 def _rec(alive: float, step: int | None, seq: int, node: str, **extra: Any) -> dict[str, Any]:
@@ -468,7 +492,9 @@ def test_the_report_groups_lost_ranks_by_node_apart_from_the_ranks_behind():
     now = 1000.0
     records = {0: _rec(999.5, 41, 9, n0, where="wait (ddp.py:1)"), 1: _rec(999.0, 41, 8, n0, where="MainThread in load (x.py:2)"),
                2: _rec(988.0, 41, 9, n1), 3: _rec(987.6, 40, 3, n1), 4: _rec(970.0, 41, 9, n2, closed=True)}
-    box = ws.Collected(records=records, read_at=now)
+    # seconds each record was seen unchanged, on the reader's clock (the wall times in the records only date beats)
+    quiet = {0: 0.5, 1: 1.0, 2: 12.0, 3: 12.4, 4: 30.0}
+    box = ws.Collected(records=records, read_at=now, quiet=quiet)
     found = ws.findings(box, rank=0, node=n0, world_size=6, interval=3, stale_after=9, grace=2,
                         store="the c10d store at 10.0.0.1:29500")
     assert found.lost == (2, 3, 4, 5) and found.behind == (1,) and found.store_reachable
@@ -476,17 +502,23 @@ def test_the_report_groups_lost_ranks_by_node_apart_from_the_ranks_behind():
     text = found.text
     assert text.startswith(f"hang report from rank 0 on {n0}: lost ranks 2, 3 on {n1}: no heartbeat for 12 s")
     assert "(expected one every 3 s; the last said steps 40, 41)" in text
-    assert f"lost rank 4 on {n2}: closed its watchdog 30 s ago (it left training: finished, or raised)" in text
+    assert f"lost rank 4 on {n2}: closed its watchdog (it left training: finished, or raised)" in text
     assert "lost rank 5, node unknown: never sent a heartbeat" in text
     assert "alive but behind: rank 1 last beat at step 41 (earlier in that step: beat #8 vs #9), 2 s ago, training " \
            "thread MainThread in load (x.py:2); rank 0 at step 41. Suspect: ranks 1, 2, 3, 4, 5." in text
     assert f"Fix: bring back {n1}, {n2} and the nodes of the ranks never seen: check links and processes" in text
-    left = ws.findings(ws.Collected(records={0: records[0], 1: records[4]}, read_at=now), rank=0, node=n0,
-                       world_size=2, interval=3, stale_after=9, grace=2, store="s")
+    left = ws.findings(ws.Collected(records={0: records[0], 1: records[4]}, read_at=now, quiet={0: 0.5, 1: 30.0}),
+                       rank=0, node=n0, world_size=2, interval=3, stale_after=9, grace=2, store="s")
     assert left.lost == (1,) and left.text.endswith(
         "rank 0, the only one still alive, is at step 41 (beat #9). Suspect: rank 1. Fix: a rank left training "
         "while the others wait in a collective: run the same steps on every rank, and see the log of the rank that "
         "left for the error that ended it.")
+    # only how long a record was seen unchanged decides: a wall time far behind the reader's (a node whose clock is
+    # off) is alive while its record changes, and a record with a current wall time that stopped changing is lost
+    skewed = {0: records[0], 1: {**records[1], "alive": -1e6, "beat_wall": -1e6}, 2: {**records[2], "alive": now}}
+    judged = ws.findings(ws.Collected(records=skewed, read_at=now, quiet={0: 0.5, 1: 0.5, 2: 9.5}), rank=0, node=n0,
+                         world_size=3, interval=3, stale_after=9, grace=2, store="s")
+    assert judged.lost == (2,) and "no heartbeat for 10 s" in judged.text, judged.text
     # a malformed record is no record (that rank counts as never seen)
     for raw in (b"{not json", b"[1]", json.dumps({**records[0], "alive": "x"}), json.dumps({**records[0], "seq": None}),
                 json.dumps({**records[0], "alive": float("nan")}), json.dumps({**records[0], "node": 3})):

@@ -117,7 +117,8 @@ def test_a_hang_report_abandoned_while_connecting_writes_nothing():
     connecting, slow_connect = _announced(port)
 
     thread = threading.Thread(target=ws.collect, args=(slow_connect, "robustdist/watchdog/4/1",
-                                                       lambda: {"where": "x"}, "robustdist/watchdog/4", 2, 15.0,
+                                                       lambda: {"where": "x"},
+                                                       ws.Watch("robustdist/watchdog/4", 2, limit=15.0, interval=5.0),
                                                        time.monotonic() + 60, box), daemon=True)
     thread.start()
     new = _replaced(port, connecting, lambda: setattr(box, "abandoned", True), lambda: not thread.is_alive())
