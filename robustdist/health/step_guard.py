@@ -12,9 +12,8 @@ record once an interval, to see on this rank's own clock which records stopped c
 1. dumps every thread's stack with ``faulthandler`` to stderr and to ``dump_dir/hang-rank<r>-<pid>.txt``;
 2. on every rank that sees the hang (not only rank 0), publishes where its main thread is and reads every
    rank's record, and names, apart, the ranks it *lost* (a record seen unchanged for 3 intervals, closed, or
-   never written), grouped by
-   node: ``lost ranks 2, 3 on node 1 (host gpu-07, 10.0.0.2): no heartbeat for 12 s``, and the live ranks
-   that are *behind*: ``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at step 121``. It waits at
+   never written), grouped by node: ``lost ranks 2, 3 on node 1 (host gpu-07, 10.0.0.2): no heartbeat for 12 s
+   or more``, and the live ranks that are *behind*: ``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at step 121``. It waits at
    most ``grace`` s for live ranks' records and never for lost ones. Every store call runs on a thread the
    report abandons half a second after ``grace``, so a store that stops answering delays nothing (the report
    then says so). The report is logged at ERROR, appended to the dump file and kept in ``reports``

@@ -132,7 +132,10 @@ class Watchdog:
 
     def _watch_from(self) -> float:
         """When the heartbeat thread starts reading every rank's record: the bound plus half an interval before this
-        rank's hang verdict would come, so that the verdict's report knows which records stopped changing."""
+        rank's hang verdict would come, so that the verdict's report knows which records stopped changing; never
+        once that verdict is given, until beats resume."""
+        if self._fired_seq is not None and self._fired_seq == self._seq:
+            return math.inf
         return self._last + self.hang_timeout + self._allowance - self._stale_after - self._interval / 2
 
     def _record(self, closed: bool = False) -> dict[str, Any]:

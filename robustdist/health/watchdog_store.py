@@ -12,9 +12,10 @@ Protocol (every rank runs the same code; every key is the same on every rank):
   watchdogs this process created, the same sequence on every rank; nothing counted per node (such as
   ``TORCHELASTIC_RESTART_COUNT``, counted per torchrun agent) enters a key.
 * **Watch.** From ``stale_after`` plus half an interval before its hang verdict would come (no beat for
-  ``hang_timeout`` minus that), the heartbeat thread also reads every rank's record at each interval
-  (:class:`Watch`), so that by the verdict it has seen, on its own clock, which records stopped changing (the
-  liveness rule, :class:`robustdist.runtime.liveness.Changes`). A rank that beats reads nothing.
+  ``hang_timeout`` minus that) until the verdict, the heartbeat thread also reads every rank's record once an
+  interval, after its own write (:class:`Watch`), so that by the verdict it has seen, on its own clock, which
+  records stopped changing (the liveness rule, :class:`robustdist.runtime.liveness.Changes`). A rank whose beats
+  come closer together than that only writes.
 * **Report.** Each rank that sees a hang (every rank, not only rank 0) opens a connection of its own,
   publishes its record with ``where``, and reads every rank's record; it polls for at most ``grace`` seconds
   while a rank that is still alive has not said where it is, and never waits for a lost rank. A rank is
@@ -23,8 +24,8 @@ Protocol (every rank runs the same code; every key is the same on every rank):
 * **Bounds.** A c10d store call has no reliable bound: a ``TCPStore`` ``get`` or connect to a host that
   stopped answering waits well past the store's timeout. So the report's store calls run on a thread of their
   own that the detecting thread abandons at its deadline: the stack dump, the report and
-  ``hang_action="abort"`` never wait on the store. The heartbeat thread may block; that only delays this
-  rank's heartbeats (and the others then call it lost, which from the store's side it is).
+  ``hang_action="abort"`` never wait on the store. The heartbeat thread may block, in its write or its look;
+  that only delays this rank's heartbeats (and the others then call it lost, which from the store's side it is).
 * **Clocks.** Whether a rank is lost is judged on the reader's monotonic clock only. The progress phrases ("last
   beat ... 2 s ago", which live rank waits on which) compare the wall times records carry, so they assume the
   nodes' clocks agree to within a second or so (NTP does).
@@ -96,7 +97,8 @@ def store_name(store: Any) -> str:
 class Heartbeat:
     """The heartbeat thread: ``record(closed)`` published under ``key`` every ``interval`` s until :meth:`stop`,
     then once more with ``closed=True``. Failures are retried on a new connection at the next interval. With a
-    ``watch``, it also reads every rank's record at each interval from ``watch.starts_at()`` on."""
+    ``watch``, it also reads every rank's record once an interval while ``watch.starts_at()`` has passed (it looks
+    at that time at least every quarter interval, since a beat or an allowance moves it)."""
 
     def __init__(self, connect: Callable[[], Any], key: str, interval: float,
                  record: Callable[[bool], dict[str, Any]], *, rank: int, stale_after: float,
@@ -136,7 +138,7 @@ class Heartbeat:
                 if time.monotonic() >= starts:
                     client = self._look(client)
                 else:
-                    wake = min(wake, starts)
+                    wake = min(wake, starts, time.monotonic() + self.interval / 4)
             if self._stop.wait(max(0.0, wake - time.monotonic())):
                 break
         if client is not None:  # the closed record only on a connection made before the stop (see _publish)
@@ -161,9 +163,15 @@ class Heartbeat:
         return client
 
     def _look(self, client: Any) -> Any:
-        if client is None or self.watch is None:  # no connection: the next publish makes one
+        """One look, on a new connection if the write failed (a skipped look would read as a pause of this
+        reader's, and restart every clock)."""
+        if self.watch is None:
             return client
         try:
+            if client is None:
+                client = self._connect()
+                if self._stop.is_set():  # see _publish
+                    return None
             self.watch.look(client)
         except Exception as e:  # read again on a new connection at the next interval
             log.debug("watchdog heartbeat read failed: %s: %s", type(e).__name__, e)
@@ -216,7 +224,7 @@ def read_records(client: Any, prefix: str, world_size: int) -> dict[int, dict[st
     wanted = [keys[r] for r in present]
     try:
         values = client.multi_get(wanted) if wanted else []
-    except (AttributeError, NotImplementedError, RuntimeError):
+    except (AttributeError, NotImplementedError):  # a store without multi_get (a store error is raised)
         values = [client.get(k) for k in wanted]
     records = {}
     for r, raw in zip(present, values):
@@ -235,13 +243,13 @@ class Watch:
     def __init__(self, prefix: str, world_size: int, *, limit: float, interval: float,
                  starts_at: Callable[[], float] = lambda: 0.0):
         self.prefix, self.world_size, self.starts_at = prefix, world_size, starts_at
-        self.changes = Changes(limit, gap=2 * interval)  # the heartbeat looks once an interval
-        self.records: dict[int, dict[str, Any]] = {}
+        # the heartbeat looks once an interval, a failed look retried at the next: three intervals without one is a
+        # pause of this reader's (stopped, or the store gone), across which nobody is judged
+        self.changes = Changes(limit, gap=3 * interval)
 
     def look(self, client: Any) -> dict[int, dict[str, Any]]:
         records = read_records(client, self.prefix, self.world_size)
         self.changes.see({r: rec["alive"] for r, rec in records.items()})
-        self.records = records
         return records
 
 
@@ -311,8 +319,9 @@ def lost_by_node(records: dict[int, dict[str, Any]], lost: list[int]) -> dict[st
 
 def describe_lost(records: dict[int, dict[str, Any]], lost: list[int], quiet: dict[int, float],
                   interval: float) -> list[str]:
-    """``lost ranks 2, 3 on node 1 (host h, 10.0.0.2): no heartbeat for 12 s (expected one every 5 s; the last
-    said step 41)``, one phrase per node and kind (lost, closed, never seen)."""
+    """``lost ranks 2, 3 on node 1 (host h, 10.0.0.2): no heartbeat for 12 s or more (expected one every 5 s; the
+    last said step 41)``, one phrase per node and kind (lost, closed, never seen). The seconds are how long this
+    rank saw the record unchanged: it looks only from shortly before its verdict."""
     groups: dict[tuple[str, str], list[int]] = {}
     for r in lost:
         rec = records.get(r)
@@ -331,7 +340,7 @@ def describe_lost(records: dict[int, dict[str, Any]], lost: list[int], quiet: di
         last = (f"the last said step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}" if steps else
                 "the last came before the first step")
         what = ("closed its watchdog (it left training: finished, or raised)" if kind == "closed" else
-                f"no heartbeat for {age} s (expected one every {interval:g} s; {last})")
+                f"no heartbeat for {age} s or more (expected one every {interval:g} s; {last})")
         phrases.append(f"lost {ranks_phrase(ranks)} on {node}: {what}")
     return phrases
 

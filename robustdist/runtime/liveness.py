@@ -38,8 +38,8 @@ class Changes:
 
     def see(self, tokens: Mapping[int, Hashable], now: float | None = None) -> None:
         """One look: each rank's current token (any value that changes with every write of its record)."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
+        with self._lock:  # the clock read under the lock: two readers' looks are applied in the order taken
+            now = time.monotonic() if now is None else now
             if self._last is not None and now - self._last > self.gap:
                 self._seen = {r: (token, now) for r, (token, _) in self._seen.items()}
             self._last = now

@@ -530,3 +530,36 @@ def test_the_report_groups_lost_ranks_by_node_apart_from_the_ranks_behind():
     assert unreachable.text.startswith(f"hang report from rank 2 on {n1}: the c10d store at 10.0.0.1:29500 did "
                                        "not answer within 2.5 s (TimeoutError: x), so this rank cannot tell which "
                                        "ranks are lost; expected a reply within 2.5 s.")
+
+
+class _FailingSets(_CountingStore):
+    """Its ``set`` raises ``fail`` times in a row, from the ``after``-th call on; reads always answer."""
+
+    def __init__(self, after: int, fail: int) -> None:
+        super().__init__()
+        self.after, self.fail = after, fail
+
+    def set(self, key: str, value: str) -> None:
+        sets = sum(1 for kind, _, _ in self.calls if kind == "set")
+        if self.after <= sets < self.after + self.fail:
+            self.calls.append(("set", key, time.monotonic()))
+            raise ConnectionResetError("Connection reset by peer")
+        super().set(key, value)
+
+
+def test_failed_writes_while_watching_do_not_restart_the_clocks():
+    """A heartbeat write that fails (twice in a row here) does not cost the look of that interval: a reader that
+    skipped them would see a pause of its own and judge nobody, and a rank that stopped would be called alive."""
+    store = _FailingSets(after=2, fail=2)
+    store.data["robustdist/watchdog/9/0"] = json.dumps(_rec(5.0, 3, 1, "node 0 (host a, 10.0.0.1)")).encode()
+    watch = ws.Watch("robustdist/watchdog/9", 2, limit=0.6, interval=0.2)  # watching from the start
+    beat = ws.Heartbeat(lambda: store, "robustdist/watchdog/9/1", 0.2, lambda closed: {"alive": time.time(),
+                        "closed": closed}, rank=1, stale_after=0.6, watch=watch).start()
+    try:
+        time.sleep(1.6)
+    finally:
+        beat.stop(wait=5)
+    failed = [at for kind, _, at in store.calls if kind == "set"][2:4]
+    assert len(failed) == 2 and "robustdist/watchdog/9/1" in store.data
+    assert watch.changes.stopped() == [0], (watch.changes.quiet(), store.calls)
+    assert watch.changes.quiet()[0] >= 1.2  # seen unchanged since the first look, across the failed writes
