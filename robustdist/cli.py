@@ -13,7 +13,7 @@
   directories under ``BASE`` (``/dev/shm``) that no running process uses (:mod:`robustdist.checkpoint.local.
   leftovers`), and lists those it kept. Exit code 0, or 2 when ``BASE`` cannot be listed.
 * ``robustdist run [torchrun's flags] SCRIPT [ARGS]`` is torchrun whose agent starts a worker killed by a signal
-  again alone when the script recovers in process (:mod:`robustdist.recovery.launch`); otherwise exactly torchrun.
+  again alone when the script recovers in process (:mod:`robustdist.launcher.launch`); otherwise exactly torchrun.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # torchrun's own parser reads the rest (its flags, the script and its arguments)
-        from robustdist.recovery.launch import main as run_main
+        from robustdist.launcher.launch import main as run_main
 
         return run_main(argv[1:])
     parser = build_parser()

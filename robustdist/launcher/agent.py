@@ -37,9 +37,9 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from robustdist.recovery.attempt_store import AttemptStore
-from robustdist.recovery.deaths import DeathWatch
-from robustdist.recovery.warm_spare import WarmSpare, describe_exit
+from robustdist.launcher.attempt_store import AttemptStore
+from robustdist.launcher.deaths import DeathWatch
+from robustdist.launcher.warm_spare import WarmSpare, describe_exit
 from robustdist.runtime import _elastic_compat
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, REPLACES_ENV, STATE_KEY, attempt_store_info, job_of
 from robustdist.runtime.stored import json_value

@@ -5,7 +5,7 @@ it sees a death on average half an interval late, and every survivor waits that 
 ``robustdist run``'s agent waits on a pidfd of each running worker instead, with ``poll(2)`` and the same interval as
 its timeout: with nothing ending it looks exactly as often as torchrun's, and at once when a worker ends. A worker
 forked by the warm spare is watched through its own pidfd, then through the spare's pipe until the spare says how it
-ended (:class:`~robustdist.recovery.forked.ForkedWorker`). Where the kernel has no pidfds (Linux before 5.3), the
+ended (:class:`~robustdist.launcher.forked.ForkedWorker`). Where the kernel has no pidfds (Linux before 5.3), the
 agent sleeps the interval, as torchrun does.
 """
 
@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from robustdist.recovery.forked import readable
+from robustdist.launcher.forked import readable
 
 __all__ = ["DeathWatch"]
 

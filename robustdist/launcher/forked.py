@@ -1,4 +1,4 @@
-"""The agent's side of a spare that forks its workers (:func:`robustdist.recovery.spare.serve`).
+"""The agent's side of a spare that forks its workers (:func:`robustdist.launcher.spare.serve`).
 
 A worker forked by the warm spare is the spare's child, not the agent's: only the spare can wait for it and learn how
 it ended. :class:`Channel` reads what the spare says on its pipe (``P <id> <pid>`` for the child it forked for order
@@ -145,7 +145,7 @@ class ForkedWorker:
         return self.returncode
 
     def end_fd(self) -> int | None:
-        """What to wait on for this worker's end (:class:`~robustdist.recovery.deaths.DeathWatch`), once :meth:`poll`
+        """What to wait on for this worker's end (:class:`~robustdist.launcher.deaths.DeathWatch`), once :meth:`poll`
         said it runs: its pidfd while it runs, then the spare's pipe, until the spare says how it ended."""
         if self._pidfd is not None and not readable(self._pidfd):
             return self._pidfd

@@ -2,7 +2,7 @@
 
 Every torchrun flag is torchrun's own: the command line is parsed by ``torch.distributed.run``'s parser and the job is
 launched by its ``run`` (rendezvous, ``--max-restarts``, ``--nnodes``, ``--rdzv_*``, logs and error files alike);
-only the agent differs (:class:`robustdist.recovery.agent.Replacer`). Without in-process recovery in the training
+only the agent differs (:class:`robustdist.launcher.agent.Replacer`). Without in-process recovery in the training
 script, or when the agent itself dies, it behaves exactly as torchrun, but for two things: the agent wakes at a
 worker's end instead of at its next ``--monitor-interval`` look (:mod:`.deaths`); and without ``--log-dir``, torchrun
 leaves its temporary ``torchelastic_*`` directory behind, which ``robustdist run`` removes at the end unless a file
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from robustdist.recovery.agent import Replacer
+    from robustdist.launcher.agent import Replacer
 
     parser = torch_run.get_args_parser()
     parser.prog = "robustdist run"
@@ -72,8 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not logging_configured():  # the launcher's own news (a worker replaced, the spare ready) to stderr, at INFO
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
-        for name in ("robustdist.recovery.agent", "robustdist.recovery.attempt_store", "robustdist.recovery.forked",
-                     "robustdist.recovery.warm_spare", __name__):
+        for name in ("robustdist.launcher.agent", "robustdist.launcher.attempt_store", "robustdist.launcher.forked",
+                     "robustdist.launcher.warm_spare", __name__):
             agent_log = logging.getLogger(name)
             agent_log.addHandler(handler)
             agent_log.setLevel(logging.INFO)

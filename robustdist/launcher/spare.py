@@ -1,7 +1,7 @@
 """A warm spare: a process that has done a worker's slow start (``import torch``, robustdist, DDP's first-use imports)
 and waits to become a worker (``robustdist run --spares 1``, the default).
 
-``robustdist run``'s agent (:mod:`.agent`) starts ``python -u -m robustdist.recovery.spare`` with the workers of each
+``robustdist run``'s agent (:mod:`.agent`) starts ``python -u -m robustdist.launcher.spare`` with the workers of each
 attempt, and again, once the run can take a replacement, after a spare became a worker. The spare imports torch,
 torch.distributed, DDP and DCP, and the modules ``robustdist.harden`` imports, and, on a build without CUDA, runs one
 DDP step on a one-rank gloo group of its own (an in-memory store: no port, no file), which loads what a DDP
@@ -46,7 +46,7 @@ import sys
 import warnings
 from typing import Any
 
-from robustdist.recovery import idle as _idle
+from robustdist.launcher import idle as _idle
 
 __all__ = ["FORKS", "HELD_EXIT", "IDLE_PATIENCE_S", "READY", "READY_FD_ENV", "READY_IDLE", "READY_LATE",
            "READY_WITH_WORKERS", "WITH_WORKERS", "WITH_WORKERS_PATIENCE_S", "become", "forks", "idle_possible", "main",
@@ -86,7 +86,7 @@ def warm() -> None:
 
 
 def idle_possible() -> bool:
-    """Whether this spare warms at idle priority (:func:`robustdist.recovery.idle.possible`)."""
+    """Whether this spare warms at idle priority (:func:`robustdist.launcher.idle.possible`)."""
     return _idle.possible()
 
 

@@ -5,7 +5,7 @@ Where it can, the spare forks the replacement (its environment, command and outp
 warm for the next one (:mod:`.forked`: the agent watches the forked worker through the spare); otherwise it becomes
 the replacement itself, and another is started :data:`SPARE_PAUSE_S` later. Without one (``--spares 0``, a spare
 that died, a worker command a spare cannot run, NUMA binding) the replacement starts cold, as torchrun starts a
-worker. :class:`~robustdist.recovery.agent.Replacer` holds one :class:`WarmSpare`.
+worker. :class:`~robustdist.launcher.agent.Replacer` holds one :class:`WarmSpare`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from robustdist.recovery import spare as _spare
-from robustdist.recovery.forked import Channel, ForkedWorker, NoAnswer, readable
+from robustdist.launcher import spare as _spare
+from robustdist.launcher.forked import Channel, ForkedWorker, NoAnswer, readable
 from robustdist.runtime import _elastic_compat
 
 __all__ = ["FORK_REPLY_S", "SPARE_LOOK_S", "SPARE_PAUSE_S", "SPARE_TRIES", "SPARE_WAIT_S", "WarmSpare", "describe_exit"]
@@ -120,7 +120,7 @@ class WarmSpare:
         log.warning("robustdist run: the warm spare (pid %d) ended with %s%s", spare.pid,
                     describe_exit(spare.returncode), "; starting another" if self._failures < SPARE_TRIES else
                     f"; {SPARE_TRIES} in a row ended before they were warm (see the launcher's stderr above), so "
-                    "no more: replacements start cold. Fix: run `python -m robustdist.recovery.spare` by hand")
+                    "no more: replacements start cold. Fix: run `python -m robustdist.launcher.spare` by hand")
         self.proc, self.warm = None, False
         if self._ready is not None:
             os.close(self._ready)
@@ -131,7 +131,7 @@ class WarmSpare:
         """Start a spare (``with_workers``: as the workers start, :data:`.spare.WITH_WORKERS`)."""
         ready_r, ready_w = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.recovery.spare",
+            self.proc = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.launcher.spare",
                                             *([_spare.WITH_WORKERS] if with_workers else [])], cwd="/",
                                            stdin=subprocess.PIPE, start_new_session=True, pass_fds=(ready_w,),
                                            env={**os.environ, _spare.READY_FD_ENV: str(ready_w)})

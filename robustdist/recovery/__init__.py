@@ -6,10 +6,10 @@ generation protocol: :func:`declare_fault`, :class:`FaultWatch`), :mod:`.generat
 moment its group exists; a failed build declared), :mod:`.handover` (the store from one generation to the next),
 :mod:`.timings` (each recovery's phases on this rank: :func:`history`) and, in the runtime,
 :mod:`robustdist.runtime.group_sockets` (a gloo collective in progress unblocked by shutting its group's
-connections down) and :func:`robustdist.runtime.dist.interrupt_waits`. ``robustdist run``: :mod:`.launch`
-(the command: torchrun's parser and agent), :mod:`.agent` (a worker killed by a signal started again alone),
-:mod:`.spare` (the warm spare), :mod:`.replacement` and :mod:`.joining` (the new process joins the survivors). What is missing: docs/status.md. Imports
-:mod:`robustdist.runtime` and :mod:`robustdist.health`.
+connections down) and :func:`robustdist.runtime.dist.interrupt_waits`. A process that replaces a killed rank joins
+the survivors through :mod:`.replacement` and :mod:`.joining`; ``robustdist run``, which starts it, is
+:mod:`robustdist.launcher`. What is missing: docs/status.md. Imports :mod:`robustdist.runtime` and
+:mod:`robustdist.health`.
 """
 
 from __future__ import annotations

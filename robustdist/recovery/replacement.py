@@ -3,7 +3,7 @@
 Under ``robustdist run`` (:data:`~robustdist.runtime.replacing.RUN_ENV`), rank 0 of every in-process generation
 publishes where the generation stands in the agent's store (:func:`publish`: the recovery scope, the generation,
 its store's address, and the per-process counters that name store keys), and withdraws it when the run ends. When
-a worker is killed by a signal the agent starts it again alone (:mod:`robustdist.recovery.agent`), with
+a worker is killed by a signal the agent starts it again alone (:mod:`robustdist.launcher.agent`), with
 :data:`~robustdist.runtime.replacing.REPLACES_ENV`. The new process runs the script from the top; its ``harden``
 calls :func:`join` before it makes its group:
 

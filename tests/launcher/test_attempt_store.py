@@ -1,5 +1,5 @@
 """Each attempt's store served by ``robustdist run``'s agent on node 0 (a killed rank 0 replaced alone):
-the agents' side (:class:`robustdist.recovery.attempt_store.AttemptStore`, against real TCPStores standing for the
+the agents' side (:class:`robustdist.launcher.attempt_store.AttemptStore`, against real TCPStores standing for the
 round's rendezvous store) and the workers' (:func:`robustdist.init.elastic_store.served_by_agent` and the client it
 makes), with the hostile environments a worker may be given."""
 
@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from robustdist.init import elastic_store
-from robustdist.recovery.attempt_store import AttemptStore
+from robustdist.launcher.attempt_store import AttemptStore
 from robustdist.runtime.errors import InitError
 from robustdist.runtime.replacing import ATTEMPT_STORE_ENV, ATTEMPT_STORE_KEY, ATTEMPT_TOKEN_KEY, RUN_ENV
 
@@ -216,7 +216,7 @@ _KEPT = {"outlives_rank0": True, "host": "127.0.0.1", "port": 29500}
                                              ("x" * 9000, False), (None, False)])
 def test_rank_0_is_replaced_alone_only_where_its_state_says_its_store_outlives_it(rounds, monkeypatch, state,
                                                                                     replaced):
-    from robustdist.recovery.agent import Replacer
+    from robustdist.launcher.agent import Replacer
     from robustdist.runtime.replacing import STATE_KEY
 
     monkeypatch.setenv(ATTEMPT_STORE_ENV, json.dumps(_OK))  # what this agent serves now

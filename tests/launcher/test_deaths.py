@@ -1,4 +1,4 @@
-"""robustdist run's agent waits for a worker's end on pidfds (recovery.deaths): it wakes at the death, not at its
+"""robustdist run's agent waits for a worker's end on pidfds (launcher.deaths): it wakes at the death, not at its
 next look, and with nothing ending it waits its whole interval (no busy loop on a worker already seen ended)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from robustdist.recovery.deaths import DeathWatch
+from robustdist.launcher.deaths import DeathWatch
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120),
               pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds need Linux 5.3 and Python 3.9")]
@@ -154,7 +154,7 @@ def test_without_pidfds_the_wait_sleeps_its_interval(monkeypatch, caplog):
     monkeypatch.setattr(os, "pidfd_open", no_pidfd)
     watch, proc = DeathWatch(), _sleeper()
     try:
-        with caplog.at_level("INFO", logger="robustdist.recovery.deaths"):
+        with caplog.at_level("INFO", logger="robustdist.launcher.deaths"):
             start = time.monotonic()
             watch.wait([proc], 0.3)
         assert time.monotonic() - start >= 0.25
@@ -171,7 +171,7 @@ def test_a_death_between_the_agents_look_and_torchs_is_left_for_its_next_look():
     where it is started again alone; the wait before that look does not wait for it."""
     from types import SimpleNamespace
 
-    from robustdist.recovery.agent import Replacer
+    from robustdist.launcher.agent import Replacer
 
     procs = [_sleeper(), _sleeper()]
     agent = SimpleNamespace(_pcontext=SimpleNamespace(subprocess_handlers={
@@ -225,7 +225,7 @@ def test_an_error_tending_the_spare_is_named_and_the_look_goes_on(monkeypatch, c
     import logging
     from types import SimpleNamespace
 
-    from robustdist.recovery.agent import Replacer
+    from robustdist.launcher.agent import Replacer
 
     proc = _sleeper()
     agent = SimpleNamespace(_pcontext=SimpleNamespace(subprocess_handlers={0: SimpleNamespace(proc=proc)}))
@@ -236,7 +236,7 @@ def test_an_error_tending_the_spare_is_named_and_the_look_goes_on(monkeypatch, c
 
     monkeypatch.setattr(replacer.spare, "tend", no_descriptors)
     try:
-        with caplog.at_level(logging.WARNING, "robustdist.recovery.agent"):
+        with caplog.at_level(logging.WARNING, "robustdist.launcher.agent"):
             assert replacer(agent, SimpleNamespace(workers=[SimpleNamespace(id=proc.pid)]), lambda g: "healthy") \
                 == "healthy"
         assert "could not tend the warm spare (OSError: [Errno 24] Too many open files); expected to start or check " \

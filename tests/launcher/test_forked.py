@@ -1,5 +1,5 @@
-"""The warm spare that forks its workers (robustdist.recovery.spare.serve) and the agent's side of it
-(robustdist.recovery.forked): a real spare process, real forked workers; what the spare says on its pipe, read as
+"""The warm spare that forks its workers (robustdist.launcher.spare.serve) and the agent's side of it
+(robustdist.launcher.forked): a real spare process, real forked workers; what the spare says on its pipe, read as
 the agent reads it; orders matched to replies by id, a child that runs only once let go, hostile lines and orders."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from robustdist.recovery import spare
-from robustdist.recovery.deaths import DeathWatch
-from robustdist.recovery.forked import UNKNOWN_EXIT, Channel, ForkedWorker, NoAnswer
+from robustdist.launcher import spare
+from robustdist.launcher.deaths import DeathWatch
+from robustdist.launcher.forked import UNKNOWN_EXIT, Channel, ForkedWorker, NoAnswer
 
 pytestmark = pytest.mark.skipif(not spare.forks(), reason="forking spares need Linux's pidfd_open")
 
@@ -46,7 +46,7 @@ def _launch() -> tuple[subprocess.Popen[bytes], int]:
     """A spare as the agent starts it, warming (it has said nothing yet); the read end of its ready pipe."""
     ready_r, ready_w = os.pipe()
     env = {**os.environ, spare.READY_FD_ENV: str(ready_w), "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.recovery.spare"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "robustdist.launcher.spare"], stdin=subprocess.PIPE,
                             pass_fds=(ready_w,), env=env, cwd="/", start_new_session=True)
     os.close(ready_w)
     return proc, ready_r
@@ -222,7 +222,7 @@ def test_the_end_of_its_input_waits_for_its_workers_and_a_dead_spares_worker_end
         _seen(tmp_path / "4.json")
         os.killpg(proc.pid, signal.SIGKILL)  # the spare dies first: only a pidfd still sees the worker end
         proc.wait()
-        with caplog.at_level(logging.WARNING, "robustdist.recovery.forked"):
+        with caplog.at_level(logging.WARNING, "robustdist.launcher.forked"):
             code = orphan.wait(60)
         assert channel.closed
         # its code, read while whoever adopted it has not reaped it yet; else unknown, and said so
@@ -242,7 +242,7 @@ def test_the_channel_reads_split_lines_by_id_and_names_what_it_cannot(caplog):
         os.write(write, b"P 2 12\nX 1 ValueError: not an ord")
         assert channel.forked("2", 1) == 12
         os.write(write, b"er\nE 12 -9\nE 13 0\nhello\n")
-        with caplog.at_level(logging.WARNING, "robustdist.recovery.forked"):
+        with caplog.at_level(logging.WARNING, "robustdist.launcher.forked"):
             assert channel.forked("1", 1) == "ValueError: not an order"
         assert channel.ended == {12: -9, 13: 0}
         assert "the warm spare (pid 4242) said b'hello'; expected P <id> <pid>, X <id> <reason> or E <pid> <code>" \
@@ -250,7 +250,7 @@ def test_the_channel_reads_split_lines_by_id_and_names_what_it_cannot(caplog):
         assert channel.forked("3", 0.1) == NoAnswer("the spare said nothing within 0.1 s")
         os.write(write, b"E 14 " + b"7" * 9000)  # no line end: not the spare's protocol (within the pipe's buffer)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, "robustdist.recovery.forked"):
+        with caplog.at_level(logging.WARNING, "robustdist.launcher.forked"):
             channel.pump()
         assert channel.closed and "without a line end" in caplog.text
         assert channel.forked("3", 1) == NoAnswer("the spare ended") and 14 not in channel.ended
@@ -279,7 +279,7 @@ def test_the_channel_reads_split_lines_by_id_and_names_what_it_cannot(caplog):
 def test_a_spare_that_does_not_answer_is_ended_and_the_rank_starts_cold(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    from robustdist.recovery import warm_spare
+    from robustdist.launcher import warm_spare
 
     kept = warm_spare.WarmSpare()
     order_r, order_w = os.pipe()
@@ -290,7 +290,7 @@ def test_a_spare_that_does_not_answer_is_ended_and_the_rank_starts_cold(monkeypa
     kept.channel = Channel(said_r, 4242)
     stalled = SimpleNamespace(pid=4242, stdin=os.fdopen(order_w, "wb"))
     try:
-        with caplog.at_level(logging.WARNING, "robustdist.recovery.warm_spare"):
+        with caplog.at_level(logging.WARNING, "robustdist.launcher.warm_spare"):
             got = kept._fork(None, SimpleNamespace(global_rank=1), stalled, {"env": {}, "args": ["x.py"]})
         assert got is None and ended == [4242]
         assert json.loads(os.read(order_r, 4096).splitlines()[0])["id"] == "1"  # the order went, with its id
@@ -307,7 +307,7 @@ def test_a_spare_that_does_not_answer_is_ended_and_the_rank_starts_cold(monkeypa
 @pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_the_agents_wait_wakes_at_a_forked_workers_end_then_at_the_spares_word_of_it(tmp_path):
-    """recovery.deaths: the agent's wait before each look ends when a forked worker dies (its pidfd), and, where the
+    """launcher.deaths: the agent's wait before each look ends when a forked worker dies (its pidfd), and, where the
     spare has not yet said how it ended, when the spare says it (its pipe): never the whole interval."""
     proc, channel = _start()
     watch, workers = DeathWatch(), []

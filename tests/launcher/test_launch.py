@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from robustdist.recovery.launch import descriptors_needed
+from robustdist.launcher.launch import descriptors_needed
 
 _WORKER = """
 import json, os, sys

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from robustdist.recovery.spare import idle_possible
+from robustdist.launcher.spare import idle_possible
 from tests._torchrun import ROOT, finish, launch, results, shared_straight, succeeded
 
 pytestmark = pytest.mark.processes

@@ -1,4 +1,4 @@
-"""The warm spare's warm-up priority (robustdist.recovery.idle): at SCHED_IDLE with its session's autogroup at nice 19
+"""The warm spare's warm-up priority (robustdist.launcher.idle): at SCHED_IDLE with its session's autogroup at nice 19
 where the process can come back (every thread and the autogroup back before it says it is warm, and the worker it
 becomes runs at the workers' policy), at the workers' priority where it cannot (no CAP_SYS_NICE: a root container's
 default), and what it says on the agent's pipe in each case. Real processes, each in a session of its own (as the
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from robustdist.recovery import spare
-from robustdist.recovery.forked import Channel
+from robustdist.launcher import spare
+from robustdist.launcher.forked import Channel
 
 SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
 
@@ -56,7 +56,7 @@ def _policies(pid: int) -> dict[int, int]:
 
 
 # the spare where it cannot fork (no pidfd, a CUDA driver loaded): it becomes the one worker itself
-NO_FORK = "import sys; import robustdist.recovery.spare as s; s.forks = lambda: False; sys.exit(s.main())"
+NO_FORK = "import sys; import robustdist.launcher.spare as s; s.forks = lambda: False; sys.exit(s.main())"
 
 
 def _spare(shell: str | None, forking: bool = True, with_workers: bool = False
@@ -65,7 +65,7 @@ def _spare(shell: str | None, forking: bool = True, with_workers: bool = False
     --drop=cap_sys_nice`` after ``shell`` where given."""
     ready_r, ready_w = os.pipe()
     env = {**os.environ, spare.READY_FD_ENV: str(ready_w), "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-u", "-m", "robustdist.recovery.spare"] if forking else [sys.executable, "-u", "-c",
+    cmd = [sys.executable, "-u", "-m", "robustdist.launcher.spare"] if forking else [sys.executable, "-u", "-c",
                                                                                       NO_FORK]
     cmd += [spare.WITH_WORKERS] if with_workers else []
     if shell is not None:
@@ -209,7 +209,7 @@ def test_a_thread_that_already_idles_does_not_probe():
 
 IDLE_RUN = """
 import json, os, sys, threading
-from robustdist.recovery import idle
+from robustdist.launcher import idle
 
 def nice():
     try:
@@ -292,7 +292,7 @@ def test_idle_run_where_threads_cannot_come_back_names_them_and_the_fix():
 
 
 def test_possible_is_false_off_linux_and_where_the_calls_are_refused(monkeypatch):
-    from robustdist.recovery import idle
+    from robustdist.launcher import idle
 
     def refused(*_):
         raise OSError(38, "Function not implemented")
@@ -320,7 +320,7 @@ def test_the_agent_reads_what_the_spare_says_and_names_what_it_cannot(said, used
     import logging
     from types import SimpleNamespace
 
-    from robustdist.recovery.warm_spare import WarmSpare
+    from robustdist.launcher.warm_spare import WarmSpare
 
     kept = WarmSpare()
     read, write = os.pipe()
@@ -328,7 +328,7 @@ def test_the_agent_reads_what_the_spare_says_and_names_what_it_cannot(said, used
     os.close(write)
     kept._ready, kept.proc, kept._started = read, SimpleNamespace(pid=4242), time.monotonic()
     kept.workers_started = kept._started - 1.5
-    with caplog.at_level(logging.INFO, "robustdist.recovery.warm_spare"):
+    with caplog.at_level(logging.INFO, "robustdist.launcher.warm_spare"):
         kept.look_ready()
     assert kept.warm is used
     assert text in caplog.text
@@ -347,8 +347,8 @@ def test_a_death_while_the_spare_warms_waits_briefly_for_it(monkeypatch):
     import threading
     from types import SimpleNamespace
 
-    from robustdist.recovery import warm_spare
-    from robustdist.recovery.warm_spare import WarmSpare
+    from robustdist.launcher import warm_spare
+    from robustdist.launcher.warm_spare import WarmSpare
     from robustdist.runtime import _elastic_compat
 
     launch = {"entrypoint": sys.executable, "args": ("-u", "train.py"), "env": {}, "stdout": "", "stderr": "",

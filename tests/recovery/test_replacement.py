@@ -256,14 +256,14 @@ def test_another_configuration_and_a_decision_the_dead_rank_gave_are_respected(s
 
 
 def test_a_spare_takes_only_a_python_script_or_module():
-    from robustdist.recovery.spare import usable
+    from robustdist.launcher.spare import usable
 
     assert usable(["-u", "train.py", "--lr", "1"]) and usable(["train.py"]) and usable(["-u", "-m", "pkg.train"])
     assert not usable(["-X", "dev", "train.py"]) and not usable(["-m"]) and not usable(["-u"]) and not usable([])
 
 
 def test_the_launchers_log_directory_goes_when_empty_and_stays_with_a_file(tmp_path):
-    from robustdist.recovery.launch import _remove_empty
+    from robustdist.launcher.launch import _remove_empty
 
     empty, kept = tmp_path / "torchelastic_a", tmp_path / "torchelastic_b"
     (empty / "run" / "attempt_0" / "0").mkdir(parents=True)

@@ -32,10 +32,10 @@ LEGIT = {
     "recovery/stuck.py": 2,  # /proc/self/task/<tid>/stat and wchan (read)
     "health/watchdog.py": 3,  # the stack-dump file in health.dump_dir, which the user names
     "ray/actor.py": 3,  # sysfs (NUMA node, CPU list), /proc/self/statm
-    "recovery/launch.py": 2,  # robustdist run's own temporary log directory (made, and removed when left empty)
-    "recovery/forked.py": 1,  # /proc/<pid>/stat (read: a forked worker's exit code while its parent has not reaped it)
-    "recovery/idle.py": 2,  # /proc/self/autogroup (read, and written: the spare's own session, lowered and put back)
-    "recovery/spare.py": 3,  # /dev/null, the worker's output file torchrun chose (appended), /proc/self/maps (read)
+    "launcher/launch.py": 2,  # robustdist run's own temporary log directory (made, and removed when left empty)
+    "launcher/forked.py": 1,  # /proc/<pid>/stat (read: a forked worker's exit code while its parent has not reaped it)
+    "launcher/idle.py": 2,  # /proc/self/autogroup (read, and written: the spare's own session, lowered and put back)
+    "launcher/spare.py": 3,  # /dev/null, the worker's output file torchrun chose (appended), /proc/self/maps (read)
     "runtime/_elastic_compat.py": 2,  # a replaced worker's output files torchrun chose (appended)
     "runtime/group_sockets.py": 1,  # /dev/null, put in place of a DataLoader worker's inherited listeners
     "testing/nodelab.py": 8,  # the test harness
