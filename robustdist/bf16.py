@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from robustdist.runtime import _torch_compat
+from robustdist.runtime import _serialization_compat
 from robustdist.runtime.log import warn
 
 __all__ = [
@@ -82,7 +82,7 @@ _BY_NAME = {str(d).removeprefix("torch."): d for d in RAW_DTYPES}
 
 def _torch_reduction_wanted() -> bool:
     """True when the caller is torch.save (which must stay untouched) or copy.copy (which shares storage)."""
-    owners = {*_torch_compat.torch_save_code(), copy.copy.__code__}
+    owners = {*_serialization_compat.torch_save_code(), copy.copy.__code__}
     frame = sys._getframe(2)
     for _ in range(3):
         if frame is None:
@@ -102,7 +102,7 @@ def _raw_bits(t: torch.Tensor) -> np.ndarray:
 
 def _data_accessible(t: torch.Tensor) -> bool:
     """False for tensors with no readable data: ``meta``, no storage, functorch/functionalization wrappers."""
-    if t.device.type == "meta" or not _torch_compat.has_storage(t):
+    if t.device.type == "meta" or not _serialization_compat.has_storage(t):
         return False
     try:
         t.untyped_storage().data_ptr()  # wrappers raise here ("invalid python storage", "Cannot access storage")
@@ -113,7 +113,7 @@ def _data_accessible(t: torch.Tensor) -> bool:
 
 def _eligible(t: torch.Tensor) -> bool:
     return (t.dtype in RAW_DTYPES and t.layout == torch.strided and (t.is_leaf or not t.requires_grad)
-            and type(t) in (torch.Tensor, torch.nn.Parameter) and not _torch_compat.has_python_state(t)
+            and type(t) in (torch.Tensor, torch.nn.Parameter) and not _serialization_compat.has_python_state(t)
             and _data_accessible(t))
 
 

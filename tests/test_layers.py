@@ -46,8 +46,13 @@ FLOORS = {
     "robustdist.runtime.liveness": set(),  # the liveness rule
     # The private-API fences: the record type, and the torch fence below the group state that uses it.
     "robustdist.runtime.private_api": set(),
-    "robustdist.runtime._torch_compat": {"robustdist.runtime.errors", "robustdist.runtime.private_api"},
+    "robustdist.runtime._torch_compat": {"robustdist.runtime.private_api"},
+    "robustdist.runtime._serialization_compat": {"robustdist.runtime._torch_compat", "robustdist.runtime.errors",
+                                                 "robustdist.runtime.private_api"},
+    "robustdist.runtime._amp_compat": {"robustdist.runtime._torch_compat", "robustdist.runtime.private_api"},
     "robustdist.runtime._data_compat": {"robustdist.runtime._torch_compat", "robustdist.runtime.private_api"},
+    "robustdist.runtime._ray_train_compat": {"robustdist.runtime._ray_compat", "robustdist.runtime.private_api"},
+    "robustdist.runtime._tune_compat": {"robustdist.runtime._ray_compat", "robustdist.runtime.private_api"},
     "robustdist.runtime.node": set(),  # which node this is: the standard library only
     "robustdist.runtime.lazy": set(),  # every package __init__ imports it: the standard library only
 }

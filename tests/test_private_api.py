@@ -1,7 +1,7 @@
-"""Nothing in robustdist touches a private torch or Ray name but the fenced modules:
-``robustdist/runtime/_torch_compat.py``, ``_elastic_compat.py`` (torchelastic's agent), ``_data_compat.py`` (the
-DataLoader's), ``_ray_compat.py``. Like
-the layering test, this reads the source (ast), so a new private access fails here before a torch or Ray release breaks it silently.
+"""Nothing in robustdist touches a private torch or Ray name but the fenced modules, one per area:
+``robustdist/runtime/_<area>_compat.py`` (process groups, modules and tensors: ``_torch_compat``; serialisation and
+DCP; mixed precision; the DataLoader; torchelastic's agent; Ray). Like the layering test, this reads the source
+(ast), so a new private access fails here before a torch or Ray release breaks it silently.
 
 Found as private: an import of a torch/ray module path with a ``_`` segment or of a ``_`` name from one; an
 attribute chain with a ``_`` name rooted at a name bound to a torch or Ray import (``dist.distributed_c10d._x``,
@@ -15,8 +15,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "robustdist"
-FENCES = {PACKAGE / "runtime" / name for name in ("_torch_compat.py", "_elastic_compat.py", "_data_compat.py",
-                                                  "_ray_compat.py")}
+FENCES = set((PACKAGE / "runtime").glob("_*_compat.py"))
 DEPENDENCIES = ("torch", "ray")
 # Private members of torch/Ray objects, matched by name: robustdist's own code never uses these names.
 MEMBER_NAMES = frozenset({
@@ -94,11 +93,11 @@ def _docstring(tree: ast.AST, const: ast.Constant) -> bool:
 
 
 def test_no_private_torch_or_ray_name_outside_the_fences():
+    assert len(FENCES) >= 6, f"expected the fences robustdist/runtime/_<area>_compat.py; found {sorted(FENCES)}"
     found = {str(p.relative_to(PACKAGE.parent)): v for p in sorted(PACKAGE.rglob("*.py"))
              if p not in FENCES and (v := _violations(p))}
     assert not found, (
-        "private torch/Ray names outside robustdist/runtime/_torch_compat.py, _elastic_compat.py, _data_compat.py and "
-        "_ray_compat.py "
+        "private torch/Ray names outside the fences, robustdist/runtime/_<area>_compat.py "
         "(move each access into the fence, with a PrivateAPI entry and the versions it was verified on):\n"
         + "\n".join(f"  {path}:{line}" for path, lines in found.items() for line in lines))
 

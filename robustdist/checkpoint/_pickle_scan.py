@@ -46,8 +46,8 @@ from array import array
 from typing import Any
 
 from robustdist.checkpoint._pickle_tensors import EMPTY_OD, EXPANDED, FROZEN, TensorRules
-from robustdist.runtime._torch_compat import (COPYING_REBUILDS, STATEFUL_REBUILDS, canonical_global, makes_tensor,
-                                              tensor_classes)
+from robustdist.runtime._serialization_compat import (COPYING_REBUILDS, STATEFUL_REBUILDS, canonical_global,
+                                                     makes_tensor, tensor_classes)
 from robustdist.runtime.errors import CheckpointCorruptError
 
 MAX_KEY_INT = 2**61 - 1

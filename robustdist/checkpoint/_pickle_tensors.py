@@ -19,7 +19,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-from robustdist.runtime._torch_compat import FROM_TYPE, REBUILD_HOOKS_AT
+from robustdist.runtime._serialization_compat import FROM_TYPE, REBUILD_HOOKS_AT
 
 MAX_TENSOR_ARGS = 1024
 """Values a tensor's rebuild arguments may stand for (its storage, up to 64 sizes and strides, a few flags)."""

@@ -45,7 +45,7 @@ from robustdist.checkpoint._schema import (
     is_int,
     weights_only_reason,
 )
-from robustdist.runtime import _torch_compat
+from robustdist.runtime import _serialization_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import CheckpointCorruptError, CheckpointError
 
@@ -54,7 +54,7 @@ _DCP_META = "torch.distributed.checkpoint.metadata"
 _SAFE_GLOBALS = frozenset({
     *((_DCP_META, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
                                "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata")),
-    *_torch_compat.DCP_PICKLED_PRIVATE, ("torch", "Size"), ("collections", "OrderedDict"),
+    *_serialization_compat.DCP_PICKLED_PRIVATE, ("torch", "Size"), ("collections", "OrderedDict"),
 })
 # DCP records the checkpoint path (storage_meta.checkpoint_id) as a PosixPath; it is read back as a bounded str
 # (pathlib splits every argument eagerly: one long memoised string passed many times is a memory bomb)
@@ -129,7 +129,7 @@ def unpickle_metadata(data: bytes, path: str) -> Any:
 
 
 def _check_storage(path: str, metadata: Any, files: dict[str, Any]) -> None:
-    storage_info = _torch_compat.dcp_storage_info_type()
+    storage_info = _serialization_compat.dcp_storage_info_type()
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CheckpointCorruptError(f"{path}: storage_data or state_dict_metadata is not a dict")
@@ -285,7 +285,7 @@ def _safe_classes() -> tuple[type, type, type]:
         check_torch_zip(file, f"{os.path.join(reader.path, sinfo.relative_path)} at byte {sinfo.offset}",
                         offset=sinfo.offset, length=sinfo.length)
 
-    class SafeReader(_torch_compat.reader_checking_slices(FileSystemReader, check_slice)):  # type: ignore[misc]
+    class SafeReader(_serialization_compat.reader_checking_slices(FileSystemReader, check_slice)):  # type: ignore[misc]
         """A FileSystemReader that returns already-validated metadata, reads through ConfinedFileSystem and checks
         every slice of a data file before DCP unpickles it."""
 

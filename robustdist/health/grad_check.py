@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from robustdist.runtime import _torch_compat
+from robustdist.runtime import _amp_compat, _torch_compat
 from robustdist.runtime.errors import ConfigError
 
 METHODS = ("per_tensor", "fused")
@@ -90,7 +90,7 @@ def _fused_flag(grads: list[torch.Tensor]) -> torch.Tensor:
         # torch._foreach_norm(grads, inf) takes a per-tensor slow path on the CPU, and an isfinite() per tensor
         # allocates a bool tensor per gradient.
         try:
-            fused = _torch_compat.non_finite_check_and_unscale_(group, group_found, unit[device])
+            fused = _amp_compat.non_finite_check_and_unscale_(group, group_found, unit[device])
         except RuntimeError:  # no kernel for this dtype, or overlapping elements (NotImplementedError is one)
             fused = False
         if not fused:  # no such op in this torch, or it refused the group  # no such op (another torch), no kernel for this dtype, or

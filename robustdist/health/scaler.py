@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from robustdist.config.validate import show
 from robustdist.health.grad_check import check, finite_loss, finite_number, local_part, loss_value, tensors_finite
-from robustdist.runtime import _torch_compat
+from robustdist.runtime import _amp_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import ConfigError
 from robustdist.runtime.log import get_logger
@@ -147,7 +147,7 @@ def record_with(scaler: Any, optimizer: torch.optim.Optimizer | None, nan_policy
                           "skipped step with the scaler (scaler.unscale_(optimizer)) before the gradients are "
                           "zeroed; expected optimizer= (or harden(..., optimizer=...), or h.optimizer = ...). "
                           "Fix: pass it.", rank=rank)
-    unscaled = _torch_compat.scaler_unscaled(scaler, optimizer)
+    unscaled = _amp_compat.scaler_unscaled(scaler, optimizer)
     if unscaled:
         return  # the loop called unscale_ this step (to clip): the check is recorded
     try:

@@ -16,7 +16,7 @@ left to ``FailureConfig``.
 
 The callback runs in Ray Train's controller (``ray.train.UserCallback.after_exception``); it reads each
 worker's error as Ray hands it over (the error Ray wraps with its traceback, through
-:func:`robustdist.runtime._ray_compat.worker_error`), and, where that wrapper changed, robustdist's own
+:func:`robustdist.runtime._ray_train_compat.worker_error`), and, where that wrapper changed, robustdist's own
 exception name in Ray's traceback text. Importing this module imports no Ray: the class is built on first use.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from robustdist.runtime import _ray_compat
+from robustdist.runtime import _ray_train_compat
 from robustdist.runtime.errors import (
     ConfigError,
     MissingDependencyError,
@@ -47,7 +47,7 @@ _cls: type | None = None
 def non_retryable(error: BaseException) -> str | None:
     """The message of a non-retryable robustdist error behind ``error`` (as a Ray worker failure arrives in the
     controller), or None."""
-    inner = _ray_compat.worker_error(error)
+    inner = _ray_train_compat.worker_error(error)
     for candidate in (error, inner, getattr(inner, "__cause__", None)):
         if isinstance(candidate, NON_RETRYABLE):
             return f"{type(candidate).__name__}: {candidate}"

@@ -38,8 +38,8 @@ run outlives the future.
 
 Internals used, since Ray has no public API that names an actor's owner or a placement group's creator, nor a
 handle to an actor this process did not create: the GCS tables, an actor handle's id and the controller's
-``abort`` method, all through :mod:`robustdist.runtime._ray_compat` (which lists the versions each was verified
-on), and, in the runner, the controller's handle found among the process's objects (``gc``). Where the installed
+``abort`` method, all through :mod:`robustdist.runtime._ray_compat` and :mod:`~robustdist.runtime._ray_train_compat`
+(which list the versions each was verified on), and, in the runner, the controller's handle found among the process's objects (``gc``). Where the installed
 Ray lacks one, the abort or the sweep is skipped with one warning and ``cancel()`` still kills the runner,
 controller and workers.
 
@@ -60,7 +60,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from robustdist.runtime import _ray_compat
+from robustdist.runtime import _ray_compat, _ray_train_compat
 from robustdist.runtime._ray_compat import ActorRow
 from robustdist.runtime.errors import ConfigError, RobustDistError
 from robustdist.runtime.log import get_logger
@@ -167,7 +167,7 @@ def _controllers(runner_id: bytes, job_hex: str) -> list[bytes]:
         return []
     waiting = {pg.creator_actor_id for pg in pgs if pg.state in ("PENDING", "RESCHEDULING")}
     return [a.actor_id for a in actors if a.owner_worker_id == runner.worker_id
-            and a.class_name == _ray_compat.TRAIN_CONTROLLER_CLASS and a.state == "ALIVE"
+            and a.class_name == _ray_train_compat.TRAIN_CONTROLLER_CLASS and a.state == "ALIVE"
             and a.actor_id not in waiting]
 
 
@@ -187,7 +187,7 @@ def _sweep(runner_id: bytes, job_hex: str) -> tuple[list[str], list[str]]:
         described = f"actor {actor.class_name} {actor.actor_id.hex()} (pid {actor.pid}, {actor.state})"
         if not actor.is_detached:
             held.append(described)
-        elif actor.class_name == _ray_compat.PG_CLEANER_CLASS:
+        elif actor.class_name == _ray_train_compat.PG_CLEANER_CLASS:
             cleaners.append(described)
         # any other detached actor was made detached on purpose (by the user's code or Ray's shared services)
     for pg in pgs:
@@ -301,7 +301,7 @@ class FitFuture(concurrent.futures.Future[Any]):
             return
         start = time.monotonic()
         aborted = 0
-        if abort and self._runner_id is not None and _ray_compat.controller_abort_supported():
+        if abort and self._runner_id is not None and _ray_train_compat.controller_abort_supported():
             try:  # graceful: the controller stops its cleaner, kills its workers, removes their placement group
                 ids = _controllers(self._runner_id, self._job_hex)
                 if ids:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from robustdist.runtime import _ray_compat
+from robustdist.runtime import _ray_train_compat, _tune_compat
 from robustdist.runtime.log import get_logger
 
 __all__ = ["RayTrain", "TuneTrial", "checkpoint_step", "current", "current_trial", "json_metrics", "latest_checkpoint",
@@ -62,7 +62,7 @@ def current() -> RayTrain | None:
     """The Ray Train V2 run this process is a worker of, or None (no ray imported, not a worker, Train V1)."""
     if "ray" not in sys.modules:
         return None
-    internal = _ray_compat.train_context()
+    internal = _ray_train_compat.train_context()
     if internal is None:
         return None
     try:
@@ -73,7 +73,7 @@ def current() -> RayTrain | None:
     except Exception as e:  # a worker whose public context is not there: treat as outside Ray Train
         log.debug("no Ray Train context: %s", e)
         return None
-    config = _ray_compat.train_loop_config(internal)
+    config = _ray_train_compat.train_loop_config(internal)
     return RayTrain(run_name=name, config=fingerprint(config) if config is not None else None, world_rank=rank)
 
 
@@ -92,7 +92,7 @@ def current_trial() -> TuneTrial | None:
     trial). Ray Train V2 workers are told apart by :func:`current` first."""
     if "ray.tune" not in sys.modules:
         return None
-    found = _ray_compat.tune_trial()
+    found = _tune_compat.tune_trial()
     return TuneTrial(experiment=found[0], trial_id=found[1], function=found[2]) if found is not None else None
 
 
@@ -294,7 +294,7 @@ def _wait_registered(name: str, timeout: float) -> None:
     checkpoint older. ``ray.train.get_all_reported_checkpoints`` (alpha in 2.60) waits for that; without it
     (older Ray: said once) the gap stays, and resume still takes robustdist's own newer copy."""
     try:
-        _ray_compat.wait_reported_checkpoints(timeout)
+        _ray_train_compat.wait_reported_checkpoints(timeout)
     except Exception as e:  # a timeout or a controller that is going away: the report itself happened
         log.warning("Ray Train's controller had not registered checkpoint %s after %g s (%s: %s); if this worker "
                     "fails now, Ray's newest checkpoint is the one before it", name, timeout, type(e).__name__, e)
@@ -351,17 +351,17 @@ def checkpoint_step(checkpoint: Any) -> tuple[int | None, str | None]:
 def raise_in_training_thread(error: BaseException) -> bool:
     """Make ``error`` this worker's error as Ray Train's controller sees it (the thread runner's exception
     queue). True when it was handed over; False outside Train V2 or where Ray's internals differ (said once)."""
-    internal = _ray_compat.train_context()
+    internal = _ray_train_compat.train_context()
     if internal is None:
         return False
-    queue = _ray_compat.exception_queue(internal)
+    queue = _ray_train_compat.exception_queue(internal)
     if queue is None:
         return False
     try:
         try:
             raise error
         except BaseException as e:  # noqa: BLE001 - raised here only to give it a traceback
-            wrapped = _ray_compat.user_exception(e)
+            wrapped = _ray_train_compat.user_exception(e)
         if wrapped is None:
             return False
         queue.put(wrapped)

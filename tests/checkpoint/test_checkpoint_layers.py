@@ -21,7 +21,8 @@ PACKAGE = "robustdist.checkpoint"
 # version) and state_dict (how a module's state is taken and given back, which save and load share).
 ALLOWED_OUTSIDE = ("robustdist.runtime.dist", "robustdist.runtime.errors", "robustdist.runtime.log",
                    "robustdist._version", "robustdist.parallel.state_dict", "robustdist.runtime.node",
-                   "robustdist.runtime._torch_compat",  # the private-torch fence (DCP internals, state-dict metadata)
+                   "robustdist.runtime._torch_compat",  # the private-torch fences: state-dict metadata,
+                   "robustdist.runtime._serialization_compat",  # pickles of tensors and DCP internals
                    "robustdist.runtime.exit_drain",  # at exit, let the gloo workers of the groups it makes finish
                    "robustdist.runtime.store_barrier", "robustdist.runtime.deadline",  # the coordination primitives
                    "robustdist.runtime.stored")  # the one reader of JSON read back (manifests, records)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from robustdist.ray.fit import FitFuture, fit_async
-from robustdist.runtime import _ray_compat
+from robustdist.runtime import _ray_compat, _ray_train_compat
 from robustdist.runtime.errors import ConfigError
 from tests import _procs
 
@@ -128,8 +128,8 @@ def _placement_groups(ray, state: str) -> list[str]:
     return [pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == state]
 
 
-RUN_CLASSES = ("_FitRunner", _ray_compat.TRAIN_CONTROLLER_CLASS, "RayTrainWorker", "SynchronizationActor")
-CLEANER = _ray_compat.PG_CLEANER_CLASS
+RUN_CLASSES = ("_FitRunner", _ray_train_compat.TRAIN_CONTROLLER_CLASS, "RayTrainWorker", "SynchronizationActor")
+CLEANER = _ray_train_compat.PG_CLEANER_CLASS
 
 
 def _assert_all_released(ray, cleaners_before: set[str]) -> None:

@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from robustdist.runtime import _ray_compat
+from robustdist.runtime import _ray_train_compat
 from tests.clients import ray_train_v2 as client
 from tests.ray.conftest import REFERENCE
 
@@ -89,7 +89,7 @@ def test_a_hung_then_a_killed_worker_resume_bitwise_through_h_resume(ray_v2, ref
     # timeout), so the kill at step 7 resumes from it. Older Ray cannot wait with a bound: report() does not wait
     # (robustdist says so once), and the kill, one step after the report, may come before the controller's next
     # poll registered step 6; Ray's newest checkpoint is then step 3, as robustdist.ray.train documents.
-    waits = _ray_compat.can_wait_reported_checkpoints()
+    waits = _ray_train_compat.can_wait_reported_checkpoints()
     assert (resumed == [0, 3, 6]) if waits else (resumed in ([0, 3, 6], [0, 3, 3])), resumed
     assert len(attempts) == 6, attempts  # three attempts of two ranks, in order
     after_hang, after_kill = attempts[2:4], attempts[4:6]

@@ -6,18 +6,29 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
 
 import pytest
 
 from robustdist.runtime.private_api import PrivateAPI, canary
 
 
+RUNTIME = Path(__file__).resolve().parents[2] / "robustdist" / "runtime"
+FENCES = sorted(p.stem for p in RUNTIME.glob("_*_compat.py"))  # one per area; Ray's are named _ray..., _tune...
+
+
 def _registry(module: str) -> tuple[PrivateAPI, ...]:
     return importlib.import_module(f"robustdist.runtime.{module}").PRIVATE_APIS
 
 
-TORCH = _registry("_torch_compat") + _registry("_elastic_compat") + _registry("_data_compat")
-RAY = _registry("_ray_compat") if importlib.util.find_spec("ray") else ()
+TORCH = sum((_registry(f) for f in FENCES if not f.startswith(("_ray", "_tune"))), ())
+RAY = sum((_registry(f) for f in FENCES if f.startswith(("_ray", "_tune"))), ()) \
+    if importlib.util.find_spec("ray") else ()
+
+
+def test_every_area_has_its_fence():
+    assert {"_torch_compat", "_serialization_compat", "_amp_compat", "_data_compat", "_elastic_compat",
+            "_ray_compat"} <= set(FENCES), FENCES
 
 
 @pytest.mark.parametrize("api", TORCH + RAY, ids=lambda api: api.name[:70])
@@ -55,14 +66,14 @@ def test_an_api_newer_than_the_installed_version_is_absent_by_design():
 def test_a_dcp_reader_without_slice_file_is_refused_not_loaded_unchecked():
     """If a torch drops ``FileSystemReader._slice_file`` (where robustdist checks each slice before DCP unpickles
     it), the sharded loader must refuse rather than read the slices unchecked."""
-    from robustdist.runtime import _torch_compat
+    from robustdist.runtime import _serialization_compat
     from robustdist.runtime.errors import CheckpointError
 
     class ReaderWithoutSliceFile:
         pass
 
     with pytest.raises(CheckpointError, match="no FileSystemReader._slice_file.*refused rather than loading"):
-        _torch_compat.reader_checking_slices(ReaderWithoutSliceFile, lambda *a: None)
+        _serialization_compat.reader_checking_slices(ReaderWithoutSliceFile, lambda *a: None)
 
     seen = []
 
@@ -70,5 +81,5 @@ def test_a_dcp_reader_without_slice_file_is_refused_not_loaded_unchecked():
         def _slice_file(self, file, sinfo):
             return (file, sinfo)
 
-    checking = _torch_compat.reader_checking_slices(Reader, lambda reader, file, sinfo: seen.append((file, sinfo)))
+    checking = _serialization_compat.reader_checking_slices(Reader, lambda reader, file, sinfo: seen.append((file, sinfo)))
     assert checking()._slice_file("f", "s") == ("f", "s") and seen == [("f", "s")]

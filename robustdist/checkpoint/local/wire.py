@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from robustdist.checkpoint.local import sums
-from robustdist.runtime import _torch_compat
+from robustdist.runtime import _serialization_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.errors import CheckpointError
@@ -171,5 +171,5 @@ def serialise(obj: Any) -> memoryview:
     (most of torch.save's time for large tensors): each blob has one checksum of its own (:class:`Blob`), checked on
     every read and on every receipt."""
     sink = _Sink()
-    _torch_compat.save_without_record_crcs(obj, sink)
+    _serialization_compat.save_without_record_crcs(obj, sink)
     return memoryview(sink.data)  # no copy: the view keeps the bytearray alive
