@@ -23,26 +23,7 @@ One process with no launcher: no group, the model is returned as it is, and the 
 batches in the same order as before (rebuilt as a ``SafeDataLoader``, whose position can be checkpointed).
 Checkpointing and the guards still work.
 
-A training loop that resumes, and survives a rollback::
-
-    h = harden(model, loader, cfg, optimizer=opt)
-    step = h.resume(optimizer=opt, scheduler=sched) or 0
-    while step < total_steps:
-        for x, y in h.loader:                 # a new iteration starts where the checkpoint left the loader
-            loss = loss_fn(h.model(x), y)
-            loss.backward()
-            decision = h.step_guard(loss, step)
-            if decision:
-                opt.step()
-            opt.zero_grad()
-            if decision.rolled_back:          # model, optimizer, RNG and loader are back at resume_step
-                step = decision.resume_step
-                break
-            step += 1
-            h.save(step, optimizer=opt, scheduler=sched)
-            if step == total_steps:
-                break
-    h.close()
+A training loop that resumes, and survives a rollback: the README's "Quick start" (the loop ``make demo`` runs).
 """
 
 from __future__ import annotations
@@ -131,11 +112,7 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
     """:func:`_build`'s work, once any join is done."""
     given_scaler = scaler
     topo = detect_topology()
-    framework = _wrapped.refuse_rewrap(model, topo)
-    if framework == "accelerate":
-        _wrapped.refuse_fsdp_under_accelerate(config, topo)
-    elif framework == "fabric":
-        _fabric.verdict(model, config.distributed.strategy, topo.rank if topo.is_distributed else None)
+    framework = _wrapped.refuse_rewrap(model, topo, config)
     topo = _ray_group.prepare(config, topo, framework=framework)  # Ray Train's group given up for in-process recovery
     # In-process recovery unblocks a collective by shutting the group's connections: record them as they open
     # (the default group, the checkpointer's and the tier's groups).
@@ -156,16 +133,12 @@ def _assemble(model: nn.Module, loader: Any, config: HardenConfig, *, optimizer:
     try:
         if framework is not None:  # the framework keeps its DDP (and its sampler, for a loader it prepared)
             wrapped = model
-            if scaler is None:
-                scaler = (_accelerate.prepared_scaler(optimizer) if framework == "accelerate"
-                          else _fabric.scaler_of(model))
+            scaler = scaler if scaler is not None else _wrapped.framework_scaler(framework, model, optimizer)
         else:
             wrapped = strategy.wrap(model, config, topo, distributed=report.distributed, rank=report.rank,
                                     optimizer=optimizer, shard_policy=shard_policy, init_weights=init_weights)
-        if loader is None or _wrapped.framework_loader(framework, loader):
+        if _wrapped.keeps_loader(framework, loader, checkpointing=config.checkpoint.dir is not None):
             safe = loader
-            if loader is not None and config.checkpoint.dir is not None:
-                log.warning("%s", _wrapped.FRAMEWORK_LOADER_WARNING[str(framework)])
         elif kept_loader is not None:
             safe = kept_loader  # a recovery keeps the loader (ranks and world are the same): resume sets its position
         else:

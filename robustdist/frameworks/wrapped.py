@@ -18,11 +18,13 @@ from robustdist.parallel import fsdp_wrap
 from robustdist.parallel.ddp import HF_TRAINER_FIX
 from robustdist.runtime import _torch_compat
 from robustdist.runtime.errors import ConfigError
+from robustdist.runtime.log import get_logger
 from robustdist.runtime.topology import Topology
 
-__all__ = ["FRAMEWORK_LOADER_WARNING", "composes_with", "foreign_wrapper", "framework_loader", "hardened_holds",
-           "refuse_fsdp_under_accelerate", "refuse_rewrap"]
+__all__ = ["FRAMEWORK_LOADER_WARNING", "composes_with", "foreign_wrapper", "framework_loader", "framework_scaler",
+           "hardened_holds", "keeps_loader", "refuse_fsdp_under_accelerate", "refuse_rewrap"]
 
+log = get_logger(__name__)
 
 FRAMEWORK_LOADER_WARNING = {
     "accelerate": "the loader is one accelerator.prepare returned: robustdist's checkpoints (h.save) do not hold its "
@@ -45,10 +47,11 @@ def hardened_holds(hardened: Any, *models: nn.Module) -> None:
         _HELD[module] = weakref.ref(hardened)
 
 
-def refuse_rewrap(model: Any, topo: Topology) -> str | None:
+def refuse_rewrap(model: Any, topo: Topology, config: HardenConfig) -> str | None:
     """A model robustdist hardened (and has not closed), or one another wrapper already wrapped, is refused before
     anything starts: a second DDP, a second checkpointer and a second watchdog on one model train wrongly, not
-    loudly. Returns the framework harden composes with (:func:`composes_with`)."""
+    loudly. Returns the framework harden composes with (:func:`composes_with`), once its model and ``config``
+    suit that framework (:func:`refuse_fsdp_under_accelerate`, :func:`robustdist.frameworks.fabric.verdict`)."""
     rank = topo.rank if topo.is_distributed else None
     inner = _torch_compat.compiled_inner(model)  # torch.compile(m) of a model harden holds is that model too
     for candidate in (model, inner):
@@ -68,7 +71,12 @@ def refuse_rewrap(model: Any, topo: Topology) -> str | None:
                 f"harden() was given the {type(candidate).__name__} a closed harden() call returned (its wrapper); "
                 "expected the bare model. Fix: pass robustdist.unwrap_model(h.model), or the model you first "
                 "gave harden().", rank=rank)
-    return composes_with(model, rank)
+    framework = composes_with(model, rank)
+    if framework == "accelerate":
+        refuse_fsdp_under_accelerate(config, topo)
+    elif framework == "fabric":
+        _fabric.verdict(model, config.distributed.strategy, rank)
+    return framework
 
 
 def framework_loader(framework: str | None, loader: Any) -> bool:
@@ -76,6 +84,24 @@ def framework_loader(framework: str | None, loader: Any) -> bool:
     if framework == "accelerate":
         return _accelerate.is_prepared_loader(loader)
     return framework == "fabric" and _fabric.is_fabric_loader(loader)
+
+
+def keeps_loader(framework: str | None, loader: Any, *, checkpointing: bool) -> bool:
+    """Whether harden keeps ``loader`` as it is: none, or one the framework prepared (with a warning, when
+    ``checkpointing``, that robustdist's checkpoints do not hold its position)."""
+    if loader is None or not framework_loader(framework, loader):
+        return loader is None
+    if checkpointing:
+        log.warning("%s", FRAMEWORK_LOADER_WARNING[str(framework)])
+    return True
+
+
+def framework_scaler(framework: str | None, model: Any, optimizer: Any) -> Any:
+    """The GradScaler the framework in charge made (Accelerate's for ``optimizer``, Fabric's for ``model``), or
+    None."""
+    if framework == "accelerate":
+        return _accelerate.prepared_scaler(optimizer)
+    return _fabric.scaler_of(model) if framework == "fabric" else None
 
 
 def composes_with(model: Any, rank: int | None) -> str | None:
