@@ -13,10 +13,10 @@ record once an interval, to see on this rank's own clock which records stopped c
 2. on every rank that sees the hang (not only rank 0), publishes where its main thread is and reads every
    rank's record, and names, apart, the ranks it *lost* (a record seen unchanged for 3 intervals, closed, or
    never written), grouped by node: ``lost ranks 2, 3 on node 1 (host gpu-07, 10.0.0.2): no heartbeat for 12 s
-   or more``, and the live ranks that are *behind*: ``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at step 121``. It waits at
-   most ``grace`` s for live ranks' records and never for lost ones. Every store call runs on a thread the
-   report abandons half a second after ``grace``, so a store that stops answering delays nothing (the report
-   then says so). The report is logged at ERROR, appended to the dump file and kept in ``reports``
+   or more``, and the live ranks that are *behind*: ``rank 1 last beat at step 120, 610 s ago; ranks 0, 2, 3 at
+   step 121``. It waits at most ``grace`` s for live ranks' records and never for lost ones. Every store call runs
+   on a thread the report abandons half a second after ``grace``, so a store that stops answering delays nothing
+   (the report then says so). The report is logged at ERROR, appended to the dump file and kept in ``reports``
    (:class:`HangReport`: ``lost``, ``lost_nodes``, ``behind``);
 3. then, with ``action="dump"``, keeps waiting (and logs when beats resume); with ``action="abort"`` it
    exits the process with :data:`HANG_EXIT_CODE` (86), so torchrun (``--max-restarts``) or Ray restarts it.

@@ -235,10 +235,10 @@ def read_records(client: Any, prefix: str, world_size: int) -> dict[int, dict[st
 
 
 class Watch:
-    """Every rank's heartbeat record under ``prefix`` as last read, and when each last changed on this reader's
-    clock (:class:`~robustdist.runtime.liveness.Changes`, bound ``limit``). ``starts_at()`` is the monotonic time
-    from which the heartbeat thread reads them (the watchdog's: ``limit`` plus half an interval before its hang
-    verdict); the report thread reads them too."""
+    """Reads every rank's heartbeat record under ``prefix`` (:meth:`look`) and keeps when each last changed on this
+    reader's clock (:class:`~robustdist.runtime.liveness.Changes`, bound ``limit``). ``starts_at()`` is the
+    monotonic time from which the heartbeat thread reads them (the watchdog's: ``limit`` plus half an interval
+    before its hang verdict); the report thread reads them too."""
 
     def __init__(self, prefix: str, world_size: int, *, limit: float, interval: float,
                  starts_at: Callable[[], float] = lambda: 0.0):

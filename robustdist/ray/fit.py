@@ -36,11 +36,11 @@ actors, a detached ``PlacementGroupCleaner`` actor and the workers' placement gr
 The runner is killed and the sweep runs after a fit that finished or failed too, so no thread or actor of the
 run outlives the future.
 
-Internals used, since Ray has no public API that names an actor's owner or a placement group's creator, nor a
-handle to an actor this process did not create: the GCS tables, an actor handle's id and the controller's
-``abort`` method, all through :mod:`robustdist.runtime._ray_compat` and :mod:`~robustdist.runtime._ray_train_compat`
-(which list the versions each was verified on), and, in the runner, the controller's handle found among the process's objects (``gc``). Where the installed
-Ray lacks one, the abort or the sweep is skipped with one warning and ``cancel()`` still kills the runner,
+Internals used, since Ray has no public API that names an actor's owner or a placement group's creator, nor a handle to
+an actor this process did not create: the GCS tables, an actor handle's id and the controller's ``abort`` method, all
+through :mod:`robustdist.runtime._ray_compat` and :mod:`~robustdist.runtime._ray_train_compat` (which list the versions
+each was verified on), and, in the runner, the controller's handle found among the process's objects (``gc``). Where the
+installed Ray lacks one, the abort or the sweep is skipped with one warning and ``cancel()`` still kills the runner,
 controller and workers.
 
 What it asks of the trainer: it is serialized (Ray's cloudpickle) to the runner, so everything it references

@@ -10,12 +10,13 @@ that rank faulty (:func:`robustdist.recovery.faults.declare_found`): every live 
 its collective and decides. The stopped rank answers the decision only once it runs again: a partition that heals,
 or a stop that ends, within the decision bound recovers in place; a rank that stays gone makes every rank escalate.
 
-The rule is the watchdog's (:class:`robustdist.runtime.liveness.Changes`): a record is judged by when rank 0 last
-saw it change, never by the wall time it carries, so the nodes' clocks need not agree. Rank 0 judges nobody across
-a pause of its own (its thread not run for an interval: a stop, a long call holding the GIL), and not itself. A rank that closed its watchdog, or gave its
-decision, is leaving the generation, not lost. A rank that has written no record at all is not judged (a watchdog
-created on one rank only shifts the key every later one uses: a warning says so, once); the hang verdict and the
-fault watch still cover it. Not covered: rank 0 itself stopped (the others' hang verdicts are what remain).
+The rule is the watchdog's (:class:`robustdist.runtime.liveness.Changes`): a record is judged by when rank 0 last saw it
+change, never by the wall time it carries, so the nodes' clocks need not agree. Rank 0 judges nobody across a pause of
+its own (its thread not run for an interval: a stop, a long call holding the GIL), and not itself. A rank that closed
+its watchdog, or gave its decision, is leaving the generation, not lost. A rank that has written no record at all is not
+judged (a watchdog created on one rank only shifts the key every later one uses: a warning says so, once); the hang
+verdict and the fault watch still cover it. Not covered: rank 0 itself stopped (the others' hang verdicts are what
+remain).
 """
 
 from __future__ import annotations

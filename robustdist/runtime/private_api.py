@@ -3,10 +3,10 @@
 The private names robustdist uses live in fenced modules, one per area, ``robustdist/runtime/_<area>_compat.py``
 (:mod:`robustdist.runtime._torch_compat` for process groups, modules and tensors; ``_serialization_compat``,
 ``_amp_compat``, ``_data_compat``, ``_elastic_compat``; Ray's ``_ray_compat``, ``_ray_train_compat`` and
-``_tune_compat``); nothing else in the package touches one (``tests/test_private_api.py`` enforces it). Each fenced access is listed there as a
-:class:`PrivateAPI`: the dotted name, the versions it was verified on (the version matrix, ``docs/status.md``), the
-public replacement where one exists, and a ``probe`` that resolves it on the installed version. :func:`canary`
-runs the probe and says, naming the API and the installed version, when the next release has moved it.
+``_tune_compat``); nothing else in the package touches one (``tests/test_private_api.py`` enforces it). Each fenced
+access is listed there as a :class:`PrivateAPI`: the dotted name, the versions it was verified on (the version matrix,
+``docs/status.md``), the public replacement where one exists, and a ``probe`` that resolves it on the installed version.
+:func:`canary` runs the probe and says, naming the API and the installed version, when the next release has moved it.
 ``tests/runtime/test_private_api_canaries.py`` runs every canary in every matrix lane.
 """
 

@@ -32,8 +32,8 @@ ATTEMPT_STORE_ENV = "ROBUSTDIST_ATTEMPT_STORE"
 """Set by ``robustdist run``'s agents for every worker of an attempt, where torchrun shares its store with the workers
 and can restart them (c10d rendezvous, ``--max-restarts`` > 0): JSON ``{"addr", "port", "token", "master", "run"}``
 of the attempt's store (``master`` and ``run``: the job's ``MASTER_ADDR:MASTER_PORT`` and run id, which a worker
-compares with its own), which the agent of node 0 serves (:mod:`robustdist.launcher.attempt_store`) in place of rank 0's process, so
-the store outlives a killed rank 0. Its key ``token`` is the token's value in that store."""
+compares with its own), which the agent of node 0 serves (:mod:`robustdist.launcher.attempt_store`) in place of
+rank 0's process, so the store outlives a killed rank 0. Its key ``token`` is the token's value in that store."""
 
 ATTEMPT_STORE_KEY = "robustdist/launcher/attempt_store"
 """In the round's rendezvous store (fresh each round): the agent of node 0 publishes ``ATTEMPT_STORE_ENV``'s value
