@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import socket
 import time
@@ -22,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-from robustdist.checkpoint._confined import Confined, fix_for, os_error  # noqa: F401 - re-exported
+from robustdist.checkpoint._confined import Confined, os_error  # noqa: F401 - os_error re-exported
 from robustdist.checkpoint._safeio import open_in
 from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.log import get_logger
@@ -155,13 +154,6 @@ def fsync_dir(path: str) -> None:
     """Make renames and creations inside ``path`` durable (a failure is a :class:`CheckpointError`)."""
     with Confined(path) as folder:
         folder.sync(strict=True)
-
-
-def write_json_atomic(path: str, data: Any) -> None:
-    """Write JSON to ``path`` (in a directory robustdist made or was given) by :meth:`Confined.write`: a new file
-    under a random name, fsynced, renamed over ``path``, the directory fsynced; never through a link."""
-    with Confined(os.path.dirname(path) or ".") as folder:
-        folder.write(os.path.basename(path), json.dumps(data, indent=2, sort_keys=True).encode())
 
 
 LOCK = ".lock"

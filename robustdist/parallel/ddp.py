@@ -33,12 +33,12 @@ from robustdist.parallel.state_dict import is_compiled
 from robustdist.parallel.syncbn import convert_batchnorm_for
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
-from robustdist.runtime import exit_drain, group_teardown
+from robustdist.runtime import exit_drain
 from robustdist.runtime.errors import ConfigError, RobustDistError
 from robustdist.runtime.log import get_logger, warn
 from robustdist.runtime.topology import detect_topology
 
-__all__ = ["HF_TRAINER_FIX", "DistributedDataParallel", "pin_group_past_reducer", "reducer_parameter_names",
+__all__ = ["HF_TRAINER_FIX", "DistributedDataParallel", "reducer_parameter_names",
            "wrap_ddp"]
 
 log = get_logger(__name__)
@@ -255,26 +255,3 @@ def wrap_ddp(model: nn.Module, cfg: DistributedConfig | HardenConfig | None = No
 
 
 _convert_bn = convert_batchnorm_for  # the name robustdist < 0.3 used
-
-
-def pin_group_past_reducer(model: nn.Module) -> int:
-    """Call before destroying the group the DDP modules in ``model`` use; returns how many it pinned.
-
-    ``destroy_process_group()`` only unregisters a group: a DDP module's C++ ``Reducer`` still holds it. When the
-    model is freed, the Reducer can drop the group's last reference with the GIL held (pybind11 frees it without
-    releasing the GIL), and ``~ProcessGroupGloo`` then joins a gloo worker that needs the GIL to free the tensors
-    of a collective made from Python (``all_gather_object``): each waits on the other for ever, with no Python
-    frame past the line that freed the model (torch 2.13, gloo: a collective, ``h.close()`` and a return that frees
-    the model).
-
-    Each DDP module gets one more reference to its group's Python object, stored after every other attribute,
-    so it is released after the Reducer (and the Logger that holds the Reducer): the group's last owner is then
-    that Python object, whose destructor releases the GIL before destroying the group (torch >= 2.8). Freed with
-    the model, so nothing outlives it."""
-    count = 0
-    for module in model.modules():
-        group = getattr(module, "process_group", None) if isinstance(module, _TorchDDP) else None
-        if group is not None:
-            group_teardown.pin_module(module, group)  # re-inserted: the last attribute the module frees
-            count += 1
-    return count

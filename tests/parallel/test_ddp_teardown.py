@@ -2,8 +2,8 @@
 
 torch frees a DDP model's Reducer with the GIL held, and the Reducer's reference can be the group's last:
 ``~ProcessGroupGloo`` then joins a gloo worker that waits for the GIL to drop the tensors of a Python-made
-collective. Before ``close()`` pinned the group past the Reducer (``pin_group_past_reducer``), the second test
-hung on every run here (3 of 3) at the line that freed the model."""
+collective. Without the pin (``group_teardown.pin_ddp_modules``, run before robustdist destroys a group), the second
+test hung on every run here (3 of 3) at the line that freed the model."""
 
 from __future__ import annotations
 
@@ -15,26 +15,25 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from robustdist import harden
-from robustdist.parallel.ddp import pin_group_past_reducer
 from robustdist.runtime.group_teardown import GROUP_PIN as _GROUP_PIN
+from robustdist.runtime.group_teardown import pin_ddp_modules
 from robustdist.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.processes
 
 
 def _pinned(rank: int) -> tuple[int, bool, int]:
+    before = pin_ddp_modules()  # none alive yet in this fresh process
     model = DistributedDataParallel(nn.Linear(3, 1))
-    outer = nn.Sequential(model)
-    count = pin_group_past_reducer(outer)
+    count = pin_ddp_modules() + before
     keys = list(vars(model))
-    again = pin_group_past_reducer(outer)  # idempotent: still one pin, still the last attribute
+    again = pin_ddp_modules()  # idempotent: still one pin, still the last attribute
     return count, keys[-1] == _GROUP_PIN and model.__dict__[_GROUP_PIN] is model.process_group, \
         again + list(vars(model)).count(_GROUP_PIN) + (list(vars(model))[-1] == _GROUP_PIN)
 
 
 def test_each_ddp_gets_its_group_as_its_last_attribute():
     assert run_ranks(_pinned, 2, timeout=60) == [(1, True, 3)] * 2
-    assert pin_group_past_reducer(nn.Linear(2, 2)) == 0
 
 
 def _close_then_free(rank: int, rounds: int) -> list[bool]:
