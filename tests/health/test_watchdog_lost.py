@@ -563,3 +563,54 @@ def test_failed_writes_while_watching_do_not_restart_the_clocks():
     assert len(failed) == 2 and "robustdist/watchdog/9/1" in store.data
     assert watch.changes.stopped() == [0], (watch.changes.quiet(), store.calls)
     assert watch.changes.quiet()[0] >= 1.2  # seen unchanged since the first look, across the failed writes
+
+
+_SKEWED = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as d
+real = time.time
+time.time = lambda: real() - 1000.0  # this "node"'s wall clock is 1000 s behind the other's
+from robustdist.health import Watchdog, watchdog
+watchdog._generation = int(sys.argv[2]) - 1  # the key rank 0's watchdog uses (it counts a process's watchdogs)
+store = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+w = Watchdog(4.0, store=store, rank=1, world_size=2)
+print('ready', flush=True)
+while True:  # training: beats, so this rank never hangs; its heartbeat thread writes its skewed wall time
+    w.beat(3)
+    time.sleep(0.2)
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_rank_whose_clock_is_far_behind_is_alive_while_it_beats_and_lost_once_it_stops(single_process):
+    """Only how long a record was seen unchanged decides (the liveness rule): rank 1's records carry wall times
+    1000 s behind rank 0's, yet rank 0's hang report finds it alive while it runs, and lost once it is stopped."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    wd = Watchdog(4.0, store=server, rank=0, world_size=2)
+    generation = wd.heartbeats[0].rsplit("/", 1)[1] if wd.heartbeats else "?"
+    proc = subprocess.Popen([sys.executable, "-c", _SKEWED, str(server.port), generation], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        wd.beat()  # from now on rank 0 never beats: a verdict 4 s later
+        seen = len(wd.reports)  # a verdict before the child was up (a slow start) is not the one judged here
+        _wait_for(lambda: len(wd.reports) > seen, time.time() + 60, "rank 0's first hang report")
+        first = wd.reports[seen]
+        assert first.lost == () and first.store_reachable, first.summary
+        os.kill(proc.pid, signal.SIGSTOP)  # rank 1 stops: its record stops changing
+        wd.beat(1)  # a new silence on rank 0: the next verdict 4 s from now
+        _wait_for(lambda: len(wd.reports) > seen + 1, time.time() + 60, "rank 0's second hang report")
+        second = wd.reports[seen + 1]
+        assert second.lost == (1,), second.summary
+        assert re.search(r"lost rank 1 on node \S.*: no heartbeat for \d+ s or more", second.summary or ""), \
+            second.summary
+    finally:
+        wd.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
