@@ -303,6 +303,40 @@ def test_a_save_that_fails_mid_write_leaves_the_previous_step(tmp_path):
     assert not list(tmp_path.rglob(".tmp-*")), "a staging directory was left behind"
 
 
+def test_a_copy_a_crashed_re_save_left_aside_is_put_back_not_deleted_by_the_next_save(tmp_path):
+    """A crash between a re-save's two renames leaves the step's only copy under its set-aside name: the next
+    save puts it back before it writes, so a failure of that save still leaves the step to resume from."""
+    model, opt = _objects()
+    _train(model, opt, 2, 0)
+    state = {"model": model, "optimizer": opt}
+    tier = _tier(str(tmp_path), 0)
+    tier.save(1, state)
+    tier.wait()
+    tier.close()  # not clean: the copy stays, as after a crash
+    reference = [t.clone() for t in model.state_dict().values()]
+    own = Path(tier.directory) / "owner_00000" / "own"
+    (own / "step_0000000001").rename(own / ".old-step_0000000001-0123456789ab")
+
+    def hook(phase: str) -> None:
+        if phase == "local_writing":
+            raise OSError(28, "No space left on device")
+
+    tier = _tier(str(tmp_path), 0)
+    _train(model, opt, 1, 0)
+    _faults.HOOK = hook
+    try:
+        tier.save(2, state)
+        with pytest.raises(CheckpointError, match="No space left on device.*The copies of earlier steps stay"):
+            tier.wait()
+    finally:
+        _faults.HOOK = None
+    assert sorted(p.name for p in own.iterdir()) == ["step_0000000001"]
+    loaded = tier.load(state=state)
+    tier.close()
+    assert loaded is not None and (loaded.step, loaded.source) == (1, "memory")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference))
+
+
 def _lineage_and_close(rank: int, root: str) -> tuple[Any, ...]:
     model, opt = _objects()
     tier = _tier(root, rank)

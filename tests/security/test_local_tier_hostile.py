@@ -381,6 +381,31 @@ def test_a_link_planted_at_a_step_is_replaced_and_deleted_as_a_link(tmp_path):
     assert _outside_files(tmp_path) == {"payload.pt": b"precious"}
 
 
+def test_a_link_planted_under_a_set_aside_name_is_never_followed(tmp_path):
+    """A link under the name a crashed re-save leaves (``.old-step_N-<token>``, with no ``step_N``) is not put back
+    by the next save (only a real directory is) but deleted as a link, and is no source at load."""
+    local = LocalTier(tmp_path / "shm", lineage="x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "payload.pt").write_bytes(b"precious")
+    own = Path(local.directory, "owner_00000", "own")
+    own.mkdir(parents=True)
+    (own / ".old-step_0000000001-0123456789ab").symlink_to(outside)
+    state = _state(0)
+    state.save_local(local, 2)
+    local.wait()
+    assert sorted(p.name for p in own.iterdir()) == ["step_0000000002"]
+    assert _outside_files(tmp_path) == {"payload.pt": b"precious"}
+    (own / "step_0000000002").rename(own / ".old-step_0000000002-0123456789ab")  # a crash inside its re-save
+    (own / ".old-step_0000000003-0123456789ab").symlink_to(outside)
+    with pytest.warns(Warning, match="step_0000000003-0123456789ab: not a real directory"):
+        loaded = local.load(state=_state(1).entries(loading=True))
+    assert loaded is not None and loaded.step == 2  # the set-aside real copy is a source; the link is not
+    local.close(clean=True)
+    assert not Path(local.directory).exists()
+    assert _outside_files(tmp_path) == {"payload.pt": b"precious"}
+
+
 @pytest.mark.parametrize("where", ["inside_a_rotated_step", "leftover_staging", "inside_the_tier"])
 def test_rotation_cleanup_and_close_delete_links_never_their_targets(tmp_path, where):
     local = LocalTier(tmp_path / "shm", lineage="x")

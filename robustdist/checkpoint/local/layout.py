@@ -196,7 +196,20 @@ def remove_copy(root: str, owner: int, role: str, step: int) -> None:
 
 
 def remove_stale(root: str, owner: int, role: str) -> None:
-    """Remove the staging and set-aside directories an interrupted write of this owner's copies left."""
+    """Put back a copy a re-save set aside when a crash came before the staging copy took its name (it is then the
+    step's only copy, which :func:`scan` offers as a source; a link there is no copy, and is deleted as a link),
+    then remove the staging and set-aside directories an interrupted write of this owner's copies left."""
+    with contextlib.suppress(CheckpointError):
+        folder = _role(root, owner, role, create=False)
+        if folder is None:
+            return
+        with folder:
+            for name in folder.names():
+                m = _OLD_RE.fullmatch(name)
+                if m and folder.kind(name) == "a directory" and folder.kind(f"step_{m.group(1)}") is None:
+                    log.warning("in-memory tier: putting back %s, set aside by a re-save that a crash interrupted",
+                                os.path.join(folder.path, name))
+                    folder.rename(name, f"step_{m.group(1)}")
     _remove_matching(root, owner, role, _LEFTOVER_RE, lambda m: True)
 
 

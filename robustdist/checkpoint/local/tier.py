@@ -319,8 +319,10 @@ class LocalTier:
         stayed = leaving.leave_collective()  # past the collectives: wait() now waits for the rotation
         if failed:
             detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
+            kept = (f"The previous complete step ({self.last_complete}) stays." if self.last_complete is not None
+                    else "The copies of earlier steps stay.")
             raise CheckpointError(f"in-memory checkpoint step {step} is not complete: {ranks_phrase(failed)} failed "
-                                  f"({detail[:2000]}). The previous complete step ({self.last_complete}) stays. Fix: "
+                                  f"({detail[:2000]}). {kept} Fix: "
                                   "see the named ranks' errors (a full /dev/shm? a dead peer?).", rank=self.err_rank,
                                   ranks=sorted(failed))
         if not stayed:  # a recovery moved on without this save: the next generation owns the directory now
