@@ -406,14 +406,12 @@ class Hardened(RayReporting, ProgressMarks):
         try:
             if self.watchdog is not None:
                 self.watchdog.close()
-            if self.local is not None:
-                try:
+            try:
+                if self.local is not None:
                     self.local.close(clean=not keep_local)
-                finally:
-                    if self.checkpointer is not None:
-                        self.checkpointer.close()
-            elif self.checkpointer is not None:
-                self.checkpointer.close()
+            finally:
+                if self.checkpointer is not None:
+                    self.checkpointer.close()
         finally:
             # A DDP freed after its group is destroyed must not own it last (runtime.group_teardown): a group
             # robustdist made is pinned as it is destroyed; one Ray or the script destroys later, here.

@@ -4,24 +4,24 @@ A save's background part writes files, then takes part in collectives (the durab
 in-memory tier's replication and commit). While an in-process recovery has interrupted the waits
 (:func:`robustdist.runtime.dist.interrupt_waits`), a background part stuck in one of those collectives is waited
 for only :data:`ABANDON_S` seconds, then left to fail on its own: a gloo send waiting for its peer's receive is not
-ended by shutting the group's connections down (seen here: the in-memory tier's commit waited out the group's
-whole timeout), and after a collective fails the background part writes nothing more. A background part still
-writing its files is waited for (up to the bound): the files are this rank's, and a write is not a hang.
+ended by shutting the group's connections down (it waits out the group's whole timeout), and after a collective
+fails the background part writes nothing more. A background part still writing its files is waited for (up to the
+bound): the files are this rank's, and a write is not a hang.
 
-The wait runs in slices, so a recovery that begins while a wait is already under way is seen too (the pinned
-matrix lane: a rank already waiting for the in-memory commit when its peer faulted waited 60 s).
+The wait runs in slices, so a recovery that begins while a wait is already under way is seen too.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.errors import CheckpointError, drop_locals
 
-__all__ = ["ABANDON_S", "Leaving", "join", "taken_error"]
+__all__ = ["ABANDON_S", "Leaving", "join", "start", "taken_error"]
 
 ABANDON_S = 2.0
 """How long a background part stuck in a collective is waited for once a recovery has interrupted the waits,
@@ -60,6 +60,33 @@ class Leaving:
             if self.in_collective:
                 self.left = True
             return self.left
+
+
+def start(owner: Any, part: Callable[..., None], args: tuple[Any, ...], *, leaving: Leaving,
+          done: threading.Event, what: str, name: str, logger: Any) -> threading.Thread:
+    """Run ``part(*args)`` on a daemon thread named ``name`` and return it. Its error is kept in ``owner._error``
+    (the owner's next call raises it, :func:`taken_error`), or only logged when a recovery left the part behind:
+    it failed as expected, and nothing waits for its error. ``done`` is set when the part ends, however it ends.
+    The thread holds everything as its frames' locals, in no closure: :func:`taken_error` drops those during a
+    recovery, so a kept error keeps neither the owner nor the snapshot alive."""
+    thread = threading.Thread(target=_run, args=(owner, part, args, leaving, done, what, logger), name=name,
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def _run(owner: Any, part: Callable[..., None], args: tuple[Any, ...], leaving: Leaving, done: threading.Event,
+         what: str, logger: Any) -> None:
+    try:
+        part(*args)
+    except BaseException as e:  # surfaces at the owner's next call
+        if leaving.left:
+            logger.info("%s, left behind by an in-process recovery, ended: %s", what, str(e))
+        else:
+            owner._error = e
+            logger.error("%s failed: %s", what, str(e))  # the message only: a log record keeps no live error
+    finally:
+        done.set()
 
 
 def join(thread: threading.Thread, bound: float, leaving: Leaving) -> Literal["done", "left", "timeout"]:

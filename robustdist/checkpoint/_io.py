@@ -127,12 +127,18 @@ class HashingWriter:
             pass
 
 
-def _digest_file(path: str, digest: Any) -> tuple[int, str]:
+def digest_stream(fh: BinaryIO, digest: Any) -> int:
+    """Feed what is left of ``fh`` to ``digest`` (:class:`Crc32` or a ``hashlib`` object); the bytes read."""
     size = 0
+    while chunk := fh.read(_CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return size
+
+
+def _digest_file(path: str, digest: Any) -> tuple[int, str]:
     with open_in(os.path.dirname(path), os.path.basename(path)) as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
+        size = digest_stream(fh, digest)
     return size, digest.hexdigest()
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import zlib
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
+from robustdist.checkpoint._io import Crc32, digest_stream
 from robustdist.checkpoint._safeio import lexists_dir, open_in, read_in
 from robustdist.checkpoint._schema import (
     DCP_METADATA,
@@ -45,7 +45,6 @@ _STEP_RE = re.compile(r"^step_(\d{10,})$")
 _OLD_RE = re.compile(r"^\.old-step_(\d{10,})-[0-9a-f]+$")
 STALE_PREFIXES = (".tmp-step_", ".old-step_", ".trash-step_")
 REJECTED_PREFIX = ".rejected-"  # a step a load found corrupt, set aside by a later save: kept, never a step
-_CHUNK = 8 << 20
 
 
 def step_dirname(step: int) -> str:
@@ -130,15 +129,10 @@ def open_verified(step_dir: str, name: str, expected: dict[str, Any]) -> BinaryI
     fh = open_in(step_dir, name, size=expected["size"])
     try:
         algorithm = "crc32" if "crc32" in expected else "sha256"
-        crc, sha = 0, hashlib.sha256() if algorithm == "sha256" else None
-        while chunk := fh.read(_CHUNK):
-            if sha is None:
-                crc = zlib.crc32(chunk, crc)
-            else:
-                sha.update(chunk)
-        actual = f"{crc:08x}" if sha is None else sha.hexdigest()
-        if actual != expected[algorithm]:
-            shown = "CRC-32" if sha is None else "SHA-256"
+        digest = Crc32() if algorithm == "crc32" else hashlib.sha256()
+        digest_stream(fh, digest)
+        if digest.hexdigest() != expected[algorithm]:
+            shown = "CRC-32" if algorithm == "crc32" else "SHA-256"
             raise CheckpointCorruptError(f"{os.path.join(step_dir, name)}: {shown} differs from the manifest "
                                          "(the bytes changed)")
         fh.seek(0)

@@ -225,9 +225,9 @@ class AtomicCheckpointer:
             self._committer.run(job)
         else:
             self._job = job
-            self._thread = threading.Thread(target=self._background, args=(job,), name=f"robustdist-ckpt-{step}",
-                                            daemon=True)
-            self._thread.start()
+            self._thread = _background.start(self, self._committer.run, (job,), leaving=job.leaving, done=info.done,
+                                             what=f"background checkpoint save of step {step}",
+                                             name=f"robustdist-ckpt-{step}", logger=log)
         return info
 
     def wait(self) -> None:
@@ -333,7 +333,8 @@ class AtomicCheckpointer:
             try:
                 self._committer.close(self.timeout)
             finally:
-                self._destroy_group()
+                group, self._own_group = self._own_group, None
+                _dist.destroy_group(group, "the checkpointer's group")
 
     def _keep_lock(self) -> None:
         raise CheckpointError(
@@ -342,14 +343,6 @@ class AtomicCheckpointer:
             "group), so that no other checkpointer takes the directory and deletes the save's staging directory "
             "while it is written; the kernel releases the lock when this process exits. Fix: check the storage's "
             "health, then call close() again (or exit).", rank=self.err_rank)
-
-    def _destroy_group(self) -> None:
-        group, self._own_group = self._own_group, None
-        if group is not None and _dist.is_up():
-            try:
-                dist.destroy_process_group(group)
-            except (ValueError, RuntimeError) as e:  # already destroyed (with the default group, say)
-                log.debug("checkpointer group not destroyed: %s", e)
 
     def __enter__(self) -> AtomicCheckpointer:
         return self
@@ -369,17 +362,3 @@ class AtomicCheckpointer:
         snap = collect(state, per_rank, rank=self.rank, clone=clone, staging=self._staging, err_rank=self.err_rank)
         job.kinds, job.replicated, job.mine = snap.kinds, snap.replicated, snap.mine
         return snap.sharded
-
-    def _background(self, job: SaveJob) -> None:
-        try:
-            self._committer.run(job)
-        except BaseException as e:  # surfaces at the next save(), wait() or close()
-            if job.leaving.left:  # an in-process recovery left it behind: it failed as expected, and nothing waits
-                # for its error (kept, the error's frames would keep the snapshot and the old group in a cycle)
-                log.info("background checkpoint save of step %d, left behind by an in-process recovery, ended: %s",
-                         job.info.step, str(e))
-            else:
-                self._error = e
-                log.error("background checkpoint save of step %d failed: %s", job.info.step, str(e))  # no live error
-        finally:
-            job.info.done.set()

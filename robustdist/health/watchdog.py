@@ -19,6 +19,7 @@ import torch
 
 from robustdist.health import watchdog_store as ws
 from robustdist.runtime import dist as _dist
+from robustdist.runtime import job_store
 from robustdist.runtime import node as _node
 from robustdist.runtime.errors import ConfigError, HangError, ranks_phrase
 from robustdist.runtime.log import get_logger
@@ -115,7 +116,7 @@ class Watchdog:
         self._tick = min(1.0, self.hang_timeout / 10)
         self._hooks: list[Any] = []
         self._allowance = 0.0  # extra seconds while a bounded long operation (a checkpoint save) runs
-        self._connect = ws.connector(self.store, timeout=max(2.0, min(10.0, self._stale_after)))
+        self._connect = job_store.connector(self.store, timeout=max(2.0, min(10.0, self._stale_after)))
         watch_from = weakref.WeakMethod(self._watch_from)  # no watchdog <-> watch cycle (see close())
         self._watch = ws.Watch(self._prefix, self.world_size, limit=self._stale_after, interval=self._interval,
                                starts_at=lambda: method() if (method := watch_from()) is not None else math.inf)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,21 +64,6 @@ def heartbeat_interval(hang_timeout: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- connections
-def connector(store: Any, timeout: float) -> Callable[[], Any]:
-    """A function that opens a connection of the caller's own to ``store``'s TCPStore server (a store client
-    serialises its operations, so a thread sharing the group's would wait behind a main thread stuck in a
-    store wait). Other store types are used as given."""
-    inner = _torch_compat.innermost_store(store)
-    if not isinstance(inner, dist.TCPStore):
-        return lambda: store
-    host, port = inner.host, inner.port
-
-    def connect() -> Any:
-        return job_store.connect(host, port, timeout=timeout)
-
-    return connect
-
-
 def serves(store: Any) -> bool:
     """Whether this process serves ``store``'s TCPStore (holds the socket listening on its port)."""
     inner = _torch_compat.innermost_store(store)
@@ -94,7 +78,7 @@ def store_name(store: Any) -> str:
     return f"the c10d store at {host}:{port}" if host and port else "the c10d store"
 
 
-class Heartbeat:
+class Heartbeat(job_store.StoreThread):
     """The heartbeat thread: ``record(closed)`` published under ``key`` every ``interval`` s until :meth:`stop`,
     then once more with ``closed=True``. Failures are retried on a new connection at the next interval. With a
     ``watch``, it also reads every rank's record once an interval while ``watch.starts_at()`` has passed (it looks
@@ -103,27 +87,19 @@ class Heartbeat:
     def __init__(self, connect: Callable[[], Any], key: str, interval: float,
                  record: Callable[[bool], dict[str, Any]], *, rank: int, stale_after: float,
                  watch: Watch | None = None):
+        super().__init__(connect, f"robustdist-heartbeat-rank{rank}")
         self.key, self.interval, self.rank, self.stale_after = key, interval, rank, stale_after
-        self._connect, self._record, self.watch = connect, record, watch
-        self._stop = threading.Event()
+        self._record, self.watch = record, watch
         self._failing_since: float | None = None
         self._warned = False
-        self._thread = threading.Thread(target=self._run, name=f"robustdist-heartbeat-rank{rank}", daemon=True)
-
-    def start(self) -> Heartbeat:
-        self._thread.start()
-        return self
 
     def request_stop(self) -> None:
         """Write nothing more on a new connection, from now on (the closed record still goes, at :meth:`stop`)."""
         self._stop.set()
 
     def stop(self, wait: float) -> None:
-        """Ask the thread to publish its closed record and end; wait at most ``wait`` s (it may be in a store
-        call that does not return; it is a daemon thread)."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=wait)
+        """Ask the thread to publish its closed record and end; wait at most ``wait`` s."""
+        self._end(wait)
 
     def _run(self) -> None:
         client = None
@@ -146,13 +122,9 @@ class Heartbeat:
 
     def _publish(self, client: Any, *, closed: bool) -> Any:
         try:
+            client = self._client(client)
             if client is None:
-                client = self._connect()
-                # A connection that completed after stop() may be to another server: a store client retries its
-                # connect for its whole timeout, and an in-process recovery starts the next generation's server
-                # on the same port once this watchdog is closed. Nothing is written there.
-                if self._stop.is_set():
-                    return None
+                return None
             client.set(self.key, json.dumps(self._record(closed)))
         except Exception as e:  # retried on a new connection: the old one may be mid-reply
             self._failed(e)
@@ -168,10 +140,9 @@ class Heartbeat:
         if self.watch is None:
             return client
         try:
+            client = self._client(client)
             if client is None:
-                client = self._connect()
-                if self._stop.is_set():  # see _publish
-                    return None
+                return None
             self.watch.look(client)
         except Exception as e:  # read again on a new connection at the next interval
             log.debug("watchdog heartbeat read failed: %s: %s", type(e).__name__, e)

@@ -417,10 +417,8 @@ def destroy_process_group_if_owned(report: InitReport) -> bool:
         group_teardown.destroy_default_group()  # a DDP module freed later must not own the group last
         report.side_group = None
         return True
-    if report.side_group is not None and _dist.is_up():
-        with contextlib.suppress(Exception):  # a group torch already tore down
-            dist.destroy_process_group(report.side_group)
-        report.side_group = None
+    group, report.side_group = report.side_group, None
+    _dist.destroy_group(group, "the gloo side group")
     return False
 
 

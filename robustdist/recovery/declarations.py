@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from robustdist.health.watchdog_store import connector
+from robustdist.runtime.job_store import connector
 from robustdist.recovery.generations import looks_like_transport
 from robustdist.recovery.faults import Fault, declare_fault, read_fault, wake_all
 from robustdist.runtime.deadline import bounded

@@ -44,6 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 from robustdist.runtime import _torch_compat
+from robustdist.runtime.job_store import StoreThread
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.node import node_label
 from robustdist.runtime.store_barrier import wait_for
@@ -172,10 +173,10 @@ def _never(generation: int) -> None:
     """A closed watch's callback."""
 
 
-class FaultWatch:
+class FaultWatch(StoreThread):
     """A thread that waits for a fault in one generation and calls ``on_fault(generation)`` once when it comes.
 
-    ``connect`` opens the thread's own store connection (see :func:`robustdist.health.watchdog_store.connector`);
+    ``connect`` opens the thread's own store connection (see :func:`robustdist.runtime.job_store.connector`);
     ``store`` is any connection (a ``PrefixStore`` too: the keys are the job store's, under every prefix), used by
     :meth:`close` to wake the thread. :meth:`close` ends the watch whether
     or not a fault came; once it returns, ``on_fault`` is never called.
@@ -184,24 +185,14 @@ class FaultWatch:
     def __init__(self, connect: Callable[[], Any], store: Any, *, generation: int, world_size: int, rank: int,
                  on_fault: Callable[[int], None], scope: str = SCOPE, lost_after: float = 30.0,
                  retry_s: float = 0.5) -> None:
+        super().__init__(connect, f"robustdist-faultwatch-rank{rank}-gen{generation}")
         self.generation, self.world_size, self.rank, self.scope = generation, world_size, rank, scope
-        self._connect, self._store, self._on_fault = connect, _job_store(store), on_fault
+        self._store, self._on_fault = _job_store(store), on_fault
         self._lost_after, self._retry = lost_after, retry_s
-        self._stop = threading.Event()
         self._fence = threading.Lock()  # held by the callback's call and by close(): no callback after close
         self.fault: Fault | None = None
         self.lost = False  # the store could not be reached for lost_after seconds
         self.seen_at: float | None = None  # time.time() when the fault (or the loss) was seen
-        self._thread = threading.Thread(target=self._run, name=f"robustdist-faultwatch-rank{rank}-gen{generation}",
-                                        daemon=True)
-
-    def start(self) -> FaultWatch:
-        self._thread.start()
-        return self
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def close(self, join_timeout: float = 5.0) -> None:
         """Stop watching; wait at most ``join_timeout`` s for the thread (it may be in a store call that does not
@@ -215,8 +206,7 @@ class FaultWatch:
             self._store.set(_key(self.scope, self.generation, "wake", self.rank), "closed")
         except Exception as e:  # the store is gone: the thread ends when its own connection fails
             log.debug("rank %d: could not wake the fault watch (%s)", self.rank, e)
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=join_timeout)
+        self._end(join_timeout)
 
     def _call(self) -> bool:
         with self._fence:
@@ -236,10 +226,9 @@ class FaultWatch:
         failing_since: float | None = None
         while not self._stop.is_set():
             try:
+                client = self._client(client)
                 if client is None:
-                    client = self._connect()
-                    if self._stop.is_set():  # connected after close: perhaps to the next generation's server
-                        return
+                    return
                 try:
                     client.wait([wake], timedelta(seconds=_WAIT_S))
                 except Exception:  # the long wait ended (torch's words for it vary): ask, never parse

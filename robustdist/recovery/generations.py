@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from robustdist.health.watchdog_store import connector
+from robustdist.runtime.job_store import connector
 from robustdist.recovery import stuck as stuck_mod
 from robustdist.recovery.faults import FaultWatch, declare_fault, decide, read_fault
 from robustdist.runtime import _torch_compat

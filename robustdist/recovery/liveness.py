@@ -29,6 +29,7 @@ from typing import Any
 from robustdist.health import watchdog_store as ws
 from robustdist.recovery.faults import declare_found
 from robustdist.runtime.liveness import Changes
+from robustdist.runtime.job_store import StoreThread, connector
 from robustdist.runtime.log import get_logger
 
 __all__ = ["LivenessWatch", "bound", "close", "start_for"]
@@ -43,36 +44,27 @@ def bound(interval: float, stale_after: float, hang_timeout: float) -> float:
     return max(stale_after, min(30.0, hang_timeout / 2))
 
 
-class LivenessWatch:
+class LivenessWatch(StoreThread):
     """Rank 0's thread declaring faulty each rank whose heartbeat record stopped changing for ``limit`` seconds,
     in generation ``generation`` (once; it ends then, when ``fired`` is set, or at :meth:`close`)."""
 
     def __init__(self, connect: Callable[[], Any], *, prefix: str, world_size: int, interval: float, limit: float,
                  generation: int, scope: str, fired: threading.Event, rank: int = 0):
+        super().__init__(connect, f"robustdist-liveness-gen{generation}")
         self.prefix, self.world_size, self.interval, self.limit = prefix, world_size, interval, limit
         self.generation, self.scope, self.rank = generation, scope, rank
         self.poll = min(0.5, max(0.25, interval / 4))
-        self._connect, self._fired = connect, fired
-        self._stop = threading.Event()
+        self._fired = fired
         self._started = 0.0
         self.declared: list[int] = []  # the ranks it declared faulty
-        self._thread = threading.Thread(target=self._run, name=f"robustdist-liveness-gen{generation}", daemon=True)
 
     def start(self) -> LivenessWatch:
         self._started = time.monotonic()
-        self._thread.start()
-        return self
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        return super().start()
 
     def close(self, join_timeout: float = 2.0) -> None:
-        """Stop looking; wait at most ``join_timeout`` s (a store call that does not return is abandoned: the
-        thread writes nothing once stopped)."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=join_timeout)
+        """Stop looking; wait at most ``join_timeout`` s."""
+        self._end(join_timeout)
 
     def _done(self) -> bool:
         return self._stop.is_set() or self._fired.is_set()
@@ -86,8 +78,8 @@ class LivenessWatch:
             if self._fired.is_set():  # a fault of this generation is being handled: nothing more to say
                 return
             try:
-                client = client if client is not None else self._connect()
-                if self._done():  # connected after the generation ended: perhaps to the next one's server
+                client = self._client(client)
+                if client is None or self._done():  # connected after the generation ended
                     return
                 records = ws.read_records(client, self.prefix, self.world_size)
             except Exception as e:  # a store that stopped answering is the fault watch's to judge
@@ -152,7 +144,7 @@ def start_for(watchdog: Any, store: Any, *, scope: str, generation: int, rank: i
     if rank != 0 or world_size < 2 or beats is None:
         return None
     prefix, interval, stale_after = beats
-    return LivenessWatch(ws.connector(store, max(2.0, min(10.0, stale_after))), prefix=prefix,
+    return LivenessWatch(connector(store, max(2.0, min(10.0, stale_after))), prefix=prefix,
                          world_size=world_size, interval=interval,
                          limit=bound(interval, stale_after, watchdog.hang_timeout), generation=generation,
                          scope=scope, fired=fired, rank=rank).start()

@@ -65,7 +65,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
-from robustdist.health.watchdog_store import connector
+from robustdist.runtime.job_store import connector
 from robustdist.recovery import declarations, escalation, handover, liveness, replacement
 from robustdist.recovery.generations import Generation, building
 from robustdist.recovery.faults import SCOPE, agree, clear_generation, declare_fault

@@ -26,6 +26,7 @@ and only the collectives' own timeout bounds the wait.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -38,16 +39,28 @@ import torch.distributed as dist
 from robustdist.runtime import store_barrier
 from robustdist.runtime.errors import RobustDistError, ranks_phrase
 
-__all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "error_rank", "gather_objects",
-           "interrupt_waits",
-           "interrupted", "interrupted_at", "is_multi", "is_up", "rank", "resume_waits", "uncuttable", "world_size"]
+__all__ = ["Collectives", "backend_kind", "collective_device", "default_store", "destroy_group", "error_rank",
+           "gather_objects", "interrupt_waits", "interrupted", "interrupted_at", "is_multi", "is_up", "rank",
+           "resume_waits", "uncuttable", "world_size"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)  # robustdist.runtime.log stands on this module: plain logging here
 
 
 def is_up() -> bool:
     """Whether the default process group exists in this process."""
     return bool(dist.is_available() and dist.is_initialized())
+
+
+def destroy_group(group: Any, what: str) -> None:
+    """Destroy a subgroup robustdist made (a local call in torch, no collective); nothing when ``group`` is None or
+    the default group is gone (torch tore every group down with it). A teardown error is logged, never raised: it
+    is called while closing, where it would hide the error being handled."""
+    if group is not None and is_up():
+        try:
+            dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - already destroyed, or a backend failing its shutdown
+            log.debug("%s not destroyed: %s: %s", what, type(e).__name__, e)
 
 
 def rank(group: Any = None) -> int:

@@ -141,12 +141,15 @@ def _flip_in_last_tensor(copy: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_copy_damaged_mid_tensor_with_no_durable_checkpoint_is_a_named_error_and_is_removed(tmp_path):
+@pytest.mark.parametrize("name", ["step_0000000003", ".old-step_0000000003-0123456789ab"])
+def test_a_copy_damaged_mid_tensor_with_no_durable_checkpoint_is_a_named_error_and_is_removed(tmp_path, name):
     """The damage is found while the tensors are being copied into place: the live objects already hold part of
     the step. With no other source, starting from scratch would train from that mix: a named error instead, and the
-    damaged copy is gone, so the restart starts clean."""
+    damaged copy is gone, so the restart starts clean (also where a crashed re-save left it set aside, which a
+    later save would otherwise put back)."""
     durable, local, _ = _saved(tmp_path, durable_too=False)
-    copy = Path(local.directory, "owner_00000", "own", "step_0000000003")
+    copy = Path(local.directory, "owner_00000", "own", name)
+    Path(local.directory, "owner_00000", "own", "step_0000000003").rename(copy)
     _flip_in_last_tensor(copy)
     model, opt = _objects(5)
     state = TrainState(model=model, optimizer=opt)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from robustdist.health.watchdog_store import connector
+from robustdist.runtime.job_store import connector
 from robustdist.recovery.faults import FaultWatch, clear_generation, declare_fault, read_fault
 from robustdist.runtime import dist as rdist
 from robustdist.runtime.errors import CheckpointError

@@ -93,6 +93,42 @@ def test_an_in_memory_tier_whose_background_part_failed_goes_with_its_last_refer
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
 
 
+def _kept_in_a_recovery(call: Callable[[], object]) -> CheckpointError:
+    """The CheckpointError ``call`` raised while a recovery has interrupted the waits, kept (a report, say)."""
+    _dist.interrupt_waits("a fault in a test's recovery generation")
+    try:
+        call()
+    except CheckpointError as e:
+        return e
+    finally:
+        _dist.resume_waits()
+    raise AssertionError("expected a CheckpointError")
+
+
+def test_a_kept_background_error_keeps_neither_its_checkpointer_nor_its_tier_nor_their_snapshots(tmp_path,
+                                                                                                 no_collector):
+    """Once the caller's frames are cleared, nothing of a kept error holds its owner or the snapshot: the background
+    part's frames had their locals dropped, and no closure of the thread holds them."""
+    ckpt = AtomicCheckpointer(tmp_path / "ckpt", async_save=True)
+    tier = LocalTier(os.fspath(tmp_path / "shm"), lineage="test")
+    state = _state()
+    weight = weakref.ref(state["model"].weight)  # type: ignore[union-attr]
+    _faults.HOOK = _failing_at("files_written")
+    assert ckpt.save(1, state).done.wait(30)
+    _faults.HOOK = _failing_at("local_own_committed")
+    assert tier.save(1, state).done.wait(30)
+    kept = [_kept_in_a_recovery(ckpt.wait), _kept_in_a_recovery(tier.close)]
+    assert "injected failure at files_written" in str(kept[0])
+    assert "injected failure at local_own_committed" in str(kept[1])
+    for error in kept:  # the caller's own frames (wait, close) hold the objects as ``self`` until cleared
+        traceback.clear_frames(error.__traceback__)
+    refs = [weakref.ref(ckpt), weakref.ref(tier)]
+    del ckpt, tier, state
+    assert [r() is None for r in refs] == [True, True], [type(x).__name__ for r in refs if r() is not None for x in gc.get_referrers(r())]
+    assert weight() is None
+    assert len(kept) == 2
+
+
 def test_outside_a_recovery_a_background_error_keeps_its_frames_locals(tmp_path, no_collector):
     ckpt = AtomicCheckpointer(tmp_path / "ckpt", async_save=True)
     _faults.HOOK = _failing_at("files_written")

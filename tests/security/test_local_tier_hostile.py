@@ -361,16 +361,22 @@ def _outside_files(tmp_path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in (tmp_path / "outside").rglob("*") if p.is_file()}
 
 
-def test_a_link_planted_at_a_step_is_replaced_and_deleted_as_a_link(tmp_path):
-    """A re-save of a step sets the existing copy aside and deletes it: a link planted there is renamed and
-    deleted as a link; nothing it points at is written or deleted."""
+def _link_planted_at(tmp_path: Path, name: str) -> tuple[LocalTier, Path, Path]:
+    """A tier whose rank 0 own copies hold, at ``name``, a link to a directory outside with a precious file."""
     local = LocalTier(tmp_path / "shm", lineage="x")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "payload.pt").write_bytes(b"precious")
     own = Path(local.directory, "owner_00000", "own")
     own.mkdir(parents=True)
-    (own / "step_0000000001").symlink_to(outside)
+    (own / name).symlink_to(outside)
+    return local, own, outside
+
+
+def test_a_link_planted_at_a_step_is_replaced_and_deleted_as_a_link(tmp_path):
+    """A re-save of a step sets the existing copy aside and deletes it: a link planted there is renamed and
+    deleted as a link; nothing it points at is written or deleted."""
+    local, own, outside = _link_planted_at(tmp_path, "step_0000000001")
     state = _state(0)
     state.save_local(local, 1)
     local.wait()
@@ -384,13 +390,7 @@ def test_a_link_planted_at_a_step_is_replaced_and_deleted_as_a_link(tmp_path):
 def test_a_link_planted_under_a_set_aside_name_is_never_followed(tmp_path):
     """A link under the name a crashed re-save leaves (``.old-step_N-<token>``, with no ``step_N``) is not put back
     by the next save (only a real directory is) but deleted as a link, and is no source at load."""
-    local = LocalTier(tmp_path / "shm", lineage="x")
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "payload.pt").write_bytes(b"precious")
-    own = Path(local.directory, "owner_00000", "own")
-    own.mkdir(parents=True)
-    (own / ".old-step_0000000001-0123456789ab").symlink_to(outside)
+    local, own, outside = _link_planted_at(tmp_path, ".old-step_0000000001-0123456789ab")
     state = _state(0)
     state.save_local(local, 2)
     local.wait()
@@ -404,6 +404,29 @@ def test_a_link_planted_under_a_set_aside_name_is_never_followed(tmp_path):
     local.close(clean=True)
     assert not Path(local.directory).exists()
     assert _outside_files(tmp_path) == {"payload.pt": b"precious"}
+
+
+@pytest.mark.parametrize("planted", ["another_spelling", "two_set_aside"])
+def test_a_set_aside_copy_that_is_not_unambiguously_its_step_is_not_put_back(tmp_path, planted):
+    """Only the one copy set aside for a step, under the step's own spelling, is put back: a copy under another
+    spelling of the step (which would become a second directory of it) or one of two set aside for the same step
+    (which one is newer?) is deleted as a leftover by the next save."""
+    local = LocalTier(tmp_path / "shm", lineage="x", keep_last=2)
+    own = Path(local.directory, "owner_00000", "own")
+    state = _state(0)
+    state.save_local(local, 1)
+    local.wait()
+    if planted == "another_spelling":
+        shutil.copytree(own / "step_0000000001", own / ".old-step_00000000001-0123456789ab")
+    else:
+        shutil.copytree(own / "step_0000000001", own / ".old-step_0000000001-0123456789ab")
+        (own / "step_0000000001").rename(own / ".old-step_0000000001-abcdef012345")
+    _step(state)
+    state.save_local(local, 2)
+    local.wait()
+    kept = ["step_0000000001"] if planted == "another_spelling" else []  # the copy under its own name stays
+    assert sorted(p.name for p in own.iterdir()) == [*kept, "step_0000000002"]
+    local.close(clean=True)
 
 
 @pytest.mark.parametrize("where", ["inside_a_rotated_step", "leftover_staging", "inside_the_tier"])

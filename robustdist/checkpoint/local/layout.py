@@ -38,6 +38,7 @@ from typing import Any
 
 from robustdist.checkpoint import _faults
 from robustdist.checkpoint._confined import Confined
+from robustdist.checkpoint._layout import step_dirname
 from robustdist.checkpoint._safeio import check_torch_zip, lexists_dir, open_in, read_in
 from robustdist.checkpoint._schema import KINDS, MAX_STEP, is_int
 from robustdist.checkpoint.local import memory, sums
@@ -96,7 +97,7 @@ class Holding:
 
 
 def step_path(root: str, owner: int, role: str, step: int) -> str:
-    return os.path.join(root, f"owner_{owner:05d}", role, f"step_{step:010d}")
+    return os.path.join(root, f"owner_{owner:05d}", role, step_dirname(step))
 
 
 def tier_root(base: str, lineage: str) -> str:
@@ -190,27 +191,40 @@ def _remove_matching(root: str, owner: int, role: str, pattern: re.Pattern[str],
 
 
 def remove_copy(root: str, owner: int, role: str, step: int) -> None:
-    """Delete this owner's copy (of ``role``) of ``step``: one whose bytes were found changed, so that no later load
-    copies part of it into live objects again."""
+    """Delete this owner's copy (of ``role``) of ``step``, under its name or set aside: one whose bytes were found
+    changed, so that no later load copies part of it into live objects again."""
     _remove_matching(root, owner, role, _STEP_RE, lambda m: int(m.group(1)) == step)
+    _remove_matching(root, owner, role, _OLD_RE, lambda m: int(m.group(1)) == step)
 
 
 def remove_stale(root: str, owner: int, role: str) -> None:
     """Put back a copy a re-save set aside when a crash came before the staging copy took its name (it is then the
-    step's only copy, which :func:`scan` offers as a source; a link there is no copy, and is deleted as a link),
-    then remove the staging and set-aside directories an interrupted write of this owner's copies left."""
+    step's only copy, which :func:`scan` offers as a source), then remove the staging and set-aside directories an
+    interrupted write of this owner's copies left. Only a real directory under a step's own spelling, the only one
+    set aside for its step, is put back; one that cannot be renamed stays where it is (still a source)."""
+    kept: set[str] = set()
     with contextlib.suppress(CheckpointError):
         folder = _role(root, owner, role, create=False)
         if folder is None:
             return
         with folder:
+            aside: dict[str, list[str]] = {}
             for name in folder.names():
                 m = _OLD_RE.fullmatch(name)
-                if m and folder.kind(name) == "a directory" and folder.kind(f"step_{m.group(1)}") is None:
-                    log.warning("in-memory tier: putting back %s, set aside by a re-save that a crash interrupted",
-                                os.path.join(folder.path, name))
-                    folder.rename(name, f"step_{m.group(1)}")
-    _remove_matching(root, owner, role, _LEFTOVER_RE, lambda m: True)
+                if m and m.group(1) == f"{int(m.group(1)):010d}":
+                    aside.setdefault(f"step_{m.group(1)}", []).append(name)
+            for final, names in aside.items():
+                if len(names) > 1 or folder.kind(names[0]) != "a directory" or folder.kind(final) is not None:
+                    continue
+                where = os.path.join(folder.path, names[0])
+                try:
+                    folder.rename(names[0], final)
+                except CheckpointError as e:
+                    kept.add(names[0])
+                    log.warning("in-memory tier: could not put back %s (%s); it stays a source", where, e)
+                else:
+                    log.warning("in-memory tier: put back %s, set aside by a re-save that a crash interrupted", where)
+    _remove_matching(root, owner, role, _LEFTOVER_RE, lambda m: m.group(0) not in kept)
 
 
 def _remove(folder: Confined, name: str, pattern: re.Pattern[str]) -> None:
@@ -250,7 +264,7 @@ def commit_copy(root: str, owner: int, role: str, step: int, token: str, files: 
     following a link (:class:`.._confined.Confined`).
 
     No fsync: the tier is in memory (tmpfs); it protects against process and node loss, not power loss."""
-    final = f"step_{step:010d}"
+    final = step_dirname(step)
     staging = f".tmp-{final}-{token}"
     folder = _role(root, owner, role, create=True)
     assert folder is not None

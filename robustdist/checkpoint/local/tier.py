@@ -133,7 +133,8 @@ class LocalTier:
                                            ops=OPS, knob="checkpoint.arrival_timeout")
             keys = self.collectives.all_gather(_node_key(), "node map")
         except BaseException:
-            self._destroy_group()
+            group, self.group = self.group, None
+            _dist.destroy_group(group, "the in-memory tier's group")
             leftovers.release(self._in_use)
             raise
         order = list(dict.fromkeys(keys))
@@ -215,9 +216,9 @@ class LocalTier:
         info = LocalSaveInfo(step=step, blocking_seconds=time.perf_counter() - start)
         job = (step, save_id, snap.kinds, snap.replicated, {"mine": snap.mine, "shards": shards}, info, start)
         self._leaving = _background.Leaving()
-        self._thread = threading.Thread(target=self._background, args=(job,), name=f"robustdist-local-ckpt-{step}",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = _background.start(self, self._complete, job, leaving=self._leaving, done=info.done,
+                                         what=f"in-memory checkpoint step {step}",
+                                         name=f"robustdist-local-ckpt-{step}", logger=log)
         return info
 
     def _agree_snapshot(self, step: int, error: BaseException | None, nbytes: int) -> str:
@@ -260,22 +261,14 @@ class LocalTier:
                 "tmpfs (or raise /dev/shm's size), or turn the tier off (checkpoint.local_every_n_steps: null). "
                 "Nothing was written.", rank=self.err_rank, ranks=[r for r, _ in bad])
 
-    def _background(self, job: tuple[Any, ...]) -> None:
-        step, save_id, kinds, replicated, payload, info, start = job
-        try:
-            info.bytes = self._write_and_replicate(step, save_id, kinds, replicated, payload)
-            info.complete = True
-            info.total_seconds = time.perf_counter() - start
-            if self.on_complete is not None:
-                self.on_complete(step)
-        except BaseException as e:  # surfaces at the next save(), wait(), load() or close()
-            if self._leaving.left:  # a recovery left it behind: it failed as expected; nothing waits for its error
-                log.info("in-memory checkpoint step %d, left behind by an in-process recovery, ended: %s", step, str(e))
-            else:
-                self._error = e
-                log.error("in-memory checkpoint step %d failed: %s", step, str(e))  # a record keeps no live error
-        finally:
-            info.done.set()
+    def _complete(self, step: int, save_id: str, kinds: dict[str, str], replicated: dict[str, Any],
+                  payload: dict[str, Any], info: LocalSaveInfo, start: float) -> None:
+        """The background part of a save (:func:`robustdist.checkpoint._background.start` runs it)."""
+        info.bytes = self._write_and_replicate(step, save_id, kinds, replicated, payload)
+        info.complete = True
+        info.total_seconds = time.perf_counter() - start
+        if self.on_complete is not None:
+            self.on_complete(step)
 
     def _write_and_replicate(self, step: int, save_id: str, kinds: dict[str, str], replicated: dict[str, Any],
                              payload: dict[str, Any]) -> int:
@@ -415,21 +408,14 @@ class LocalTier:
         finally:
             self._staging.clear()
             self._held = self._carried = None
-            self._destroy_group()
+            group, self.group = self.group, None
+            _dist.destroy_group(group, "the in-memory tier's group")
             leftovers.release(self._in_use)
         if error is not None:
             try:
                 raise error
             finally:  # the error's traceback holds this frame: no cycle keeping the tier (its buffers) alive
                 error = None
-
-    def _destroy_group(self) -> None:
-        group, self.group = self.group, None
-        if group is not None and _dist.is_up():
-            try:
-                dist.destroy_process_group(group)
-            except (ValueError, RuntimeError) as e:
-                log.debug("in-memory tier group not destroyed: %s", e)
 
     def _check_open(self) -> None:
         if self._closed:
