@@ -16,10 +16,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from robustdist.runtime.job_store import connector
 from robustdist.recovery.generations import looks_like_transport
 from robustdist.recovery.faults import Fault, declare_fault, read_fault, wake_all
 from robustdist.runtime.deadline import bounded
+from robustdist.runtime.job_store import connector
 from robustdist.runtime.log import get_logger
 
 __all__ = ["cut_collective", "declared_fault", "hang_declarer"]

@@ -25,13 +25,13 @@ import threading
 import time
 from typing import Any
 
-from robustdist.runtime.job_store import connector
 from robustdist.recovery import stuck as stuck_mod
 from robustdist.recovery.faults import FaultWatch, declare_fault, decide, read_fault
 from robustdist.runtime import _torch_compat
 from robustdist.runtime import dist as _dist
 from robustdist.runtime.deadline import bounded
 from robustdist.runtime.group_sockets import GroupSockets
+from robustdist.runtime.job_store import connector
 from robustdist.runtime.log import get_logger
 from robustdist.runtime.store_barrier import wait_for
 

@@ -28,8 +28,8 @@ from typing import Any
 
 from robustdist.health import watchdog_store as ws
 from robustdist.recovery.faults import declare_found
-from robustdist.runtime.liveness import Changes
 from robustdist.runtime.job_store import StoreThread, connector
+from robustdist.runtime.liveness import Changes
 from robustdist.runtime.log import get_logger
 
 __all__ = ["LivenessWatch", "bound", "close", "start_for"]

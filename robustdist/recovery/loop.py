@@ -65,7 +65,6 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
-from robustdist.runtime.job_store import connector
 from robustdist.recovery import declarations, escalation, handover, liveness, replacement
 from robustdist.recovery.generations import Generation, building
 from robustdist.recovery.faults import SCOPE, agree, clear_generation, declare_fault
@@ -76,6 +75,7 @@ from robustdist.runtime import group_teardown
 from robustdist.runtime.errors import (ConfigError, RecoveryError, RestartLoopError, UnsupportedVersionError,
                                        drop_locals)
 from robustdist.runtime.group_sockets import GroupSockets, sockets_on_port
+from robustdist.runtime.job_store import connector
 from robustdist.runtime.log import get_logger
 
 __all__ = ["continue_as", "generation", "scope_of", "run_hardened", "run_in_process"]

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from robustdist.runtime.job_store import connector
 from robustdist.recovery.faults import FaultWatch, clear_generation, declare_fault, read_fault
 from robustdist.runtime import dist as rdist
 from robustdist.runtime.errors import CheckpointError
 from robustdist.runtime.group_sockets import GroupSockets
+from robustdist.runtime.job_store import connector
 from robustdist.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
