@@ -61,7 +61,6 @@ class StoreThread:
         self._connect, self._name = connect, name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._connecting = False  # inside ``connect``: once stopped, the thread does nothing more
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -76,14 +75,12 @@ class StoreThread:
         return self._thread is not None and self._thread.is_alive()
 
     def _end(self, wait: float) -> None:
-        """Stop it; wait at most ``wait`` s for the thread, and not at all while it connects (a store that cannot
-        be reached holds a connect for its whole timeout, and the thread uses nothing it connects after the stop).
-        A store call that does not return is abandoned: the thread is a daemon, and does nothing more once it
-        returns."""
+        """Stop it; wait at most ``wait`` s for the thread (a store call that does not return is abandoned: the
+        thread is a daemon, and does nothing more once it returns)."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            thread.join(timeout=0.0 if self._connecting else wait)
+            thread.join(timeout=wait)
 
     def _client(self, client: Any) -> Any:
         """``client``, or a new connection when it is None; None when the thread is stopped (no connect is begun
@@ -94,9 +91,5 @@ class StoreThread:
             return client
         if self._stop.is_set():
             return None
-        self._connecting = True
-        try:
-            client = self._connect()
-        finally:
-            self._connecting = False
+        client = self._connect()
         return None if self._stop.is_set() else client
